@@ -1,0 +1,85 @@
+"""Gemma 3 (text): sandwich norms, QK-norm, sliding-window layers, scaled embeddings.
+
+Each layer normalizes before and after attention and before and after the MLP; norms
+multiply by ``1 + weight``. Local (sliding-window) and global layers alternate as
+``layer_types`` says, each kind with its own rope base. Embeddings are scaled by
+``sqrt(hidden_size)``; scores use ``query_pre_attn_scalar ** -0.5``; optional soft caps
+on attention scores and final logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+
+from jaxengine.models.config import LayerSpec, RopeSpec, TransformerConfig, rope_from_hf
+from jaxengine.models.layers.attention import Attention
+from jaxengine.models.layers.basic import RMSNorm
+from jaxengine.models.layers.decoder import CausalLM
+from jaxengine.models.layers.mlp import GatedMLP
+
+
+def _rope(hf_config: Any, layer_type: str) -> RopeSpec:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type in params:
+        return rope_from_hf(hf_config, layer_type)
+    if layer_type == "sliding_attention":  # legacy configs: a plain local base
+        return RopeSpec(theta=float(getattr(hf_config, "rope_local_base_freq", 10000.0)))
+    return rope_from_hf(hf_config)
+
+
+def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
+    """The TransformerConfig of a Gemma3TextConfig."""
+    window = hf_config.sliding_window
+    layers = tuple(
+        LayerSpec(
+            rope=_rope(hf_config, t), sliding_window=window if t == "sliding_attention" else None
+        )
+        for t in hf_config.layer_types
+    )
+    return TransformerConfig(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=hf_config.head_dim,
+        layers=layers,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        norm_offset=1.0,
+        hidden_act=getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
+        qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+        o_bias=bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=True,
+        sm_scale=hf_config.query_pre_attn_scalar**-0.5,
+        attn_logit_softcap=getattr(hf_config, "attn_logit_softcapping", None),
+        final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None),
+        embed_scale=hf_config.hidden_size**0.5,
+        dtype=dtype,
+    )
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Sandwich-normed attention and MLP blocks."""
+
+    config: TransformerConfig
+    spec: LayerSpec
+    attention_kwargs: Any = None
+
+    @nn.compact
+    def __call__(self, x, positions, kv_cache, md):
+        cfg = self.config
+        norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
+        attn = Attention(cfg, self.spec, **(self.attention_kwargs or {}), name="self_attn")
+        h, kv_cache = attn(RMSNorm(**norm, name="input_layernorm")(x), positions, kv_cache, md)
+        x = x + RMSNorm(**norm, name="post_attention_layernorm")(h)
+        h = GatedMLP(cfg, name="mlp")(RMSNorm(**norm, name="pre_feedforward_layernorm")(x))
+        return x + RMSNorm(**norm, name="post_feedforward_layernorm")(h), kv_cache
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """`CausalLM` with Gemma 3 decoder layers."""
+
+    layer_cls: Any = Gemma3DecoderLayer

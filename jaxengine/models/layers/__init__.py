@@ -1,0 +1,1 @@
+"""Shared layers: every model family is assembled from these."""

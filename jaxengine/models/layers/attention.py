@@ -1,0 +1,79 @@
+"""Self-attention over the paged KV cache: projections, rope, cache write, attention.
+
+The attention function itself is injected (`attention_fn`): the pure-jnp reference on
+CPU, a Pallas kernel on TPU/GPU. Both share the signature of
+`pallas_kernels.ragged_paged_attention.reference.ragged_paged_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+
+from jaxengine.models.config import LayerSpec, TransformerConfig
+from jaxengine.models.layers.basic import Linear, RMSNorm
+from jaxengine.models.layers.rope import apply_rope
+from jaxengine.models.metadata import AttentionMetadata
+from pallas_kernels.ragged_paged_attention import reference
+
+AttentionFn = Callable[..., jax.Array]
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections with optional QK-norm, rope and paged attention."""
+
+    config: TransformerConfig
+    spec: LayerSpec
+    attention_fn: AttentionFn = reference.ragged_paged_attention
+    update_fn: Callable[..., jax.Array] = reference.update_kv_cache
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,  # [T, H]
+        positions: jax.Array,  # [T]
+        kv_cache: jax.Array,  # [P, S, 2*Hkv, D]
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        cfg = self.config
+        num_tokens = x.shape[0]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+        def proj(name: str, heads: int, axis: str) -> jax.Array:
+            layer = Linear(heads * d, (axis, "embed"), cfg.qkv_bias, cfg.dtype, name=name)
+            return layer(x).reshape(num_tokens, heads, d)
+
+        q = proj("q_proj", hq, "q_heads")  # [T, Hq, D]
+        k = proj("k_proj", hkv, "kv_heads")  # [T, Hkv, D]
+        v = proj("v_proj", hkv, "kv_heads")
+        if cfg.qk_norm:
+            norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
+            q = RMSNorm(**norm, axis_name="head_dim", name="q_norm")(q)
+            k = RMSNorm(**norm, axis_name="head_dim", name="k_norm")(k)
+        q = apply_rope(q, positions, self.spec.rope)
+        k = apply_rope(k, positions, self.spec.rope)
+
+        kv_cache = self.update_fn(kv_cache, k, v, md.slot_mapping)
+        out = self.attention_fn(
+            q,
+            kv_cache,
+            md.seq_lens,
+            md.page_table,
+            md.query_start_loc,
+            md.num_seqs,
+            sm_scale=cfg.scale,
+            sliding_window=self.spec.sliding_window,
+            soft_cap=cfg.attn_logit_softcap,
+        )  # [T, Hq, D]
+        o_proj = Linear(cfg.hidden_size, ("embed", "q_heads"), cfg.o_bias, cfg.dtype, name="o_proj")
+        return o_proj(out.reshape(num_tokens, hq * d)), kv_cache
+
+
+def kv_cache_shape(config: TransformerConfig, num_pages: int, page_size: int) -> tuple:
+    """Shape of one layer's cache: ``[num_pages, page_size, 2 * Hkv, D]``."""
+    return (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+
+
+Dtype = Any

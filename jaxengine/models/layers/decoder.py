@@ -1,0 +1,133 @@
+"""The pre-norm decoder stack shared by the Llama-like families, and the causal-LM head.
+
+`CausalLM` is the module every family exposes. Its forward is the DESIGN §3 contract:
+``(token_ids[T], positions[T], kv_caches, md) -> (hidden[T, H], kv_caches)``, jitted
+as a pure function of the parameter tree via `Module.apply`; `compute_logits` maps
+selected hidden states to vocabulary logits.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxengine.models.config import LayerSpec, TransformerConfig
+from jaxengine.models.layers.attention import Attention
+from jaxengine.models.layers.basic import Embed, Linear, RMSNorm
+from jaxengine.models.layers.mlp import GatedMLP, SparseMoE
+from jaxengine.models.metadata import AttentionMetadata
+
+
+class DecoderLayer(nn.Module):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (Llama, Mistral, Qwen2/3)."""
+
+    config: TransformerConfig
+    spec: LayerSpec
+    attention_kwargs: Any = None
+
+    @nn.compact
+    def __call__(self, x, positions, kv_cache, md):
+        cfg = self.config
+        norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
+        attn = Attention(cfg, self.spec, **(self.attention_kwargs or {}), name="self_attn")
+        h, kv_cache = attn(RMSNorm(**norm, name="input_layernorm")(x), positions, kv_cache, md)
+        x = x + h
+        h = RMSNorm(**norm, name="post_attention_layernorm")(x)
+        mlp = SparseMoE(cfg, name="mlp") if self.spec.moe else GatedMLP(cfg, name="mlp")
+        return x + mlp(h), kv_cache
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers (Linen names them ``layers_{i}``), the final norm."""
+
+    config: TransformerConfig
+    layer_cls: Any = DecoderLayer
+    attention_kwargs: Any = None
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        self.layers = [self.layer_cls(cfg, spec, self.attention_kwargs) for spec in cfg.layers]
+        self.norm = RMSNorm(cfg.rms_norm_eps, cfg.norm_offset, cfg.dtype)
+
+    def __call__(self, token_ids, positions, kv_caches, md):
+        cfg = self.config
+        x = self.embed_tokens(token_ids)  # [T, H]
+        if cfg.embed_scale is not None:
+            x = x * jnp.asarray(cfg.embed_scale, dtype=cfg.dtype)
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, kv_cache = layer(x, positions, kv_cache, md)
+            new_caches.append(kv_cache)
+        return self.norm(x), tuple(new_caches)
+
+    def attend(self, x):
+        return self.embed_tokens.attend(x)
+
+
+class CausalLM(nn.Module):
+    """A decoder model plus the LM head (``lm_head`` unless embeddings are tied)."""
+
+    config: TransformerConfig
+    layer_cls: Any = DecoderLayer
+    attention_kwargs: Any = None
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.model = DecoderModel(cfg, self.layer_cls, self.attention_kwargs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.vocab_size, ("vocab", "embed"), False, cfg.dtype)
+
+    def __call__(
+        self,
+        token_ids: jax.Array,  # [T] int32
+        positions: jax.Array,  # [T] int32
+        kv_caches: tuple[jax.Array, ...],  # per layer [P, S, 2*Hkv, D]
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        return self.model(token_ids, positions, kv_caches, md)
+
+    def forward_and_logits(self, token_ids, positions, kv_caches, md) -> jax.Array:
+        """Forward then logits of every token: touches every parameter (for init)."""
+        hidden, _ = self(token_ids, positions, kv_caches, md)
+        return self.compute_logits(hidden)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, H] -> [N, V] float32
+        cfg = self.config
+        if cfg.tie_word_embeddings:
+            logits = self.model.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            cap = cfg.final_logit_softcap
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+_SKIPPED = ("rotary_emb.inv_freq",)
+
+
+def hf_param_path(name: str) -> tuple[tuple[str, ...], int | None] | None:
+    """Maps a checkpoint tensor name to (parameter path, stacked index) or None.
+
+    ``model.layers.3.self_attn.q_proj.weight`` -> ``(model, layers_3, self_attn,
+    q_proj, weight)``; per-expert tensors ``...mlp.experts.5.up_proj.weight`` go to
+    the stacked ``experts_up_proj`` at index 5. Buffers that are not parameters
+    (rotary caches) map to None.
+    """
+    if name.endswith(_SKIPPED):
+        return None
+    name = _LAYER.sub(lambda m: f".layers_{m.group(1)}.", name)
+    index = None
+    expert = _EXPERT.search(name)
+    if expert:
+        index = int(expert.group(1))
+        name = name[: expert.start()] + f".experts_{expert.group(2)}"
+    return tuple(name.split(".")), index

@@ -1,0 +1,107 @@
+"""Rotary position embeddings: the inverse frequencies of each scaling variant.
+
+Frequencies are computed on the host in numpy (they are constants of the config) and
+applied in the jitted forward. The rotation is the "rotate half" form used by every
+supported family's Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.models.config import RopeSpec
+
+
+def _default(spec: RopeSpec, dim: int) -> np.ndarray:
+    return 1.0 / (spec.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+
+
+def _llama3(spec: RopeSpec, dim: int) -> np.ndarray:
+    inv_freq = _default(spec, dim)
+    old_len = spec.original_max_position_embeddings
+    low_wavelen = old_len / spec.low_freq_factor
+    high_wavelen = old_len / spec.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / spec.factor, inv_freq)
+    smooth = (old_len / wavelen - spec.low_freq_factor) / (
+        spec.high_freq_factor - spec.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def _dynamic(spec: RopeSpec, dim: int) -> np.ndarray:
+    # Fixed NTK scaling at the extended length original * factor (as vLLM does);
+    # transformers instead recomputes the base from each batch's current length.
+    orig = spec.original_max_position_embeddings
+    max_len = orig * spec.factor
+    base = spec.theta * ((spec.factor * max_len / orig) - (spec.factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+
+
+def _yarn(spec: RopeSpec, dim: int) -> np.ndarray:
+    orig = spec.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(spec.theta))
+
+    low = max(math.floor(correction_dim(spec.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(spec.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = _default(spec, dim)
+    interpolation = extrapolation / spec.factor
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+_VARIANTS = {
+    "default": _default,
+    "linear": lambda spec, dim: _default(spec, dim) / spec.factor,
+    "dynamic": _dynamic,
+    "llama3": _llama3,
+    "yarn": _yarn,
+}
+
+
+def inv_freq_and_scale(spec: RopeSpec, head_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies ``[rot_dim // 2]`` and the cos/sin scale of a rope spec."""
+    rot_dim = int(head_dim * spec.partial_rotary_factor)
+    if spec.rope_type not in _VARIANTS:
+        raise ValueError(
+            f"unsupported rope_type {spec.rope_type!r}; supported: {sorted(_VARIANTS)}"
+        )
+    inv_freq = _VARIANTS[spec.rope_type](spec, rot_dim)
+    scale = 1.0
+    if spec.rope_type == "yarn":
+        if spec.attention_factor is not None:
+            scale = spec.attention_factor
+        elif spec.factor > 1:
+            scale = 0.1 * math.log(spec.factor) + 1.0
+    return inv_freq.astype(np.float32), float(scale)
+
+
+def apply_rope(
+    x: jax.Array,  # [T, H, D]
+    positions: jax.Array,  # [T]
+    spec: RopeSpec,
+) -> jax.Array:
+    """Rotates the first ``rot_dim`` features of each head by its position."""
+    head_dim = x.shape[-1]
+    inv_freq, scale = inv_freq_and_scale(spec, head_dim)
+    rot_dim = 2 * inv_freq.shape[0]
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos = (jnp.cos(angles) * scale)[:, None, :]  # [T, 1, rot/2]
+    sin = (jnp.sin(angles) * scale)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : rot_dim // 2], xf[..., rot_dim // 2 : rot_dim]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if rot_dim < head_dim:
+        rotated = jnp.concatenate([rotated, xf[..., rot_dim:]], axis=-1)
+    return rotated.astype(x.dtype)

@@ -1,0 +1,103 @@
+"""Packing scheduled tokens into one flat ragged batch of fixed (bucket) shape.
+
+Host side, numpy only. The runner calls `pack_batch` each step and ships the arrays to
+the device; the jitted step sees only the bucket's shapes. Padding tokens write into
+slot 0 of the reserved null page 0 and padding requests have no tokens, so they cost
+little and never produce NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+NULL_PAGE = 0  # reserved page: never handed to a request, written by padding tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqChunk:
+    """One request's share of a step: new tokens after ``num_computed`` cached ones."""
+
+    token_ids: Sequence[int]
+    num_computed: int
+    page_ids: Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """Numpy arrays of one step (shapes: T tokens, R requests, M page columns)."""
+
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    seq_lens: np.ndarray  # [R] int32
+    query_start_loc: np.ndarray  # [R + 1] int32
+    page_table: np.ndarray  # [R, M] int32
+    slot_mapping: np.ndarray  # [T] int32
+    num_seqs: np.ndarray  # [] int32
+    logits_indices: np.ndarray  # [R] int32: last new token of each request
+
+    def metadata_fields(self) -> dict[str, np.ndarray]:
+        """The fields of `AttentionMetadata`, by name."""
+        names = ("seq_lens", "query_start_loc", "page_table", "slot_mapping", "num_seqs")
+        return {name: getattr(self, name) for name in names}
+
+
+def pack_batch(
+    chunks: Sequence[SeqChunk],
+    *,
+    page_size: int,
+    num_tokens: int,
+    num_reqs: int,
+    pages_per_req: int,
+) -> PackedBatch:
+    """Flattens ``chunks`` into arrays padded to ``num_tokens`` and ``num_reqs``.
+
+    Raises ValueError when the chunks do not fit the bucket or a request's pages do not
+    cover its tokens.
+    """
+    total = sum(len(c.token_ids) for c in chunks)
+    if total > num_tokens or len(chunks) > num_reqs:
+        raise ValueError(
+            f"{len(chunks)} requests with {total} tokens do not fit a bucket of "
+            f"{num_reqs} requests and {num_tokens} tokens"
+        )
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.full(num_tokens, NULL_PAGE * page_size, np.int32)
+    seq_lens = np.zeros(num_reqs, np.int32)
+    query_start_loc = np.zeros(num_reqs + 1, np.int32)
+    page_table = np.full((num_reqs, pages_per_req), NULL_PAGE, np.int32)
+    logits_indices = np.zeros(num_reqs, np.int32)
+    start = 0
+    for r, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        end = start + n
+        seq_len = chunk.num_computed + n
+        pages = np.asarray(chunk.page_ids, np.int32)
+        if len(pages) * page_size < seq_len or len(pages) > pages_per_req:
+            raise ValueError(
+                f"request {r}: {len(pages)} pages of {page_size} cannot hold {seq_len} "
+                f"tokens (at most {pages_per_req} pages per request)"
+            )
+        pos = np.arange(chunk.num_computed, seq_len, dtype=np.int32)
+        token_ids[start:end] = chunk.token_ids
+        positions[start:end] = pos
+        slot_mapping[start:end] = pages[pos // page_size] * page_size + pos % page_size
+        seq_lens[r] = seq_len
+        page_table[r, : len(pages)] = pages
+        logits_indices[r] = max(end - 1, 0)
+        start = end
+        query_start_loc[r + 1] = end
+    query_start_loc[len(chunks) + 1 :] = start
+    return PackedBatch(
+        token_ids=token_ids,
+        positions=positions,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        page_table=page_table,
+        slot_mapping=slot_mapping,
+        num_seqs=np.asarray(len(chunks), np.int32),
+        logits_indices=logits_indices,
+    )

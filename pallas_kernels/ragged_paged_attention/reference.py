@@ -1,0 +1,134 @@
+"""Pure-jnp reference of ragged paged attention and of the KV-cache write.
+
+Layout contract (DESIGN §3):
+
+- ``kv_cache``: one array per layer, ``[num_pages, page_size, 2 * num_kv_heads, head_dim]``
+  with K and V interleaved on axis 2: index ``2h`` holds K of KV head ``h``, ``2h + 1``
+  holds V of KV head ``h``.
+- The batch is flat and ragged: request ``r`` owns the new tokens
+  ``query_start_loc[r]:query_start_loc[r + 1]``; its KV length after this step is
+  ``seq_lens[r]`` (cached context + new tokens), so its new tokens sit at positions
+  ``seq_lens[r] - q_len[r] ... seq_lens[r] - 1`` and attend causally to everything
+  before them. Requests ``>= num_seqs`` and tokens ``>= query_start_loc[num_seqs]`` are
+  padding: their output is zero and they never produce NaN.
+- ``page_table[r, j]`` is the page holding the request's tokens ``j*page_size ...``.
+  Unused entries may hold any valid page id (0, the reserved null page, by convention).
+
+Algorithm: token-major flash attention. The loop walks the KV axis in chunks of pages;
+each step gathers, for every query token, the chunk of its own request's pages and
+updates an online softmax (float32 accumulation). The trip count is the longest real
+sequence, so short batches do little work; a decode batch costs one gather of each
+request's pages. Prefill chunks gather their request's pages once per token, which is
+the price of one formulation for every batch shape; the Pallas kernels avoid it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite, so an all-masked chunk gives no NaN
+
+
+def update_kv_cache(
+    kv_cache: jax.Array,  # [P, S, 2*Hkv, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # [T] int32, page * page_size + offset
+) -> jax.Array:
+    """Writes each token's K and V into its slot; returns the updated cache.
+
+    Slots ``>= num_pages * page_size`` are dropped (a padding token may use one, or
+    point into the reserved null page 0). Donate ``kv_cache`` so XLA updates in place.
+    """
+    num_pages, page_size, two_hkv, head_dim = kv_cache.shape
+    num_tokens = k.shape[0]
+    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, two_hkv, head_dim)  # [T, 2Hkv, D]
+    flat = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
+    flat = flat.at[slot_mapping].set(kv.astype(kv_cache.dtype), mode="drop")
+    return flat.reshape(kv_cache.shape)
+
+
+def _token_layout(query_start_loc, seq_lens, num_seqs, num_tokens):
+    """For each flat token: its request, its absolute position, whether it is real."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_reqs = seq_lens.shape[0]
+    req = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    req = jnp.minimum(req, num_reqs - 1)  # [T]
+    valid = t < query_start_loc[num_seqs]  # [T]
+    q_len = query_start_loc[req + 1] - query_start_loc[req]
+    q_pos = seq_lens[req] - q_len + (t - query_start_loc[req])  # [T]
+    return req, jnp.where(valid, q_pos, -1), valid
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    kv_cache: jax.Array,  # [P, S, 2*Hkv, D]
+    seq_lens: jax.Array,  # [R] int32
+    page_table: jax.Array,  # [R, M] int32
+    query_start_loc: jax.Array,  # [R + 1] int32
+    num_seqs: jax.Array,  # [] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    pages_per_chunk: int = 8,
+) -> jax.Array:
+    """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
+
+    ``sliding_window`` w keeps keys with ``q_pos - kv_pos < w``; ``soft_cap`` c maps
+    scores to ``c * tanh(s / c)`` after scaling. Accumulates in float32; the output has
+    ``q``'s dtype.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, two_hkv, _ = kv_cache.shape
+    num_kv_heads = two_hkv // 2
+    group = num_q_heads // num_kv_heads
+    max_pages = page_table.shape[1]
+    chunk = min(pages_per_chunk, max_pages)
+    pad = (-max_pages) % chunk
+    if pad:
+        page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
+    chunk_len = chunk * page_size
+
+    req, q_pos, valid = _token_layout(query_start_loc, seq_lens, num_seqs, num_tokens)
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = qg * sm_scale
+    token_pages = page_table[req]  # [T, M']
+
+    real = jnp.arange(seq_lens.shape[0]) < num_seqs
+    longest = jnp.max(jnp.where(real, seq_lens, 0))
+    num_chunks = (longest + chunk_len - 1) // chunk_len
+
+    def body(c, carry):
+        m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
+        pages = jax.lax.dynamic_slice_in_dim(token_pages, c * chunk, chunk, axis=1)
+        kv = kv_cache[pages].reshape(num_tokens, chunk_len, two_hkv, head_dim)
+        k = kv[:, :, 0::2].astype(jnp.float32)  # [T, L, Hkv, D]
+        v = kv[:, :, 1::2].astype(jnp.float32)
+        s = jnp.einsum("tkgd,tlkd->tkgl", qg, k)  # [T, Hkv, G, L]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = c * chunk_len + jnp.arange(chunk_len)  # [L]
+        mask = kv_pos[None, :] <= q_pos[:, None]  # [T, L]
+        if sliding_window is not None:
+            mask &= q_pos[:, None] - kv_pos[None, :] < sliding_window
+        mask = mask[:, None, None, :]
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + p.sum(axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("tkgl,tlkd->tkgd", p, v)
+        return m_new, l, acc
+
+    shape = (num_tokens, num_kv_heads, group)
+    init = (
+        jnp.full(shape, _MASKED, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape + (head_dim,), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
