@@ -1,0 +1,26 @@
+"""The config tree: frozen dataclasses composed into one EngineConfig.
+
+Plain Python (no jax import), so host code and the CLI's --help stay fast. Build an
+EngineConfig with `jaxengine.engine_args.EngineArgs(...).create_engine_config()`;
+change one only through `dataclasses.replace`.
+"""
+
+from jaxengine.config.cache import CacheConfig
+from jaxengine.config.compilation import CompilationConfig
+from jaxengine.config.engine import EngineConfig
+from jaxengine.config.load import LoadConfig
+from jaxengine.config.model import ModelConfig
+from jaxengine.config.parallel import ParallelConfig
+from jaxengine.config.scheduler import SchedulerConfig
+from jaxengine.config.unsupported import check_supported
+
+__all__ = [
+    "CacheConfig",
+    "CompilationConfig",
+    "EngineConfig",
+    "LoadConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "check_supported",
+]

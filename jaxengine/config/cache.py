@@ -1,0 +1,60 @@
+"""CacheConfig: the paged KV cache (block size, memory share, dtype, prefix caching)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from jaxengine.config.utils import spec, validate_config
+
+BlockSize = Literal[1, 8, 16, 32, 64, 128, 256]
+CacheDType = Literal[
+    "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"
+]
+PrefixCachingHashAlgo = Literal["builtin", "sha256"]
+
+DEFAULT_BLOCK_SIZE = 16
+"""Block size that EngineArgs.create_engine_config picks when --block-size is unset."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Configuration for the KV cache."""
+
+    block_size: BlockSize | None = None
+    """Size of a contiguous cache block in number of tokens. There is no static
+    default: if unspecified, EngineArgs.create_engine_config sets it for the
+    platform (16 today)."""
+    gpu_memory_utilization: float = spec(0.9, gt=0, le=1)
+    """The fraction of accelerator memory used by the model executor, in (0, 1].
+    For example 0.5 means 50% memory use. It is a per-instance limit: two
+    instances on the same device can use 0.5 each."""
+    kv_cache_memory_bytes: int | None = spec(None, gt=0, human_readable=True)
+    """Size of the KV cache per device in bytes. By default (None) it is derived
+    from --gpu-memory-utilization; when set, --gpu-memory-utilization is ignored.
+    The flag accepts human-readable k/m/g/K/M/G: 1k -> 1000, 1K -> 1024."""
+    num_gpu_blocks_override: int | None = spec(None, gt=0)
+    """Number of KV cache blocks to use. If set, overrides the number derived from
+    the memory profile. Used to test preemption."""
+    swap_space: float = spec(4, ge=0)
+    """Size of the CPU swap space per device, in GiB."""
+    kv_cache_dtype: CacheDType = "auto"
+    """Data type of the KV cache storage. "auto" uses the model's dtype. The fp8
+    variants (fp8, fp8_e4m3, fp8_e5m2, fp8_inc) are not supported yet."""
+    enable_prefix_caching: bool | None = None
+    """Whether to enable prefix caching. Unset (None) means enabled."""
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"
+    """The hash algorithm for prefix caching. "sha256" hashes a pickled block key
+    with SHA-256 (collision resistant); "builtin" uses Python's built-in hash
+    (faster, with a tiny risk of collisions)."""
+    cpu_offload_gb: float = spec(0, ge=0)
+    """The space in GiB to offload weights to CPU memory, per device. The default 0
+    means no offloading; any other value is not supported yet."""
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (None counts as on)."""
+        return self.enable_prefix_caching is not False

@@ -1,0 +1,79 @@
+"""EngineConfig: the root of the config tree, one field per config class."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from jaxengine.config.cache import CacheConfig
+from jaxengine.config.compilation import CompilationConfig
+from jaxengine.config.load import LoadConfig
+from jaxengine.config.model import ModelConfig
+from jaxengine.config.parallel import ParallelConfig
+from jaxengine.config.scheduler import MIN_UNCHUNKED_BATCHED_TOKENS, SchedulerConfig
+from jaxengine.config.utils import require
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All the configuration of one engine; built by EngineArgs.create_engine_config.
+
+    Composed, not inherited: each part is its own frozen dataclass. Change it only
+    through `dataclasses.replace` (or `with_max_model_len`).
+    """
+
+    model_config: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """Which model, its tokenizer, dtype and context length."""
+    load_config: LoadConfig = dataclasses.field(default_factory=LoadConfig)
+    """How the weights are loaded."""
+    cache_config: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    """The paged KV cache."""
+    scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    """Token budget, request cap and policy of the scheduler."""
+    parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Distribution over devices and hosts."""
+    compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+    """Compiled shape buckets and the XLA compilation cache."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            require(
+                isinstance(value, _CLASSES[f.name]),
+                f.name,
+                f"must be a {_CLASSES[f.name].__name__}, got {type(value).__name__}",
+            )
+        max_len = self.model_config.max_model_len
+        sched = self.scheduler_config
+        if max_len is not None and sched.max_num_batched_tokens is not None:
+            require(
+                sched.chunked_prefill or sched.max_num_batched_tokens >= max_len,
+                "max_num_batched_tokens",
+                f"({sched.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({max_len}): a whole prompt must fit in one step when chunked prefill "
+                "is disabled; raise --max-num-batched-tokens, lower --max-model-len or "
+                "enable chunked prefill",
+            )
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """A copy with `max_model_len` set (once the model's length is known).
+
+        Also resolves a still-unset `max_num_batched_tokens` (chunked prefill off)
+        to max(max_model_len, 2048), so the scheduler always sees an int.
+        """
+        model = dataclasses.replace(self.model_config, max_model_len=max_model_len)
+        sched = self.scheduler_config
+        if sched.max_num_batched_tokens is None:
+            budget = max(max_model_len, MIN_UNCHUNKED_BATCHED_TOKENS)
+            sched = dataclasses.replace(sched, max_num_batched_tokens=budget)
+        return dataclasses.replace(self, model_config=model, scheduler_config=sched)
+
+
+_CLASSES = {
+    "model_config": ModelConfig,
+    "load_config": LoadConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "compilation_config": CompilationConfig,
+}

@@ -1,0 +1,123 @@
+"""ModelConfig: which model to run, its tokenizer, dtype, context length and outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from jaxengine.config.utils import require, spec, validate_config
+
+TokenizerMode = Literal["auto", "slow", "mistral", "custom"]
+ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
+# vLLM's quantization methods. They all parse so that a user gets "not supported
+# yet" (see unsupported.py) rather than "invalid choice"; only "gguf" runs today.
+QuantizationMethod = Literal[
+    "aqlm", "awq", "awq_marlin", "auto-round", "bitblas", "bitsandbytes",
+    "compressed-tensors", "deepspeedfp", "experts_int8", "fbgemm_fp8", "fp8", "gguf",
+    "gptq", "gptq_bitblas", "gptq_marlin", "gptq_marlin_24", "hqq", "inc", "ipex",
+    "marlin", "modelopt", "modelopt_fp4", "moe_wna16", "mxfp4", "neuron_quant",
+    "ptpc_fp8", "qqq", "quark", "rtn", "torchao", "tpu_int8",
+]  # fmt: skip
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Configuration for the model."""
+
+    model: str = DEFAULT_MODEL
+    """Name or path of the model to use: a local directory, a .gguf file, a Hugging
+    Face repo id, or a demo model name. It is also the served model name when
+    --served-model-name is not given."""
+    tokenizer: str | None = None
+    """Name or path of the Hugging Face tokenizer to use. If unspecified, the model
+    name or path is used."""
+    tokenizer_mode: TokenizerMode = "auto"
+    """Tokenizer mode: "auto" uses the fast tokenizer if available, "slow" always uses
+    the slow tokenizer. "mistral" and "custom" are not supported yet."""
+    trust_remote_code: bool = False
+    """Trust remote code (e.g. from Hugging Face) when loading the model config and
+    tokenizer."""
+    revision: str | None = None
+    """The specific model version to use: a branch name, a tag name, or a commit id.
+    If unspecified, the default version is used."""
+    code_revision: str | None = None
+    """The specific revision to use for the model code on the Hugging Face Hub: a
+    branch name, a tag name, or a commit id."""
+    tokenizer_revision: str | None = None
+    """The specific revision to use for the tokenizer on the Hugging Face Hub: a
+    branch name, a tag name, or a commit id."""
+    dtype: ModelDType = "auto"
+    """Data type for model weights and activations. "auto" uses the checkpoint's
+    dtype (bfloat16 for FP32/FP16/BF16 checkpoints on accelerators) and float32 on
+    CPU, where XLA's bfloat16 matmuls are slow. "half" and "float16" are FP16,
+    "bfloat16" is BF16, "float" and "float32" are FP32."""
+    max_model_len: int | None = spec(None, gt=0, human_readable=True)
+    """Model context length (prompt and output). If unspecified, it is derived from
+    the model config. The flag accepts human-readable k/m/g/K/M/G: 1k -> 1000,
+    1K -> 1024, 25.6k -> 25600."""
+    seed: int = 0
+    """Random seed for reproducibility."""
+    served_model_name: str | list[str] | None = None
+    """The model name(s) used in the API. If several names are given, the server
+    answers to any of them and reports the first one in responses. If unspecified,
+    the name is the same as --model. The first name is also the model_name label of
+    the Prometheus metrics."""
+    hf_overrides: dict = spec(default_factory=dict)
+    """Arguments forwarded to the Hugging Face config, overriding its values.
+    Should be a valid JSON string or JSON keys passed individually."""
+    generation_config: str = "auto"
+    """The folder path to the generation config. "auto" loads the generation config
+    from the model path; "vllm" (or "jaxengine") loads none and uses the engine's
+    defaults; a folder path loads it from there. A max_new_tokens in the generation
+    config caps the number of output tokens of every request."""
+    override_generation_config: dict = spec(default_factory=dict)
+    """Overrides or sets generation config values, e.g. {"temperature": 0.5}. With
+    --generation-config auto the overrides are merged with the model's defaults.
+    Should be a valid JSON string or JSON keys passed individually."""
+    quantization: QuantizationMethod | None = spec(None, aliases=("-q",))
+    """Method used to quantize the weights. If None, the quantization_config of the
+    model config is checked first; if that is absent, the weights are assumed
+    unquantized and --dtype decides their data type. Only "gguf" is supported yet."""
+    skip_tokenizer_init: bool = False
+    """Skip initialization of the tokenizer and detokenizer. Inputs must then carry
+    prompt_token_ids (prompt None) and outputs carry token ids only."""
+    max_logprobs: int = spec(20, ge=-1)
+    """Maximum number of log probabilities to return when logprobs is specified in
+    SamplingParams. The default is the OpenAI Chat Completions API's. -1 means no
+    cap: all (output_length * vocab_size) logprobs may be returned."""
+    enforce_eager: bool = False
+    """Skip ahead-of-time compilation of the step function for every token/request
+    bucket at start-up; shapes are then compiled on first use (jaxengine's
+    counterpart of vLLM disabling CUDA graphs)."""
+    chat_template: str | None = None
+    """The chat template to use: a file path or the template itself as a string. If
+    unspecified, the tokenizer's (or GGUF file's) template is used."""
+    disable_sliding_window: bool = False
+    """Whether to disable sliding window attention. If True, the model's sliding
+    window is disabled and the context is capped at the sliding window size."""
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    """What logprobs and prompt_logprobs return. "raw" is before any logits
+    processing (temperature, penalties, top-k/top-p); "processed" is after all of
+    it; "logits" returns logits instead of log probabilities."""
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+        require(bool(self.model), "model", "must not be empty")
+        names = self.served_model_name
+        if isinstance(names, list):
+            require(len(names) > 0, "served_model_name", "must name at least one model")
+        if names is not None:
+            for name in [names] if isinstance(names, str) else names:
+                require(bool(name), "served_model_name", "names must not be empty")
+        require(bool(self.generation_config), "generation_config", "must not be empty")
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """The names the server answers to; the first is the reported one."""
+        names = self.served_model_name
+        if names is None:
+            return [self.model]
+        return [names] if isinstance(names, str) else list(names)

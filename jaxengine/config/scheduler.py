@@ -1,0 +1,78 @@
+"""SchedulerConfig: the per-step token budget, request cap and scheduling policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from jaxengine.config.utils import require, spec, validate_config
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+DEFAULT_MAX_NUM_SEQS = 256
+"""max_num_seqs that EngineArgs.create_engine_config picks when unset."""
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+"""max_num_batched_tokens picked when unset and chunked prefill is on."""
+MIN_UNCHUNKED_BATCHED_TOKENS = 2048
+"""Without chunked prefill the budget is max(max_model_len, this)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Configuration for the scheduler."""
+
+    max_num_seqs: int | None = spec(None, gt=0)
+    """Maximum number of sequences to be processed in a single iteration. There is
+    no static default: if unspecified, EngineArgs.create_engine_config sets it."""
+    max_num_batched_tokens: int | None = spec(None, gt=0, human_readable=True)
+    """Maximum number of tokens to be processed in a single iteration. There is no
+    static default: if unspecified, EngineArgs.create_engine_config sets it (8192
+    with chunked prefill, else max(max_model_len, 2048) once the model length is
+    known). The flag accepts human-readable k/m/g/K/M/G: 1k -> 1000, 1K -> 1024."""
+    enable_chunked_prefill: bool | None = None
+    """If True, prefill requests can be chunked based on the remaining
+    max_num_batched_tokens. Unset (None) means enabled."""
+    max_num_partial_prefills: int = spec(1, ge=1)
+    """For chunked prefill, the maximum number of sequences that can be partially
+    prefilled concurrently."""
+    max_long_partial_prefills: int = spec(1, ge=1)
+    """For chunked prefill, the maximum number of prompts longer than
+    long_prefill_token_threshold that will be prefilled concurrently. Setting this
+    below max_num_partial_prefills lets shorter prompts jump ahead of longer ones."""
+    long_prefill_token_threshold: int = spec(0, ge=0)
+    """For chunked prefill, a request is considered long if its prompt is longer
+    than this number of tokens."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """The scheduling policy. "fcfs" serves requests in order of arrival;
+    "priority" serves them by their given priority (lower value first), breaking
+    ties by arrival time."""
+    num_lookahead_slots: int = spec(0, ge=0)
+    """The number of slots to allocate per sequence per step beyond the known
+    token ids. Used by speculative decoding to store KV of tokens that may or may
+    not be accepted."""
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+        require(
+            self.max_long_partial_prefills <= self.max_num_partial_prefills,
+            "max_long_partial_prefills",
+            f"({self.max_long_partial_prefills}) must be <= max_num_partial_prefills "
+            f"({self.max_num_partial_prefills})",
+        )
+        if self.max_num_partial_prefills > 1:
+            require(
+                self.chunked_prefill,
+                "max_num_partial_prefills",
+                "> 1 needs chunked prefill (--enable-chunked-prefill)",
+            )
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            require(
+                self.max_num_batched_tokens >= self.max_num_seqs,
+                "max_num_batched_tokens",
+                f"({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})",
+            )
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether chunked prefill is on (None counts as on)."""
+        return self.enable_chunked_prefill is not False

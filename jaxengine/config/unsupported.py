@@ -1,0 +1,87 @@
+"""Features that parse but do not run yet: one table, one check.
+
+Each row is (flag, predicate on the EngineConfig, how to show the value). When a
+feature lands, delete its row. `check_supported` raises NotImplementedError naming
+the flag and value, e.g. "--tensor-parallel-size 2 is not supported yet".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from jaxengine.config.engine import EngineConfig
+
+SUPPORTED_QUANTIZATION = (None, "gguf")
+SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SUPPORTED_TOKENIZER_MODES = ("auto", "slow")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+SUPPORTED_EXECUTOR_BACKENDS = (None, "uni")
+
+# (flag, getter of the value, predicate: True when the value is NOT supported yet)
+UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool]]] = [
+    ("--tensor-parallel-size", lambda c: c.parallel_config.tensor_parallel_size, lambda v: v != 1),
+    (
+        "--pipeline-parallel-size",
+        lambda c: c.parallel_config.pipeline_parallel_size,
+        lambda v: v != 1,
+    ),
+    ("--data-parallel-size", lambda c: c.parallel_config.data_parallel_size, lambda v: v != 1),
+    ("--enable-expert-parallel", lambda c: c.parallel_config.enable_expert_parallel, bool),
+    (
+        "--distributed-executor-backend",
+        lambda c: c.parallel_config.distributed_executor_backend,
+        lambda v: v not in SUPPORTED_EXECUTOR_BACKENDS,
+    ),
+    (
+        "--data-parallel-address",
+        lambda c: c.parallel_config.data_parallel_address,
+        lambda v: v is not None,
+    ),
+    (
+        "--data-parallel-rpc-port",
+        lambda c: c.parallel_config.data_parallel_rpc_port,
+        lambda v: v is not None,
+    ),
+    (
+        "--kv-cache-dtype",
+        lambda c: c.cache_config.kv_cache_dtype,
+        lambda v: v not in SUPPORTED_KV_CACHE_DTYPES,
+    ),
+    ("--cpu-offload-gb", lambda c: c.cache_config.cpu_offload_gb, lambda v: v != 0),
+    (
+        "--quantization",
+        lambda c: c.model_config.quantization,
+        lambda v: v not in SUPPORTED_QUANTIZATION,
+    ),
+    (
+        "--tokenizer-mode",
+        lambda c: c.model_config.tokenizer_mode,
+        lambda v: v not in SUPPORTED_TOKENIZER_MODES,
+    ),
+    (
+        "--load-format",
+        lambda c: c.load_config.load_format,
+        lambda v: v not in SUPPORTED_LOAD_FORMATS,
+    ),
+]
+
+
+def unsupported_features(config: EngineConfig) -> list[str]:
+    """Messages for every setting of `config` that jaxengine cannot run yet."""
+    messages = []
+    for flag, get, bad in UNSUPPORTED:
+        value = get(config)
+        if bad(value):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            shown = "" if isinstance(value, bool) else f" {value}"
+            messages.append(f"{flag}{shown} is not supported yet")
+    return messages
+
+
+def check_supported(config: EngineConfig) -> None:
+    """Raises NotImplementedError listing the settings that do not run yet."""
+    messages = unsupported_features(config)
+    if messages:
+        raise NotImplementedError("; ".join(messages))

@@ -1,0 +1,295 @@
+"""EngineArgs: one flat field per engine flag, turned into argparse flags and an EngineConfig.
+
+The flags are generated from the config dataclasses (`jaxengine.config`): the flag
+name is `--` + field name with `_` -> `-`, the help text is the field's docstring,
+and the type, choices and nargs follow its annotation. From Python,
+`EngineArgs(**kwargs)` takes the same names and validates them the same way.
+
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    config = EngineArgs.from_cli_args(parser.parse_args()).create_engine_config()
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from jaxengine.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check_supported,
+)
+from jaxengine.config import cache as cache_mod
+from jaxengine.config import scheduler as sched_mod
+from jaxengine.config.arg_utils import (
+    FlexibleArgumentParser,
+    parse_human_int,
+    parse_json_flag,
+)
+from jaxengine.config.cache import BlockSize, CacheDType, PrefixCachingHashAlgo
+from jaxengine.config.load import LoadFormat
+from jaxengine.config.model import (
+    LogprobsMode,
+    ModelDType,
+    QuantizationMethod,
+    TokenizerMode,
+)
+from jaxengine.config.parallel import DistributedExecutorBackend
+from jaxengine.config.scheduler import SchedulingPolicy
+from jaxengine.config.utils import (
+    check_field,
+    config_field,
+    field_docs,
+    field_types,
+    literal_choices,
+    union_args,
+)
+
+# The config classes behind the flags, in --help order (and EngineConfig field name).
+CONFIG_CLASSES: dict[str, type] = {
+    "model_config": ModelConfig,
+    "load_config": LoadConfig,
+    "parallel_config": ParallelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "compilation_config": CompilationConfig,
+}
+
+
+@functools.cache
+def _field_owners() -> dict[str, type]:
+    """Maps each flag's field name to the config class that defines it."""
+    owners = {}
+    for cls in CONFIG_CLASSES.values():
+        for f in dataclasses.fields(cls):
+            assert f.name not in owners, f"field {f.name} defined twice"
+            owners[f.name] = cls
+    return owners
+
+
+def _default(name: str) -> Any:
+    """An EngineArgs field whose default is the default of config field `name`."""
+    f = config_field(_field_owners()[name], name)
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory)
+    return dataclasses.field(default=f.default)
+
+
+@dataclass
+class EngineArgs:
+    """Arguments for the engine, one per flag; see the config classes for their meaning."""
+
+    # ModelConfig
+    model: str = _default("model")
+    tokenizer: str | None = _default("tokenizer")
+    tokenizer_mode: TokenizerMode = _default("tokenizer_mode")
+    trust_remote_code: bool = _default("trust_remote_code")
+    revision: str | None = _default("revision")
+    code_revision: str | None = _default("code_revision")
+    tokenizer_revision: str | None = _default("tokenizer_revision")
+    dtype: ModelDType = _default("dtype")
+    max_model_len: int | None = _default("max_model_len")
+    seed: int = _default("seed")
+    served_model_name: str | list[str] | None = _default("served_model_name")
+    hf_overrides: dict = _default("hf_overrides")
+    generation_config: str = _default("generation_config")
+    override_generation_config: dict = _default("override_generation_config")
+    quantization: QuantizationMethod | None = _default("quantization")
+    skip_tokenizer_init: bool = _default("skip_tokenizer_init")
+    max_logprobs: int = _default("max_logprobs")
+    enforce_eager: bool = _default("enforce_eager")
+    chat_template: str | None = _default("chat_template")
+    disable_sliding_window: bool = _default("disable_sliding_window")
+    logprobs_mode: LogprobsMode = _default("logprobs_mode")
+    # LoadConfig
+    load_format: LoadFormat = _default("load_format")
+    download_dir: str | None = _default("download_dir")
+    ignore_patterns: list[str] = _default("ignore_patterns")
+    # ParallelConfig
+    tensor_parallel_size: int = _default("tensor_parallel_size")
+    pipeline_parallel_size: int = _default("pipeline_parallel_size")
+    data_parallel_size: int = _default("data_parallel_size")
+    enable_expert_parallel: bool = _default("enable_expert_parallel")
+    distributed_executor_backend: DistributedExecutorBackend | None = _default(
+        "distributed_executor_backend"
+    )
+    data_parallel_address: str | None = _default("data_parallel_address")
+    data_parallel_rpc_port: int | None = _default("data_parallel_rpc_port")
+    max_parallel_loading_workers: int | None = _default("max_parallel_loading_workers")
+    # CacheConfig
+    block_size: BlockSize | None = _default("block_size")
+    gpu_memory_utilization: float = _default("gpu_memory_utilization")
+    kv_cache_memory_bytes: int | None = _default("kv_cache_memory_bytes")
+    num_gpu_blocks_override: int | None = _default("num_gpu_blocks_override")
+    swap_space: float = _default("swap_space")
+    kv_cache_dtype: CacheDType = _default("kv_cache_dtype")
+    enable_prefix_caching: bool | None = _default("enable_prefix_caching")
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = _default("prefix_caching_hash_algo")
+    cpu_offload_gb: float = _default("cpu_offload_gb")
+    # SchedulerConfig
+    max_num_seqs: int | None = _default("max_num_seqs")
+    max_num_batched_tokens: int | None = _default("max_num_batched_tokens")
+    enable_chunked_prefill: bool | None = _default("enable_chunked_prefill")
+    max_num_partial_prefills: int = _default("max_num_partial_prefills")
+    max_long_partial_prefills: int = _default("max_long_partial_prefills")
+    long_prefill_token_threshold: int = _default("long_prefill_token_threshold")
+    scheduling_policy: SchedulingPolicy = _default("scheduling_policy")
+    num_lookahead_slots: int = _default("num_lookahead_slots")
+    # CompilationConfig
+    compile_token_buckets: list[int] = _default("compile_token_buckets")
+    compile_request_buckets: list[int] = _default("compile_request_buckets")
+    compilation_cache_dir: str = _default("compilation_cache_dir")
+    enable_compilation_cache: bool = _default("enable_compilation_cache")
+
+    def __post_init__(self) -> None:
+        """Validates every value against its config field, then cross-field rules."""
+        owners = _field_owners()
+        for f in dataclasses.fields(self):
+            check_field(owners[f.name], f.name, getattr(self, f.name))
+        self._build()
+
+    # --- Python and CLI construction -------------------------------------------------
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """EngineArgs from a parsed namespace; attributes it lacks keep their defaults."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Adds one flag per field, grouped by config class, plus `--config`.
+
+        With a FlexibleArgumentParser, cross-field errors (e.g. max_long_partial_prefills
+        > max_num_partial_prefills) are also reported at parse time.
+        """
+        if "--config" not in parser._option_string_actions:
+            parser.add_argument(
+                "--config",
+                metavar="FILE",
+                help="Read flags from a YAML file whose keys are flag names ('-' or '_'). "
+                "Flags given on the command line override the file.",
+            )
+        for cls in CONFIG_CLASSES.values():
+            doc = (cls.__doc__ or "").strip().splitlines()[0]
+            group = parser.add_argument_group(cls.__name__, doc)
+            for f in dataclasses.fields(cls):
+                flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+                group.add_argument(*flags, **_flag_kwargs(cls, f.name))
+        if isinstance(parser, FlexibleArgumentParser):
+            parser.add_post_parse_check(_check_namespace)
+        return parser
+
+    # --- EngineConfig ----------------------------------------------------------------
+
+    def _build(self, **overrides: Any) -> EngineConfig:
+        """The config tree from these values (and `overrides`), unresolved."""
+        values = {**dataclasses.asdict(self), **overrides}
+        parts = {}
+        for part, cls in CONFIG_CLASSES.items():
+            parts[part] = cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+        return EngineConfig(**parts)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The EngineConfig, with unset defaults resolved; raises on unsupported features.
+
+        Resolves: block_size -> 16, enable_prefix_caching/enable_chunked_prefill ->
+        True, max_num_batched_tokens -> 8192 with chunked prefill (else
+        max(max_model_len, 2048), or left None until the model length is known, see
+        EngineConfig.with_max_model_len), max_num_seqs -> 256 (capped by the budget).
+        Raises ValueError for invalid combinations and NotImplementedError naming
+        each flag whose value jaxengine cannot run yet.
+        """
+        chunked = self.enable_chunked_prefill is not False
+        budget = self.max_num_batched_tokens
+        seqs = self.max_num_seqs
+        if seqs is None:
+            seqs = sched_mod.DEFAULT_MAX_NUM_SEQS
+            seqs = seqs if budget is None else min(seqs, budget)
+        if budget is None and chunked:
+            budget = max(sched_mod.DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs)
+        elif budget is None and self.max_model_len is not None:
+            budget = max(self.max_model_len, sched_mod.MIN_UNCHUNKED_BATCHED_TOKENS, seqs)
+        config = self._build(
+            block_size=self.block_size or cache_mod.DEFAULT_BLOCK_SIZE,
+            enable_prefix_caching=self.enable_prefix_caching is not False,
+            enable_chunked_prefill=chunked,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=budget,
+        )
+        check_supported(config)
+        return config
+
+
+def _flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _check_namespace(args: argparse.Namespace) -> None:
+    """Post-parse check: cross-field errors, rewritten to name the flag."""
+    try:
+        EngineArgs.from_cli_args(args)
+    except ValueError as e:
+        message = str(e)
+        for name in sorted(_field_owners(), key=len, reverse=True):
+            if message.startswith(name):
+                raise ValueError(f"argument {_flag_name(name)}: {message}") from None
+        raise
+
+
+def _checked(cls: type, name: str, convert: Any, item: bool) -> Any:
+    """argparse `type`: convert the string, then validate it as field `name`."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except (ValueError, TypeError) as e:
+            message = str(e)
+            if convert in (int, float):
+                message = f"invalid {convert.__name__} value: {text!r}"
+            raise argparse.ArgumentTypeError(message) from None
+        try:
+            check_field(cls, name, [value] if item else value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def _flag_kwargs(cls: type, name: str) -> dict[str, Any]:
+    """argparse.add_argument keyword arguments for field `name` of `cls`."""
+    tp = field_types(cls)[name]
+    f = config_field(cls, name)
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    shown = "" if default is None else f" (default: {default})"
+    help_text = (field_docs(cls).get(name, "") + shown).replace("%", "%%")
+    kwargs: dict[str, Any] = {"default": default, "help": help_text}
+    members = [a for a in union_args(tp) if a is not type(None)]
+    choices = literal_choices(tp)
+    if members == [bool]:
+        return {**kwargs, "action": argparse.BooleanOptionalAction}
+    if choices is not None:
+        convert = type(choices[0])
+        return {**kwargs, "type": _checked(cls, name, convert, False), "choices": choices}
+    list_member = next((a for a in members if typing.get_origin(a) is list), None)
+    if list_member is not None:
+        (item_type,) = typing.get_args(list_member)
+        return {**kwargs, "nargs": "+", "type": _checked(cls, name, item_type, True)}
+    if members == [dict] or typing.get_origin(members[0]) is dict:
+        return {**kwargs, "type": parse_json_flag, "metavar": "JSON"}
+    convert = members[0]
+    if f.metadata.get("human_readable"):
+        convert = parse_human_int
+    return {**kwargs, "type": _checked(cls, name, convert, False)}
