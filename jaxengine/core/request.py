@@ -1,0 +1,172 @@
+"""Request state on the host: tokens, progress, status and stop checks.
+
+A `Request` is one sequence. `n > 1` is handled by the caller as n child requests
+(each with its own id); they share the prompt's KV blocks through the prefix cache.
+
+Invariants:
+
+- `all_token_ids == prompt_token_ids + output_token_ids` and only grows (append-only),
+  so block hashes computed over full blocks stay valid for the request's lifetime.
+- `0 <= num_computed_tokens <= num_tokens`. The tokens at positions
+  `[0, num_computed_tokens)` have their KV in the cache (device blocks, or host blocks
+  while SWAPPED); the scheduler advances it when it schedules a step.
+- `num_cached_tokens` is -1 until the request is scheduled for the first time, then
+  the number of prompt tokens found in the prefix cache at that moment.
+
+The sampling params object is opaque here; only these attributes are read (each with a
+default when missing): `max_tokens` (None = up to max_model_len), `min_tokens`,
+`ignore_eos`, `stop_token_ids`, `prompt_logprobs` (a request asking for prompt logprobs
+bypasses the prefix cache, since skipped tokens would have no logits).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. The FINISHED_* values are terminal."""
+
+    WAITING = 0
+    """Queued, never scheduled yet."""
+    RUNNING = 1
+    """In the running set: holds device blocks and is scheduled each step it can be."""
+    PREEMPTED = 2
+    """Preempted in recompute mode: no blocks, back in the waiting queue; its prompt and
+    outputs are recomputed when it resumes (prefix-cache hits permitting)."""
+    SWAPPED = 3
+    """Preempted in swap mode: its KV lives in host blocks; back in the waiting queue."""
+    FINISHED_STOPPED = 4
+    """Stopped on EOS, a stop token id, or a stop string (detokenizer)."""
+    FINISHED_LENGTH_CAPPED = 5
+    """Reached max_tokens or max_model_len."""
+    FINISHED_ABORTED = 6
+    """Aborted by the client."""
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish reason: "stop", "length", "abort", or None if not finished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being served. Mutated only by the scheduler and the KV manager."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Any = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int | None = None,
+        eos_token_id: int | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if priority is None:
+            priority = getattr(sampling_params, "priority", 0) or 0
+        self.priority = priority
+        """Lower is served first (as vLLM); used by the "priority" policy. Defaults to
+        `sampling_params.priority` when present, else 0."""
+        self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt
+        """Optional salt mixed into the first block's hash: prefix-cache isolation."""
+
+        sp = sampling_params
+        self.max_tokens: int | None = getattr(sp, "max_tokens", None)
+        self.min_tokens: int = getattr(sp, "min_tokens", 0) or 0
+        self.ignore_eos: bool = bool(getattr(sp, "ignore_eos", False))
+        self.stop_token_ids: frozenset[int] = frozenset(getattr(sp, "stop_token_ids", None) or ())
+        self.skip_prefix_cache: bool = getattr(sp, "prompt_logprobs", None) is not None
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.block_hashes: list[Any] = []
+        """Chained hashes of the full blocks of all_token_ids, extended by the KV manager."""
+        self.stop_reason: int | str | None = None
+        """The stop token id or stop string that finished the request, if any."""
+        self.num_preemptions = 0
+
+    # ---- sizes -------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """(priority, arrival_time): smaller is served earlier."""
+        return (self.priority, self.arrival_time)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = (token_ids,)
+        for t in token_ids:
+            self.output_token_ids.append(t)
+            self.all_token_ids.append(t)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """After appending one output token: set a FINISHED_* status if the request is done.
+
+    Order: EOS (unless ignore_eos) and stop token ids, both only once `min_tokens`
+    outputs exist; then max_tokens and max_model_len. Returns whether it finished.
+    String stops are not checked here (the detokenizer layer finishes those by id).
+    """
+    last = request.output_token_ids[-1]
+    if request.num_output_tokens >= request.min_tokens:
+        if last == request.eos_token_id and not request.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+    max_tokens = request.max_tokens
+    if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
+        request.num_tokens >= max_model_len
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False

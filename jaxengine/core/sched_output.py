@@ -1,0 +1,127 @@
+"""The scheduler <-> runner contract: SchedulerOutput, RunnerOutput, EngineCoreOutput.
+
+All frozen dataclasses of plain Python values (tuples, dicts, ints), importable
+without jax.
+
+One step, as the runner sees it (`SchedulerOutput`):
+
+1. Forget requests in `finished_req_ids` (finished or aborted since the last step;
+   ids it never saw may appear, ignore them).
+2. Copy pages: first `blocks_to_swap_out` (device -> host), then `blocks_to_swap_in`
+   (host -> device), both before the forward pass.
+3. Register `scheduled_new_reqs` (first schedule of a request: full data). Update
+   `scheduled_cached_reqs`: append `new_block_ids` to the request's block table, or
+   replace the table with them when `resumed_from_preemption`. Requests in
+   `preempted_req_ids` are not scheduled this step; keep their state (they resume as
+   cached requests) but drop them from the batch.
+4. For every request in `num_scheduled_tokens`: the input tokens sit at positions
+   `[num_computed_tokens, num_computed_tokens + num_scheduled_tokens[id])`; their ids
+   are `prompt_token_ids[those positions]` for new requests and `new_token_ids` for
+   cached ones. Write their KV through the block table (position p -> block
+   `block_ids[p // block_size]`, slot `p % block_size`), attend over positions
+   `[0, p]`, and sample one token after the last one unless the id is in
+   `partial_req_ids` (prefill not finished: return an empty list).
+5. Return a `RunnerOutput` with one entry per scheduled request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request scheduled for the first time."""
+
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: Any
+    block_ids: tuple[int, ...]
+    """The full block table."""
+    num_computed_tokens: int
+    """Tokens already in the cache (prefix hit) = the first scheduled position."""
+    eos_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already knows: only what changed."""
+
+    req_id: str
+    resumed_from_preemption: bool
+    """True: `new_block_ids` is the full table (replace it); False: append them."""
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    """The first scheduled position."""
+    new_token_ids: tuple[int, ...]
+    """The input token ids of this step's scheduled positions."""
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What to compute in one step. `total_num_scheduled_tokens <= max_num_batched_tokens`
+    and `len(num_scheduled_tokens) <= max_num_seqs`."""
+
+    scheduled_new_reqs: tuple[NewRequestData, ...]
+    scheduled_cached_reqs: tuple[CachedRequestData, ...]
+    num_scheduled_tokens: dict[str, int]
+    """Tokens scheduled per request (> 0), in batch order (running first, then admitted)."""
+    total_num_scheduled_tokens: int
+    partial_req_ids: frozenset[str] = frozenset()
+    """Scheduled requests still mid-prefill after this step: no token is sampled."""
+    finished_req_ids: frozenset[str] = frozenset()
+    preempted_req_ids: frozenset[str] = frozenset()
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
+    """(device block, host block) pairs."""
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
+    """(host block, device block) pairs."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced, aligned on `req_ids` (every scheduled request)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    """Per request: the sampled ids (one, or none for a request in `partial_req_ids`)."""
+    logprobs: list[Any] | None = None
+    """Per request, opaque (passed through to EngineCoreOutput), or None for all."""
+    prompt_logprobs: list[Any] | None = None
+    """Per request, opaque (passed through), or None for all."""
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """Per request, what `Scheduler.update` learned in one step."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    """"stop", "length" or None (still running)."""
+    stop_reason: int | str | None = None
+    """The stop token id that finished the request (None for EOS or length)."""
+    new_logprobs: Any = None
+    new_prompt_logprobs: Any = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for metrics and logs. Prefix-cache counters are cumulative tokens."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int

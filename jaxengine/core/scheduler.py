@@ -1,0 +1,371 @@
+"""The scheduler: one token budget per step, no prefill/decode phases.
+
+Contract (the engine core loop):
+
+    out = scheduler.schedule()                 # SchedulerOutput
+    res = runner.execute(out)                  # RunnerOutput
+    outputs = scheduler.update(out, res)       # list[EngineCoreOutput]
+
+`update` must follow each `schedule` before the next one. `add_request`,
+`abort_requests` and `finish_requests` may be called at any point between steps.
+
+Each step every request's computed-token count catches up with its token count within
+one budget (`max_num_batched_tokens`) and one request cap (`max_num_seqs`):
+
+1. `_schedule_running`: running requests in order, each `num_tokens -
+   num_computed_tokens` tokens (a decode is 1), capped by the remaining budget (and the
+   long-prefill threshold). When blocks run out, `_preempt` the policy's victim (swap
+   to host if there is room, else recompute) until the request fits or is the victim.
+2. `_schedule_waiting` (skipped in a step that preempted): waiting requests in policy
+   order. Prefix-cache hits are skipped; the rest is chunked to the budget (without
+   chunked prefill a prompt that does not fit waits). The partial-prefill limiter may
+   skip a prompt that would be left part-way, letting later ones in. A request that
+   lacks blocks stops admission (head-of-line order is kept).
+
+Invariants: every step's total <= max_num_batched_tokens; running <= max_num_seqs; a
+request's blocks are freed when it finishes, aborts or is recompute-preempted, so after
+draining every block is free.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from jaxengine.core.kv_cache.manager import KVCacheManager
+from jaxengine.core.limits import SchedulerLimits
+from jaxengine.core.policy import PartialPrefillLimiter, get_policy
+from jaxengine.core.request import Request, RequestStatus, check_stop
+from jaxengine.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+_RS = RequestStatus
+
+
+class _Verdict(enum.Enum):
+    ADMIT = 0
+    SKIP = 1  # leave it queued, try the next waiting request
+    STOP = 2  # stop admitting this step
+
+
+@dataclass
+class _Step:
+    """Decisions of one `schedule()` call, turned into a SchedulerOutput at the end."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    first_time: set[str] = field(default_factory=set)
+    resumed: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, req: Request, n: int, block_ids: list[int]) -> None:
+        self.num_scheduled[req.request_id] = n
+        self.new_block_ids[req.request_id] = block_ids
+        self.budget -= n
+
+    def drop(self, req: Request) -> None:
+        self.budget += self.num_scheduled.pop(req.request_id, 0)
+        self.new_block_ids.pop(req.request_id, None)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens (see module doc)."""
+
+    def __init__(self, limits: SchedulerLimits) -> None:
+        self.limits = limits
+        self.kv = KVCacheManager(
+            limits.num_blocks,
+            limits.block_size,
+            enable_caching=limits.enable_prefix_caching,
+            hash_algo=limits.prefix_caching_hash_algo,
+            num_host_blocks=limits.num_host_blocks,
+        )
+        self.policy = get_policy(limits.scheduling_policy)
+        self.partial = PartialPrefillLimiter(
+            limits.max_num_partial_prefills,
+            limits.max_long_partial_prefills,
+            limits.long_prefill_token_threshold,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = self.policy.make_queue()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -----------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError on a duplicate id or a prompt longer
+        than max_model_len."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens > self.limits.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens exceeds "
+                f"max_model_len={self.limits.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus = _RS.FINISHED_STOPPED,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """Finish requests by id in any state, freeing all their blocks. Unknown or
+        already finished ids are ignored. Used for string stops and aborts."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is not _RS.RUNNING:
+                self.waiting.remove(req)
+            req.status, req.stop_reason = status, stop_reason
+            done.append(req)
+        self._release(done)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests in any state (waiting, running, preempted, swapped)."""
+        self.finish_requests(request_ids, _RS.FINISHED_ABORTED)
+
+    def _release(self, done: list[Request]) -> None:
+        if not done:
+            return
+        ids = {r.request_id for r in done}
+        self.running = [r for r in self.running if r.request_id not in ids]
+        for req in done:
+            self.kv.free(req)
+            del self.requests[req.request_id]
+            if req.num_cached_tokens >= 0:  # the runner has seen it
+                self._finished_ids.add(req.request_id)
+
+    # ---- queries -----------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting requests, preempted and swapped ones included."""
+        return len(self.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=sum(1 for r in self.waiting if r.status is _RS.SWAPPED),
+            kv_cache_usage=self.kv.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    # ---- one step ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see module doc). Advances num_computed_tokens of every
+        scheduled request by its scheduled count."""
+        step = _Step(budget=self.limits.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return self._make_output(step)
+
+    def _cap(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        threshold = self.limits.long_prefill_token_threshold
+        if self.limits.enable_chunked_prefill and threshold > 0:
+            n = min(n, threshold)
+        return n
+
+    def _schedule_running(self, step: _Step) -> None:
+        for req in list(self.running):
+            if req.status is not _RS.RUNNING:  # preempted earlier in this loop
+                continue
+            if step.budget <= 0:
+                break
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = self._cap(remaining, step.budget)
+            if n <= 0 or (n < remaining and not self.limits.enable_chunked_prefill):
+                continue
+            while (block_ids := self.kv.allocate_slots(req, n)) is None:
+                victim = self.policy.choose_victim(self.running)
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            if block_ids is not None:
+                step.add(req, n, block_ids)
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        """Take `victim` out of the running set: its KV goes to host blocks when there is
+        room (SWAPPED), else its blocks are freed and it will be recomputed (PREEMPTED).
+        Either way it re-enters the waiting queue at its policy position (front for fcfs)
+        and keeps its output tokens."""
+        self.running.remove(victim)
+        step.drop(victim)
+        if self.kv.can_swap_out(victim):
+            step.swap_out.extend(self.kv.swap_out(victim))
+            victim.status = _RS.SWAPPED
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = _RS.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        step.preempted.add(victim.request_id)
+        self.waiting.prepend(victim)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        skipped = []
+        while self.waiting and step.budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            req = self.waiting.peek()
+            verdict = self._try_admit(req, step)
+            if verdict is _Verdict.STOP:
+                break
+            if verdict is _Verdict.SKIP:
+                skipped.append(self.waiting.pop())
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
+
+    def _try_admit(self, req: Request, step: _Step) -> _Verdict:
+        """Admit the waiting-queue head `req` if budget, limiter and blocks allow."""
+        swapped = req.status is _RS.SWAPPED
+        if swapped:
+            hit_ids, start = [], req.num_computed_tokens
+        else:
+            hit_ids, start = self.kv.get_computed_blocks(req)
+        remaining = req.num_tokens - start
+        verdict, n = self._admission_chunk(remaining, step)
+        if verdict is not _Verdict.ADMIT:
+            return verdict
+        if swapped:
+            if not self.kv.can_swap_in(req, n):
+                return _Verdict.STOP
+            step.swap_in.extend(self.kv.swap_in(req))
+        if self.kv.allocate_slots(req, n, hit_ids) is None:
+            assert not swapped, "can_swap_in promised room"
+            return _Verdict.STOP
+        self.waiting.pop()
+        req.num_computed_tokens = start
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = start
+            step.first_time.add(req.request_id)
+        elif req.status in (_RS.PREEMPTED, _RS.SWAPPED):
+            step.resumed.add(req.request_id)
+        step.add(req, n, self.kv.get_block_ids(req.request_id))
+        req.status = _RS.RUNNING
+        self.running.append(req)
+        return _Verdict.ADMIT
+
+    def _admission_chunk(self, remaining: int, step: _Step) -> tuple[_Verdict, int]:
+        n = self._cap(remaining, step.budget)
+        if n >= remaining:
+            return _Verdict.ADMIT, n
+        if not self.limits.enable_chunked_prefill or n <= 0:
+            return _Verdict.STOP, 0
+        num_partial = num_long = 0
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left - step.num_scheduled.get(r.request_id, 0) > 1:
+                num_partial += 1
+                num_long += self.partial.is_long(left)
+        if not self.partial.allows(remaining, num_partial, num_long):
+            return _Verdict.SKIP, 0
+        return _Verdict.ADMIT, n
+
+    def _make_output(self, step: _Step) -> SchedulerOutput:
+        new_reqs, cached_reqs, partial = [], [], set()
+        for rid, n in step.num_scheduled.items():
+            req = self.requests[rid]
+            start = req.num_computed_tokens
+            block_ids = tuple(step.new_block_ids[rid])
+            if rid in step.first_time:
+                new_reqs.append(
+                    NewRequestData(
+                        rid,
+                        tuple(req.prompt_token_ids),
+                        req.sampling_params,
+                        block_ids,
+                        start,
+                        req.eos_token_id,
+                    )
+                )
+            else:
+                tokens = tuple(req.all_token_ids[start : start + n])
+                resumed = rid in step.resumed
+                cached_reqs.append(CachedRequestData(rid, resumed, block_ids, start, tokens))
+            req.num_computed_tokens = start + n
+            if req.num_computed_tokens < req.num_tokens:
+                partial.add(rid)
+        finished, self._finished_ids = frozenset(self._finished_ids), set()
+        return SchedulerOutput(
+            scheduled_new_reqs=tuple(new_reqs),
+            scheduled_cached_reqs=tuple(cached_reqs),
+            num_scheduled_tokens=dict(step.num_scheduled),
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
+            partial_req_ids=frozenset(partial),
+            finished_req_ids=finished,
+            preempted_req_ids=frozenset(step.preempted),
+            blocks_to_swap_out=tuple(step.swap_out),
+            blocks_to_swap_in=tuple(step.swap_in),
+        )
+
+    # ---- results -------------------------------------------------------------------
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results: publish newly computed full blocks to the prefix
+        cache, append sampled tokens, check stops (EOS, stop token ids, max_tokens,
+        max_model_len) and free finished requests. Returns one output per request that
+        got tokens, prompt logprobs, or finished. Requests aborted meanwhile are skipped."""
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is not None and req.status is _RS.RUNNING:
+                self.kv.cache_full_blocks(req)
+        outputs, done = [], []
+        ro = runner_output
+        for i, rid in enumerate(ro.req_ids):
+            req = self.requests.get(rid)
+            if req is None or req.status is not _RS.RUNNING:
+                continue
+            new_ids = []
+            for token in ro.sampled_token_ids[i]:
+                req.append_output_token_ids(token)
+                new_ids.append(token)
+                if check_stop(req, self.limits.max_model_len):
+                    done.append(req)
+                    break
+            logprobs = ro.logprobs[i] if ro.logprobs is not None else None
+            prompt_lp = ro.prompt_logprobs[i] if ro.prompt_logprobs is not None else None
+            if new_ids or prompt_lp is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        rid,
+                        new_ids,
+                        req.status.finish_reason,
+                        req.stop_reason,
+                        logprobs,
+                        prompt_lp,
+                        max(req.num_cached_tokens, 0),
+                    )
+                )
+        self._release(done)
+        return outputs
