@@ -11,6 +11,7 @@ import importlib
 from jaxengine.version import __version__
 
 _LAZY = {
+    "LLM": "jaxengine.entrypoints.llm",
     "EngineArgs": "jaxengine.engine_args",
     "SamplingParams": "jaxengine.sampling_params",
     "RequestOutput": "jaxengine.outputs",

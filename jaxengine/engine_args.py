@@ -200,7 +200,7 @@ class EngineArgs:
             parts[part] = cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
         return EngineConfig(**parts)
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, platform: str | None = None) -> EngineConfig:
         """The EngineConfig, with unset defaults resolved; raises on unsupported features.
 
         Resolves: block_size -> 16, enable_prefix_caching/enable_chunked_prefill ->
@@ -208,16 +208,21 @@ class EngineArgs:
         max(max_model_len, 2048), or left None until the model length is known, see
         EngineConfig.with_max_model_len), max_num_seqs -> 256 (capped by the budget).
         Raises ValueError for invalid combinations and NotImplementedError naming
-        each flag whose value jaxengine cannot run yet.
+        each flag whose value jaxengine cannot run yet. ``platform="cpu"`` uses the
+        smaller CPU defaults (`scheduler.CPU_DEFAULTS`): a 2-core host cannot use a
+        budget of 8192 tokens per step, and every budget is a compiled bucket.
         """
         chunked = self.enable_chunked_prefill is not False
         budget = self.max_num_batched_tokens
         seqs = self.max_num_seqs
+        default_seqs, default_budget = sched_mod.DEFAULT_MAX_NUM_SEQS, sched_mod.DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if platform == "cpu":
+            default_seqs, default_budget = sched_mod.CPU_DEFAULTS
         if seqs is None:
-            seqs = sched_mod.DEFAULT_MAX_NUM_SEQS
+            seqs = default_seqs
             seqs = seqs if budget is None else min(seqs, budget)
         if budget is None and chunked:
-            budget = max(sched_mod.DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs)
+            budget = max(default_budget, seqs)
         elif budget is None and self.max_model_len is not None:
             budget = max(self.max_model_len, sched_mod.MIN_UNCHUNKED_BATCHED_TOKENS, seqs)
         config = self._build(

@@ -12,6 +12,8 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 DEFAULT_MAX_NUM_SEQS = 256
 """max_num_seqs that EngineArgs.create_engine_config picks when unset."""
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# (max_num_seqs, max_num_batched_tokens) when the engine runs on CPU.
+CPU_DEFAULTS = (64, 2048)
 """max_num_batched_tokens picked when unset and chunked prefill is on."""
 MIN_UNCHUNKED_BATCHED_TOKENS = 2048
 """Without chunked prefill the budget is max(max_model_len, this)."""

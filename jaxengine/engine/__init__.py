@@ -1,0 +1,1 @@
+"""The engine: scheduler + runner + output processing, stepped by its caller."""

@@ -1,0 +1,154 @@
+"""`LLMEngine`: one model's scheduler, runner and output processing, stepped in-process.
+
+Construction loads the model and tokenizer, sizes the KV cache, builds the scheduler
+and the runner, and compiles every bucket (unless ``--enforce-eager``). Each `step()`
+is ``schedule -> runner.execute -> scheduler.update -> outputs`` (DESIGN §2). The
+offline `LLM` and the async server engine both drive this class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from jaxengine.config import EngineConfig
+from jaxengine.core.request import Request, RequestStatus
+from jaxengine.core.limits import SchedulerLimits
+from jaxengine.core.scheduler import Scheduler
+from jaxengine.engine.output_processor import OutputProcessor
+from jaxengine.outputs import RequestOutput
+from jaxengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt (plus the tokens it asks for) exceeds the model's context."""
+
+
+class LLMEngine:
+    """Synchronous engine: `add_request`, `step`, `abort_request`."""
+
+    def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
+        from jaxengine.engine.setup import build_components
+
+        parts = build_components(config)
+        self.config = parts.config
+        self.loaded = parts.loaded
+        self.tokenizer = parts.tokenizer
+        self.generation_config = parts.generation_config
+        self.max_model_len = parts.config.model_config.max_model_len
+        self.vocab_size = parts.loaded.config.vocab_size
+        self.eos_token_id = parts.eos_token_id
+        limits = SchedulerLimits.from_configs(
+            parts.config.scheduler_config,
+            parts.config.cache_config,
+            parts.kv_size.num_blocks,
+            self.max_model_len,
+            bytes_per_block=parts.kv_size.bytes_per_block,
+        )
+        self.scheduler = Scheduler(limits)
+        self.runner = parts.runner
+        self.outputs = OutputProcessor(self.tokenizer)
+        if warmup and not self.config.model_config.enforce_eager:
+            self.runner.warmup()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids) of a text, ids or `{"prompt_token_ids"}`."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (--skip-tokenizer-init is set)")
+            return prompt, list(self.tokenizer.encode(prompt))
+        return None, [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validates and queues a request; raises ValueError (nothing queued) if bad."""
+        text, ids = self.tokenize(prompt)
+        params = self._prepare_params(params, len(ids))
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > 0:
+            ids = ids[-params.truncate_prompt_tokens :]
+        self._check_prompt(ids, params)
+        if request_id in self.outputs.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        arrival = time.time() if arrival_time is None else arrival_time
+        child_ids = self.outputs.add(request_id, text, ids, params, arrival)
+        for index, child in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + index
+            self.scheduler.add_request(
+                Request(child, ids, child_params, priority=priority, eos_token_id=self.eos_token_id)
+            )
+
+    def _prepare_params(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
+        params = params.clone()
+        params.verify_against(self.config.model_config.max_logprobs, self.vocab_size)
+        params.update_from_generation_config(self.generation_config, self.eos_token_id)
+        if params.bad_words and self.tokenizer is not None:
+            params.update_from_tokenizer(self.tokenizer)
+        if params.max_tokens is None:
+            params.max_tokens = max(self.max_model_len - num_prompt, 1)
+        return params
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
+                f"messages, {params.max_tokens} in the completion). Please reduce the length "
+                "of the messages or completion."
+            )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Aborts requests in any state; frees their pages now."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        children = [c for rid in ids for c in self.outputs.abort(rid)]
+        self.scheduler.abort_requests(children)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns the outputs its requests' kinds ask for."""
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        core_outputs = self.scheduler.update(sched_out, runner_out)
+        outputs, stops = self.outputs.process(core_outputs)
+        for child, stop in stops:
+            self.scheduler.finish_requests(child, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+        return outputs
+
+    def get_stats(self):
+        return self.scheduler.get_stats()
+
+    def shutdown(self) -> None:
+        self.runner.close()

@@ -1,0 +1,138 @@
+"""Building an engine's parts from its config: model, tokenizer, KV cache, runner.
+
+Resolves what only the model can tell: ``max_model_len`` (the model's context unless
+the user asks for less), the EOS token, the generation config, and the KV cache size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxengine.config import EngineConfig
+from jaxengine.loader import LoadedModel, load_model
+from jaxengine.loader.hf_config import load_generation_config
+from jaxengine.runner.buckets import default_token_buckets
+from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, plan_kv_cache
+from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineParts:
+    config: EngineConfig
+    loaded: LoadedModel
+    tokenizer: Any
+    generation_config: dict
+    eos_token_id: int | None
+    kv_size: KVCacheSize
+    runner: ModelRunner
+
+
+def model_max_len(hf_config: Any) -> int:
+    """The longest context the checkpoint supports."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return 2048
+
+
+def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    limit = model_max_len(hf_config)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"--max-model-len {requested} exceeds the model's maximum context length {limit}"
+        )
+    return requested
+
+
+def _eos(generation_config: dict, tokenizer: Any, hf_config: Any) -> int | None:
+    eos = generation_config.get("eos_token_id", getattr(hf_config, "eos_token_id", None))
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return eos
+
+
+def setup_compilation_cache(config: EngineConfig) -> None:
+    """Turns on JAX's persistent compilation cache unless disabled."""
+    comp = config.compilation_config
+    if not comp.enable_compilation_cache:
+        return
+    import os
+
+    path = os.path.expanduser(comp.compilation_cache_dir)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def build_components(config: EngineConfig) -> EngineParts:
+    """Loads and sizes everything an `LLMEngine` needs."""
+    from jaxengine.tokenizer import get_tokenizer
+
+    setup_compilation_cache(config)
+    mc = config.model_config
+    loaded = load_model(mc, config.load_config)
+    max_model_len = resolve_max_model_len(mc.max_model_len, loaded.hf_config)
+    config = config.with_max_model_len(max_model_len)
+    tokenizer = None
+    if not mc.skip_tokenizer_init:
+        tokenizer = get_tokenizer(
+            loaded.source,
+            tokenizer=mc.tokenizer,
+            tokenizer_mode=mc.tokenizer_mode,
+            revision=mc.tokenizer_revision or mc.revision,
+            trust_remote_code=mc.trust_remote_code,
+        )
+    generation_config = {}
+    if mc.generation_config == "auto":
+        generation_config = load_generation_config(loaded.source)
+    elif mc.generation_config != "vllm":
+        generation_config = load_generation_config(mc.generation_config)
+    generation_config = {**generation_config, **(mc.override_generation_config or {})}
+    eos = _eos(generation_config, tokenizer, loaded.hf_config)
+
+    cc, sc, tc = config.cache_config, config.scheduler_config, loaded.config
+    block_size = cc.block_size or 16
+    per_block = bytes_per_block(
+        tc.num_layers, block_size, tc.num_kv_heads, tc.head_dim, np.dtype(tc.dtype).itemsize
+    )
+    kv_size = plan_kv_cache(
+        per_block=per_block,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=sc.max_num_seqs,
+        num_gpu_blocks_override=cc.num_gpu_blocks_override,
+        kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
+        gpu_memory_utilization=cc.gpu_memory_utilization,
+        device=jax.devices()[0] if jax.default_backend() != "cpu" else None,
+    )
+    logger.info(kv_size.describe(max_model_len))
+    from jaxengine.core.limits import num_host_blocks_for
+
+    buckets = config.compilation_config.compile_token_buckets or default_token_buckets(
+        sc.max_num_batched_tokens
+    )
+    settings = RunnerSettings(
+        block_size=block_size,
+        num_blocks=kv_size.num_blocks,
+        max_model_len=max_model_len,
+        max_num_seqs=sc.max_num_seqs,
+        token_buckets=tuple(buckets),
+        num_host_blocks=num_host_blocks_for(cc.swap_space, per_block),
+        max_logprobs=mc.max_logprobs,
+        logprobs_mode=mc.logprobs_mode,
+        seed=mc.seed,
+        eos_token_id=eos,
+    )
+    runner = ModelRunner(loaded, settings)
+    return EngineParts(config, loaded, tokenizer, generation_config, eos, kv_size, runner)

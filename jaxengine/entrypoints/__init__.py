@@ -1,0 +1,1 @@
+"""Offline `LLM` and the async engine the server uses (the engine issue builds them)."""

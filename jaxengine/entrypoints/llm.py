@@ -1,0 +1,137 @@
+"""`LLM`: offline batched generation, vLLM's Python API.
+
+``LLM(model=..., **engine_args).generate(prompts, sampling_params)`` queues every
+prompt, steps the engine until all finish, and returns `RequestOutput`s in input
+order. Every prompt is validated before any is queued, so one bad prompt raises a
+`ValueError` and leaves nothing half-done.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from jaxengine.engine_args import EngineArgs
+from jaxengine.outputs import RequestOutput
+from jaxengine.sampling_params import RequestOutputKind, SamplingParams
+
+PromptLike = str | dict | Sequence[int]
+
+
+def _as_prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one tokenized prompt
+    return prompts
+
+
+class LLM:
+    """An engine for offline inference, built from vLLM-named engine arguments."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        import jax
+
+        from jaxengine.engine.llm_engine import LLMEngine
+
+        if model is not None:
+            kwargs["model"] = model
+        args = EngineArgs(**kwargs)
+        self.engine = LLMEngine(args.create_engine_config(platform=jax.default_backend()))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates completions for ``prompts`` (texts, token-id lists or dicts)."""
+        prompt_list = _as_prompt_list(prompts)
+        params = self._params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of conversations."""
+        from jaxengine.tokenizer import apply_chat_template
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = chat_template or self.engine.config.model_config.chat_template
+        prompts = [
+            {
+                "prompt_token_ids": apply_chat_template(
+                    self.engine.tokenizer,
+                    conversation,
+                    chat_template=template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}),
+                )
+            }
+            for conversation in conversations
+        ]
+        params = self._params_list(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm, None)
+
+    # ------------------------------------------------------------------ details
+
+    def _params_list(self, sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(
+                f"{len(sampling_params)} sampling params for {count} prompts: give one or one each"
+            )
+        return list(sampling_params)
+
+    def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
+        engine = self.engine
+        for prompt, p in zip(prompts, params, strict=True):  # validate all first
+            _, ids = engine.tokenize(prompt)
+            engine._check_prompt(ids, engine._prepare_params(p, len(ids)))
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self._ids))
+                engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(results) < len(ids) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,108 @@
+"""Model loading: resolve a source, read its config, build the model and its parameters.
+
+`load_model(model_config, load_config)` is the one entry point the engine uses:
+
+1. `sources.resolve_model` finds the files (local folder, .gguf, demo package, hub);
+2. `hf_config.load_hf_config` reads the Hugging Face config (or GGUF metadata);
+3. `jaxengine.models.get_model` picks the family and builds the Linen module;
+4. `params` fills the parameter tree from safetensors or GGUF tensors, or randomly
+   for ``--load-format dummy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine.config import LoadConfig, ModelConfig
+from jaxengine.loader.errors import CheckpointError
+from jaxengine.loader.sources import ModelSource, resolve_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "half": jnp.float16,
+    "float16": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "float": jnp.float32,
+    "float32": jnp.float32,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run: module, architecture config, parameters and provenance."""
+
+    module: Any
+    config: Any  # jaxengine.models.config.TransformerConfig
+    params: Any
+    hf_config: Any
+    source: ModelSource
+    logical_axes: Any
+
+
+def resolve_dtype(dtype: str, hf_config: Any, backend: str) -> Any:
+    """The parameter dtype of ``--dtype`` for a checkpoint on ``backend``.
+
+    ``auto`` is float32 on CPU (XLA's CPU bfloat16 matmuls are far slower); on GPU and
+    TPU it is the checkpoint's 16-bit dtype, bfloat16 for float32 or unknown ones.
+    """
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if backend == "cpu":
+        return jnp.float32
+    stored = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", ""))
+    return jnp.float16 if stored.endswith("float16") and "bfloat" not in stored else jnp.bfloat16
+
+
+def load_model(model_config: ModelConfig, load_config: LoadConfig) -> LoadedModel:
+    """Resolves, reads and builds the model that ``model_config`` names."""
+    from jaxengine.loader.hf_config import load_hf_config
+    from jaxengine.loader.params import abstract_params, dummy_params, logical_axes
+    from jaxengine.models import get_model
+
+    start = time.perf_counter()
+    source = resolve_model(
+        model_config.model,
+        revision=model_config.revision,
+        download_dir=load_config.download_dir,
+    )
+    hf_config = load_hf_config(
+        source,
+        hf_overrides=model_config.hf_overrides,
+        trust_remote_code=model_config.trust_remote_code,
+    )
+    dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
+    module, config = get_model(hf_config, dtype)
+    if load_config.load_format == "dummy":
+        params = dummy_params(module, config, model_config.seed)
+    else:
+        params = _params_from_checkpoint(module, config, source, load_config.load_format)
+    axes = logical_axes(abstract_params(module, config))
+    logger.info(
+        "loaded %s (%s, %s) in %.1fs",
+        model_config.model,
+        type(module).__name__,
+        jnp.dtype(dtype).name,
+        time.perf_counter() - start,
+    )
+    return LoadedModel(module, config, params, hf_config, source, axes)
+
+
+def _params_from_checkpoint(module, config, source: ModelSource, load_format: str):
+    from jaxengine.loader.gguf_io import iter_gguf
+    from jaxengine.loader.params import params_from_tensors
+    from jaxengine.loader.safetensors_io import iter_safetensors
+
+    if source.gguf_file is not None:
+        if load_format not in ("auto", "gguf"):
+            raise CheckpointError(f"{source.gguf_file}: a GGUF file needs --load-format gguf")
+        return params_from_tensors(module, config, iter_gguf(source.gguf_file), str(source.gguf_file))
+    if load_format == "gguf":
+        raise CheckpointError(f"{source.path}: --load-format gguf but no .gguf file found")
+    return params_from_tensors(module, config, iter_safetensors(source.path), str(source.path))

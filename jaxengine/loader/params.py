@@ -1,0 +1,134 @@
+"""Building a model's parameter tree: from checkpoint tensors, or random (dummy).
+
+The target tree comes from `jax.eval_shape` of the module's init, so shapes, dtypes
+and logical axis names are the model's own; checkpoint tensors are matched to it by
+their Hugging Face names (`layers.decoder.hf_param_path`). Every leaf must be filled
+exactly once with the right shape, else `CheckpointError` names the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.loader.errors import CheckpointError
+from jaxengine.models.config import TransformerConfig
+from jaxengine.models.layers.attention import kv_cache_shape
+from jaxengine.models.layers.decoder import hf_param_path
+from jaxengine.models.metadata import AttentionMetadata
+
+
+def init_inputs(config: TransformerConfig) -> tuple:
+    """Smallest valid forward inputs (one token, one page), for init and shapes."""
+    page = kv_cache_shape(config, 1, 1)
+    kv_caches = tuple(jnp.zeros(page, config.dtype) for _ in config.layers)
+    md = AttentionMetadata(
+        seq_lens=jnp.ones((1,), jnp.int32),
+        query_start_loc=jnp.array([0, 1], jnp.int32),
+        page_table=jnp.zeros((1, 1), jnp.int32),
+        slot_mapping=jnp.zeros((1,), jnp.int32),
+        num_seqs=jnp.array(1, jnp.int32),
+    )
+    return jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), kv_caches, md
+
+
+def abstract_params(module: nn.Module, config: TransformerConfig) -> Any:
+    """The boxed (logically partitioned) ShapeDtypeStruct tree of the parameters."""
+    inputs = init_inputs(config)
+    return jax.eval_shape(lambda: module.init(jax.random.key(0), *inputs, method="forward_and_logits"))["params"]
+
+
+def logical_axes(abstract: Any) -> Any:
+    """Tree of logical-axis PartitionSpecs, one per parameter (for `sharding/`)."""
+    return nn.get_partition_spec(abstract)
+
+
+def dummy_params(module: nn.Module, config: TransformerConfig, seed: int = 0) -> Any:
+    """Random parameters of the right shapes and dtypes, initialized on device."""
+    inputs = init_inputs(config)
+    init = jax.jit(lambda key: nn.unbox(module.init(key, *inputs, method="forward_and_logits")["params"]))
+    return init(jax.random.key(seed))
+
+
+def _tree_set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _leaf_of(shapes: Any, path: tuple[str, ...]) -> Any:
+    node = shapes
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node if not isinstance(node, dict) else None
+
+
+def params_from_tensors(
+    module: nn.Module,
+    config: TransformerConfig,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    source: str,
+) -> Any:
+    """Fills the model's parameter tree from ``(hf_name, array)`` pairs.
+
+    Stacked (per-expert) tensors are assembled in host memory before going to the
+    device. Tensors the model has no use for (a tied checkpoint's ``lm_head.weight``,
+    rotary buffers) are skipped; missing tensors and shape mismatches raise
+    `CheckpointError` naming the tensor and ``source``.
+    """
+    shapes = _plain(nn.unbox(abstract_params(module, config)))
+    out = _plain(shapes, fill=None)
+    stacks: dict[tuple[str, ...], np.ndarray] = {}
+    filled: dict[tuple[str, ...], int] = {}
+    for name, array in tensors:
+        mapped = hf_param_path(name)
+        if mapped is None:
+            continue
+        path, index = mapped
+        leaf = _leaf_of(shapes, path)
+        if leaf is None:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            raise CheckpointError(f"{source}: tensor {name!r} has no place in the model")
+        expected = leaf.shape[1:] if index is not None else leaf.shape
+        if tuple(array.shape) != tuple(expected):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
+                f"the model expects {tuple(expected)}"
+            )
+        if index is not None:
+            stack = stacks.setdefault(path, np.empty(leaf.shape, np.float32))
+            stack[index] = array
+            filled[path] = filled.get(path, 0) + 1
+            if filled[path] == leaf.shape[0]:
+                _tree_set(out, path, jnp.asarray(stacks.pop(path), dtype=leaf.dtype))
+            continue
+        _tree_set(out, path, jnp.asarray(array, dtype=leaf.dtype))
+    missing = list(_unfilled(out))
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointError(f"{source}: {len(missing)} tensors missing from the checkpoint: {shown}")
+    return out
+
+
+def _plain(tree: Any, fill: Any = ...) -> Any:
+    """A mutable nested dict copy of a parameter tree (optionally with every leaf = fill)."""
+    if isinstance(tree, dict) or hasattr(tree, "items"):
+        return {k: _plain(v, fill) for k, v in tree.items()}
+    return tree if fill is ... else fill
+
+
+def _unfilled(tree: dict, prefix: str = ""):
+    """Paths (``a/b/c``) of leaves still None."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _unfilled(value, f"{prefix}{key}/")
+        elif value is None:
+            yield f"{prefix}{key}"

@@ -1,0 +1,89 @@
+"""How many KV-cache pages an engine gets, and the start-up line that says so.
+
+Order of precedence: ``--num-gpu-blocks-override``, then ``--kv-cache-memory-bytes``,
+then on GPU/TPU the device's free memory times ``--gpu-memory-utilization`` (minus
+what is already in use: weights and a reserve for activations). On CPU there is no
+device memory to measure, and all of host RAM would be wrong, so the default is
+enough pages for ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at
+``CPU_DEFAULT_BYTES``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_BYTES = 2 << 30
+ACTIVATION_RESERVE = 0.05  # fraction of device memory left for activations and XLA
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSize:
+    """The cache an engine allocates: ``num_blocks`` pages including the null page."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    def describe(self, max_model_len: int) -> str:
+        tokens = (self.num_blocks - 1) * self.block_size
+        gib = self.num_blocks * self.bytes_per_block / (1 << 30)
+        return (
+            f"KV cache: {self.num_blocks - 1} pages of {self.block_size} tokens "
+            f"({tokens} tokens, {gib:.2f} GiB); maximum concurrency at max_model_len "
+            f"{max_model_len}: {tokens / max_model_len:.2f}x"
+        )
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    itemsize: int) -> int:
+    """Bytes of one page across all layers (K and V)."""
+    return num_layers * block_size * 2 * num_kv_heads * head_dim * itemsize
+
+
+def device_memory(device) -> tuple[int, int] | None:
+    """(limit, in use) bytes of an accelerator, or None where unknown (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without stats raise various errors
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def plan_kv_cache(
+    *,
+    per_block: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_gpu_blocks_override: int | None,
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float,
+    device=None,
+) -> KVCacheSize:
+    """Decides the page count; raises ValueError when one sequence cannot fit."""
+    pages_per_seq = -(-max_model_len // block_size)
+    if num_gpu_blocks_override is not None:
+        num_blocks = num_gpu_blocks_override
+    elif kv_cache_memory_bytes is not None:
+        num_blocks = kv_cache_memory_bytes // per_block
+    else:
+        memory = device_memory(device) if device is not None else None
+        if memory is None:
+            want = max_num_seqs * pages_per_seq + 1
+            num_blocks = min(want, max(CPU_DEFAULT_BYTES // per_block, pages_per_seq + 1))
+        else:
+            limit, in_use = memory
+            budget = limit * (gpu_memory_utilization - ACTIVATION_RESERVE) - in_use
+            num_blocks = int(budget // per_block)
+    if num_blocks < pages_per_seq + 1:
+        raise ValueError(
+            f"the KV cache holds {max(num_blocks - 1, 0)} pages of {block_size} tokens, fewer "
+            f"than one sequence of max_model_len {max_model_len} needs ({pages_per_seq}); "
+            "raise --gpu-memory-utilization / --kv-cache-memory-bytes or lower --max-model-len"
+        )
+    return KVCacheSize(num_blocks, block_size, per_block)

@@ -1,0 +1,71 @@
+"""The jitted device functions of one engine: the model step, prompt logprobs, swaps.
+
+Each is a pure function of arrays, compiled ahead of time per bucket by the runner
+(`jax.jit(...).lower(...).compile()`), so the shapes the engine can see are exactly
+the compiled ones. The KV caches are donated: XLA updates them in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine.runner.sampler import prompt_logprobs
+
+PROMPT_LOGPROBS_ROWS = 256  # rows of [rows, V] logits materialized at a time
+
+
+def make_step(module: Any):
+    """``step(params, kv_caches, token_ids, positions, md, logits_indices)``
+    -> ``(logits[R, V] f32, hidden[T, H], kv_caches)``."""
+
+    def step(params, kv_caches, token_ids, positions, md, logits_indices):
+        hidden, kv_caches = module.apply({"params": params}, token_ids, positions, kv_caches, md)
+        logits = module.apply({"params": params}, hidden[logits_indices], method="compute_logits")
+        return logits, hidden, kv_caches
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def make_prompt_logprobs(module: Any, k: int):
+    """``fn(params, hidden[T, H], targets[T])`` -> `LogprobsOutput` with top ``k``.
+
+    Logits are computed ``PROMPT_LOGPROBS_ROWS`` rows at a time so a long prefill
+    chunk never materializes ``[T, V]`` at once.
+    """
+
+    def fn(params, hidden, targets):
+        num_tokens = hidden.shape[0]
+        rows = min(num_tokens, PROMPT_LOGPROBS_ROWS)
+        pad = (-num_tokens) % rows
+        hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+        targets = jnp.pad(targets, (0, pad))
+
+        def one(chunk):
+            h, t = chunk
+            logits = module.apply({"params": params}, h, method="compute_logits")
+            return prompt_logprobs(logits, jnp.maximum(t, 0), k)
+
+        out = jax.lax.map(one, (hidden.reshape(-1, rows, hidden.shape[1]), targets.reshape(-1, rows)))
+        return jax.tree_util.tree_map(lambda x: x.reshape((-1,) + x.shape[2:])[:num_tokens], out)
+
+    return jax.jit(fn)
+
+
+def make_swap_fns():
+    """``gather(kv_caches, ids[N]) -> pages`` and ``scatter(kv_caches, ids[N], pages)``.
+
+    Scatter drops ids past the cache's end, which is how padding ids are spelled.
+    """
+
+    def gather(kv_caches, ids):
+        return tuple(cache[ids] for cache in kv_caches)
+
+    def scatter(kv_caches, ids, pages):
+        return tuple(
+            cache.at[ids].set(page, mode="drop") for cache, page in zip(kv_caches, pages, strict=True)
+        )
+
+    return jax.jit(gather), jax.jit(scatter, donate_argnums=(0,))

@@ -1,0 +1,1 @@
+"""Logical axis names -> mesh axes for tensor, pipeline, data and expert parallelism."""

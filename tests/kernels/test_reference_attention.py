@@ -1,0 +1,116 @@
+"""The reference ragged paged attention against a dense per-request numpy computation."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.ragged_paged_attention.reference import (
+    ragged_paged_attention,
+    update_kv_cache,
+)
+
+
+def dense_attention(q, k, v, q_pos, sm_scale, window, soft_cap):
+    """One request: q [Q, Hq, D], k/v [L, Hkv, D] -> [Q, Hq, D] in float64."""
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(k, group, axis=1)
+    v = np.repeat(v, group, axis=1)
+    s = np.einsum("qhd,lhd->hql", q, k) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
+    kv_pos = np.arange(k.shape[0])
+    mask = kv_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= q_pos[:, None] - kv_pos[None, :] < window
+    s = np.where(mask[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hql,lhd->qhd", p, v)
+
+
+@st.composite
+def batches(draw):
+    page_size = draw(st.sampled_from([1, 4, 16]))
+    hkv = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4]))
+    head_dim = draw(st.sampled_from([8, 64]))
+    num_real = draw(st.integers(1, 4))
+    q_lens = [draw(st.integers(1, 9)) for _ in range(num_real)]
+    ctx = [draw(st.integers(0, 40)) for _ in range(num_real)]
+    window = draw(st.one_of(st.none(), st.integers(1, 12)))
+    soft_cap = draw(st.one_of(st.none(), st.just(5.0)))
+    return page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches(), st.integers(0, 2**31 - 1))
+def test_reference_matches_dense(batch, seed):
+    page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap = batch
+    rng = np.random.default_rng(seed)
+    hq = hkv * group
+    num_reqs = len(q_lens) + 1  # one padding request row
+    num_tokens = sum(q_lens) + 3  # three padding tokens
+    seq_lens = [c + q for c, q in zip(ctx, q_lens, strict=True)]
+    max_pages = max(-(-s // page_size) for s in seq_lens)
+    num_pages = 1 + sum(-(-s // page_size) for s in seq_lens)
+    perm = rng.permutation(np.arange(1, num_pages))  # scattered pages; 0 is the null page
+    page_table = np.zeros((num_reqs, max_pages), np.int32)
+    cache = rng.standard_normal((num_pages, page_size, 2 * hkv, head_dim)).astype(np.float32)
+    keys, values, used = [], [], 0
+    for r, s in enumerate(seq_lens):
+        n = -(-s // page_size)
+        page_table[r, :n] = perm[used : used + n]
+        used += n
+        kv = cache[page_table[r, :n]].reshape(n * page_size, 2 * hkv, head_dim)[:s]
+        keys.append(kv[:, 0::2])
+        values.append(kv[:, 1::2])
+    qsl = np.zeros(num_reqs + 1, np.int32)
+    qsl[1 : len(q_lens) + 1] = np.cumsum(q_lens)
+    qsl[len(q_lens) + 1 :] = qsl[len(q_lens)]
+    q = rng.standard_normal((num_tokens, hq, head_dim)).astype(np.float32)
+    sm_scale = head_dim**-0.5
+    out = ragged_paged_attention(
+        jnp.asarray(q),
+        jnp.asarray(cache),
+        jnp.asarray(seq_lens + [0], jnp.int32),
+        jnp.asarray(page_table),
+        jnp.asarray(qsl),
+        jnp.asarray(len(q_lens), jnp.int32),
+        sm_scale=sm_scale,
+        sliding_window=window,
+        soft_cap=soft_cap,
+        pages_per_chunk=2,
+    )
+    out = np.asarray(out)
+    assert np.isfinite(out).all()
+    for r, (c, ql) in enumerate(zip(ctx, q_lens, strict=True)):
+        q_pos = np.arange(c, c + ql)
+        want = dense_attention(
+            q[qsl[r] : qsl[r + 1]].astype(np.float64),
+            keys[r].astype(np.float64),
+            values[r].astype(np.float64),
+            q_pos,
+            sm_scale,
+            window,
+            soft_cap,
+        )
+        np.testing.assert_allclose(out[qsl[r] : qsl[r + 1]], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[qsl[-1] :], 0.0)
+
+
+def test_update_writes_only_its_slots():
+    rng = np.random.default_rng(0)
+    cache = np.full((5, 4, 4, 8), 7.0, np.float32)  # poisoned
+    k = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    slots = np.array([5, 18, 5 * 4 + 100], np.int32)  # last one out of range: dropped
+    out = np.asarray(update_kv_cache(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), slots))
+    flat = out.reshape(20, 4, 8)
+    np.testing.assert_array_equal(flat[5, 0::2], k[0])
+    np.testing.assert_array_equal(flat[5, 1::2], v[0])
+    np.testing.assert_array_equal(flat[18, 0::2], k[1])
+    untouched = np.delete(flat, [5, 18], axis=0)
+    np.testing.assert_array_equal(untouched, 7.0)

@@ -1,0 +1,1 @@
+"""Running architectures or paths that have no JAX implementation, through torch."""
