@@ -15,8 +15,9 @@ from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.version import __version__
 
 SUBCOMMANDS: list[str] = [
-    # Module paths, each with `register(subparsers)`; e.g. "jaxengine.cli.generate".
+    # Module paths, each with `register(subparsers)`.
     # List only modules that exist: a missing one is an error, not skipped.
+    "jaxengine.cli.generate",
 ]
 
 

@@ -79,11 +79,12 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig) -> LoadedMode
     )
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
     module, config = get_model(hf_config, dtype)
+    abstract = abstract_params(module, config)
     if load_config.load_format == "dummy":
         params = dummy_params(module, config, model_config.seed)
     else:
-        params = _params_from_checkpoint(module, config, source, load_config.load_format)
-    axes = logical_axes(abstract_params(module, config))
+        params = _params_from_checkpoint(module, config, source, load_config.load_format, abstract)
+    axes = logical_axes(abstract)
     logger.info(
         "loaded %s (%s, %s) in %.1fs",
         model_config.model,
@@ -94,7 +95,7 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig) -> LoadedMode
     return LoadedModel(module, config, params, hf_config, source, axes)
 
 
-def _params_from_checkpoint(module, config, source: ModelSource, load_format: str):
+def _params_from_checkpoint(module, config, source: ModelSource, load_format: str, abstract):
     from jaxengine.loader.gguf_io import iter_gguf
     from jaxengine.loader.params import params_from_tensors
     from jaxengine.loader.safetensors_io import iter_safetensors
@@ -102,7 +103,7 @@ def _params_from_checkpoint(module, config, source: ModelSource, load_format: st
     if source.gguf_file is not None:
         if load_format not in ("auto", "gguf"):
             raise CheckpointError(f"{source.gguf_file}: a GGUF file needs --load-format gguf")
-        return params_from_tensors(module, config, iter_gguf(source.gguf_file), str(source.gguf_file))
+        return params_from_tensors(module, config, iter_gguf(source.gguf_file), str(source.gguf_file), abstract)
     if load_format == "gguf":
         raise CheckpointError(f"{source.path}: --load-format gguf but no .gguf file found")
-    return params_from_tensors(module, config, iter_safetensors(source.path), str(source.path))
+    return params_from_tensors(module, config, iter_safetensors(source.path), str(source.path), abstract)

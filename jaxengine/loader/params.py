@@ -75,15 +75,18 @@ def params_from_tensors(
     config: TransformerConfig,
     tensors: Iterable[tuple[str, np.ndarray]],
     source: str,
+    abstract: Any = None,
 ) -> Any:
     """Fills the model's parameter tree from ``(hf_name, array)`` pairs.
 
     Stacked (per-expert) tensors are assembled in host memory before going to the
     device. Tensors the model has no use for (a tied checkpoint's ``lm_head.weight``,
-    rotary buffers) are skipped; missing tensors and shape mismatches raise
+    rotary buffers) are skipped; ``abstract`` is `abstract_params`' result if known; missing tensors and shape mismatches raise
     `CheckpointError` naming the tensor and ``source``.
     """
-    shapes = _plain(nn.unbox(abstract_params(module, config)))
+    if abstract is None:
+        abstract = abstract_params(module, config)
+    shapes = _plain(nn.unbox(abstract))
     out = _plain(shapes, fill=None)
     stacks: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], int] = {}

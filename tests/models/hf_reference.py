@@ -1,0 +1,29 @@
+"""transformers as the numerical reference: loading GGUF files and greedy generation."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+
+def hf_from_gguf(path):
+    """transformers' float32 model of a .gguf file (its own dequantization)."""
+    torch.set_num_threads(2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids, new_tokens):
+    """transformers' greedy continuation, never stopping early (EOS included)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
