@@ -215,7 +215,10 @@ class EngineArgs:
         chunked = self.enable_chunked_prefill is not False
         budget = self.max_num_batched_tokens
         seqs = self.max_num_seqs
-        default_seqs, default_budget = sched_mod.DEFAULT_MAX_NUM_SEQS, sched_mod.DEFAULT_MAX_NUM_BATCHED_TOKENS
+        default_seqs, default_budget = (
+            sched_mod.DEFAULT_MAX_NUM_SEQS,
+            sched_mod.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        )
         if platform == "cpu":
             default_seqs, default_budget = sched_mod.CPU_DEFAULTS
         if seqs is None:

@@ -23,7 +23,9 @@ def register(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument(
-        "--chat", action=argparse.BooleanOptionalAction, default=True,
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="format each prompt as a chat user message (default: on)",
     )
     EngineArgs.add_cli_args(parser)
@@ -36,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)})
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
+    )
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
         outputs = llm.chat(conversations, params, use_tqdm=False)

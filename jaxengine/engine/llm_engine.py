@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from jaxengine.config import EngineConfig
-from jaxengine.core.request import Request, RequestStatus
 from jaxengine.core.limits import SchedulerLimits
+from jaxengine.core.request import Request, RequestStatus
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.outputs import RequestOutput
@@ -117,7 +117,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+            raise ValueError(
+                f"prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size})"
+            )
         if len(ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "

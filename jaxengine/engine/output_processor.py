@@ -12,7 +12,13 @@ import dataclasses
 import time
 from typing import Any
 
-from jaxengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, logprobs_dict
+from jaxengine.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    logprobs_dict,
+)
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 from jaxengine.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -69,15 +75,23 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.by_child: dict[str, tuple[RequestState, SequenceState]] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-            params: SamplingParams, arrival_time: float) -> list[str]:
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> list[str]:
         """Registers a request; returns the scheduler ids of its sequences."""
         sequences = []
         for i in range(params.n):
             detok = None
             if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids, params.skip_special_tokens,
+                    self.tokenizer,
+                    prompt_ids,
+                    params.skip_special_tokens,
                     params.spaces_between_special_tokens,
                 )
             seq = SequenceState(i, params, detok)
@@ -85,7 +99,11 @@ class OutputProcessor:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
             sequences.append(seq)
         state = RequestState(
-            request_id, prompt, prompt_ids, params, sequences,
+            request_id,
+            prompt,
+            prompt_ids,
+            params,
+            sequences,
             RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time),
         )
         if params.prompt_logprobs is not None:
@@ -149,7 +167,9 @@ class OutputProcessor:
                 if entry is None:
                     continue
                 lp, rank, top_ids, top_lps = entry
-                seq.logprobs.append(self._decorate(logprobs_dict(token, lp, rank, top_ids, top_lps)))
+                seq.logprobs.append(
+                    self._decorate(logprobs_dict(token, lp, rank, top_ids, top_lps))
+                )
                 seq.cumulative_logprob += lp
         if seq.detokenizer is None:
             return None
@@ -206,12 +226,22 @@ class OutputProcessor:
                 continue
             tokens = seq.token_ids[seq.sent_tokens :] if delta else list(seq.token_ids)
             text = seq.text[seq.sent_text :] if delta else seq.text
-            lps = seq.logprobs[seq.sent_tokens :] if delta and seq.logprobs is not None else seq.logprobs
-            completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=tokens,
-                cumulative_logprob=seq.cumulative_logprob, logprobs=lps,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            ))
+            lps = (
+                seq.logprobs[seq.sent_tokens :]
+                if delta and seq.logprobs is not None
+                else seq.logprobs
+            )
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=tokens,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=lps,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
             if delta:
                 seq.sent_tokens, seq.sent_text = len(seq.token_ids), len(seq.text)
         state.metrics.num_generation_tokens = sum(len(s.token_ids) for s in state.sequences)

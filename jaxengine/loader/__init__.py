@@ -103,7 +103,11 @@ def _params_from_checkpoint(module, config, source: ModelSource, load_format: st
     if source.gguf_file is not None:
         if load_format not in ("auto", "gguf"):
             raise CheckpointError(f"{source.gguf_file}: a GGUF file needs --load-format gguf")
-        return params_from_tensors(module, config, iter_gguf(source.gguf_file), str(source.gguf_file), abstract)
+        return params_from_tensors(
+            module, config, iter_gguf(source.gguf_file), str(source.gguf_file), abstract
+        )
     if load_format == "gguf":
         raise CheckpointError(f"{source.path}: --load-format gguf but no .gguf file found")
-    return params_from_tensors(module, config, iter_safetensors(source.path), str(source.path), abstract)
+    return params_from_tensors(
+        module, config, iter_safetensors(source.path), str(source.path), abstract
+    )

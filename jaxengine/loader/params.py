@@ -40,7 +40,9 @@ def init_inputs(config: TransformerConfig) -> tuple:
 def abstract_params(module: nn.Module, config: TransformerConfig) -> Any:
     """The boxed (logically partitioned) ShapeDtypeStruct tree of the parameters."""
     inputs = init_inputs(config)
-    return jax.eval_shape(lambda: module.init(jax.random.key(0), *inputs, method="forward_and_logits"))["params"]
+    return jax.eval_shape(
+        lambda: module.init(jax.random.key(0), *inputs, method="forward_and_logits")
+    )["params"]
 
 
 def logical_axes(abstract: Any) -> Any:
@@ -51,7 +53,9 @@ def logical_axes(abstract: Any) -> Any:
 def dummy_params(module: nn.Module, config: TransformerConfig, seed: int = 0) -> Any:
     """Random parameters of the right shapes and dtypes, initialized on device."""
     inputs = init_inputs(config)
-    init = jax.jit(lambda key: nn.unbox(module.init(key, *inputs, method="forward_and_logits")["params"]))
+    init = jax.jit(
+        lambda key: nn.unbox(module.init(key, *inputs, method="forward_and_logits")["params"])
+    )
     return init(jax.random.key(seed))
 
 
@@ -81,8 +85,9 @@ def params_from_tensors(
 
     Stacked (per-expert) tensors are assembled in host memory before going to the
     device. Tensors the model has no use for (a tied checkpoint's ``lm_head.weight``,
-    rotary buffers) are skipped; ``abstract`` is `abstract_params`' result if known; missing tensors and shape mismatches raise
-    `CheckpointError` naming the tensor and ``source``.
+    rotary buffers) are skipped; missing tensors and shape mismatches raise
+    `CheckpointError` naming the tensor and ``source``. ``abstract`` is
+    `abstract_params`' result when the caller has it already.
     """
     if abstract is None:
         abstract = abstract_params(module, config)
@@ -117,7 +122,9 @@ def params_from_tensors(
     missing = list(_unfilled(out))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise CheckpointError(f"{source}: {len(missing)} tensors missing from the checkpoint: {shown}")
+        raise CheckpointError(
+            f"{source}: {len(missing)} tensors missing from the checkpoint: {shown}"
+        )
     return out
 
 

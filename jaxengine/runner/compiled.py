@@ -22,8 +22,10 @@ from jaxengine.runner.sampler import sample_jit
 from jaxengine.runner.sampling_metadata import (
     SamplerFlags,
     SamplingBatch,
-    bucket as width_bucket,
     logprobs_bucket,
+)
+from jaxengine.runner.sampling_metadata import (
+    bucket as width_bucket,
 )
 from jaxengine.runner.step import make_prompt_logprobs, make_step, make_swap_fns
 
@@ -103,7 +105,9 @@ class CompiledFunctions:
 
     def _lower_prompt_lp(self, bucket: Bucket):
         r = self.runner
-        hidden = jax.ShapeDtypeStruct((bucket.num_tokens, r.loaded.config.hidden_size), r.loaded.config.dtype)
+        hidden = jax.ShapeDtypeStruct(
+            (bucket.num_tokens, r.loaded.config.hidden_size), r.loaded.config.dtype
+        )
         targets = jax.ShapeDtypeStruct((bucket.num_tokens,), jnp.int32)
         return self._prompt_lp_jit.lower(r.params, hidden, targets).compile()
 
@@ -123,21 +127,29 @@ class CompiledFunctions:
 
     def _gather_fn(self):
         ids = jax.ShapeDtypeStruct((self.runner.pages_per_req,), jnp.int32)
-        return self._get(("gather",), lambda: self._gather_jit.lower(self.runner.kv_caches, ids).compile())
+        return self._get(
+            ("gather",), lambda: self._gather_jit.lower(self.runner.kv_caches, ids).compile()
+        )
 
     def _scatter_fn(self):
         caches = self.runner.kv_caches
         ids = jax.ShapeDtypeStruct((self.runner.pages_per_req,), jnp.int32)
         pages = tuple(jax.ShapeDtypeStruct((ids.shape[0], *c.shape[1:]), c.dtype) for c in caches)
-        return self._get(("scatter",), lambda: self._scatter_jit.lower(caches, ids, pages).compile())
+        return self._get(
+            ("scatter",), lambda: self._scatter_jit.lower(caches, ids, pages).compile()
+        )
 
     def gather_pages(self, kv_caches, ids: list[int]) -> list[np.ndarray]:
         """Device pages ``ids`` of every layer, as host arrays ``[len(ids), S, 2Hkv, D]``."""
         padded = self._swap_ids(ids)
         size = self.runner.pages_per_req
         fn = self._gather_fn()
-        parts = [jax.device_get(fn(kv_caches, padded[i : i + size])) for i in range(0, len(padded), size)]
-        return [np.concatenate([p[layer] for p in parts])[: len(ids)] for layer in range(len(kv_caches))]
+        parts = [
+            jax.device_get(fn(kv_caches, padded[i : i + size])) for i in range(0, len(padded), size)
+        ]
+        return [
+            np.concatenate([p[layer] for p in parts])[: len(ids)] for layer in range(len(kv_caches))
+        ]
 
     def scatter_pages(self, kv_caches, ids: list[int], pages: list[np.ndarray]):
         """Writes host ``pages`` (per layer) into device pages ``ids``; returns the caches."""

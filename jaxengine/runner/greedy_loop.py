@@ -27,8 +27,12 @@ class GreedyLoop:
         self.page_size = page_size
 
         def step(params, token_ids, positions, kv_caches, md, logits_indices):
-            hidden, kv_caches = module.apply({"params": params}, token_ids, positions, kv_caches, md)
-            logits = module.apply({"params": params}, hidden[logits_indices], method="compute_logits")
+            hidden, kv_caches = module.apply(
+                {"params": params}, token_ids, positions, kv_caches, md
+            )
+            logits = module.apply(
+                {"params": params}, hidden[logits_indices], method="compute_logits"
+            )
             return logits, kv_caches  # [R, V] float32
 
         self._step = jax.jit(step, donate_argnums=(3,))
@@ -44,13 +48,17 @@ class GreedyLoop:
         num_pages = 1 + num_reqs * pages_per_req
         shape = kv_cache_shape(self.config, num_pages, self.page_size)
         kv_caches = tuple(jnp.zeros(shape, self.config.dtype) for _ in self.config.layers)
-        pages = [list(range(1 + r * pages_per_req, 1 + (r + 1) * pages_per_req)) for r in range(num_reqs)]
+        pages = [
+            list(range(1 + r * pages_per_req, 1 + (r + 1) * pages_per_req)) for r in range(num_reqs)
+        ]
         seqs = [list(p) for p in prompts]
         computed = [0] * num_reqs
         outputs: list[list[int]] = [[] for _ in prompts]
         all_logits = []
         for _ in range(max_new_tokens):
-            chunks = [SeqChunk(s[c:], c, pg) for s, c, pg in zip(seqs, computed, pages, strict=True)]
+            chunks = [
+                SeqChunk(s[c:], c, pg) for s, c, pg in zip(seqs, computed, pages, strict=True)
+            ]
             batch = pack_batch(
                 chunks,
                 page_size=self.page_size,
@@ -58,7 +66,9 @@ class GreedyLoop:
                 num_reqs=num_reqs,
                 pages_per_req=pages_per_req,
             )
-            md = AttentionMetadata(**{k: jnp.asarray(v) for k, v in batch.metadata_fields().items()})
+            md = AttentionMetadata(
+                **{k: jnp.asarray(v) for k, v in batch.metadata_fields().items()}
+            )
             logits, kv_caches = self._step(
                 self.params,
                 jnp.asarray(batch.token_ids),

@@ -37,8 +37,9 @@ class KVCacheSize:
         )
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    itemsize: int) -> int:
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int
+) -> int:
     """Bytes of one page across all layers (K and V)."""
     return num_layers * block_size * 2 * num_kv_heads * head_dim * itemsize
 

@@ -152,11 +152,16 @@ class ModelRunner:
         self._swap(out)
         order = list(out.num_scheduled_tokens)
         if not order:
-            return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=None, prompt_logprobs=None)
+            return RunnerOutput(
+                req_ids=[], sampled_token_ids=[], logprobs=None, prompt_logprobs=None
+            )
         states = [self.requests[r] for r in order]
         chunks = [
-            SeqChunk(s.token_ids[s.num_computed : s.num_computed + out.num_scheduled_tokens[r]],
-                     s.num_computed, s.block_ids)
+            SeqChunk(
+                s.token_ids[s.num_computed : s.num_computed + out.num_scheduled_tokens[r]],
+                s.num_computed,
+                s.block_ids,
+            )
             for r, s in zip(order, states, strict=True)
         ]
         bucket = self.buckets.select(out.total_num_scheduled_tokens, len(order))
@@ -168,7 +173,8 @@ class ModelRunner:
             pages_per_req=self.pages_per_req,
         )
         sampling = [
-            None if r in out.partial_req_ids
+            None
+            if r in out.partial_req_ids
             else SamplingRow(s.params, s.output_ids, s.token_ids[: s.num_prompt], s.seed)
             for r, s in zip(order, states, strict=True)
         ]
@@ -202,8 +208,9 @@ class ModelRunner:
         return logits, hidden
 
     def _sample(self, bucket: Bucket, logits, rows: list):
-        batch = SamplingBatch(rows, bucket.num_reqs, self.vocab_size,
-                              eos_token_id=self.settings.eos_token_id)
+        batch = SamplingBatch(
+            rows, bucket.num_reqs, self.vocab_size, eos_token_id=self.settings.eos_token_id
+        )
         needed = batch.required_flags(self.settings.logprobs_mode)
         flags = pick_variant(needed, self.compiled.sampler_variants) or needed
         if batch.any_logits_processors:
@@ -225,9 +232,13 @@ class ModelRunner:
             if want:
                 pos = np.arange(chunk.num_computed, chunk.num_computed + n) + 1
                 inside = pos < state.num_prompt
-                targets[start : start + n] = np.where(inside, np.take(state.token_ids, np.minimum(pos, len(state.token_ids) - 1)), -1)
+                targets[start : start + n] = np.where(
+                    inside, np.take(state.token_ids, np.minimum(pos, len(state.token_ids) - 1)), -1
+                )
             start += n
-        out = jax.device_get(self.compiled.prompt_logprobs(bucket)(self.params, hidden, jax.device_put(targets)))
+        out = jax.device_get(
+            self.compiled.prompt_logprobs(bucket)(self.params, hidden, jax.device_put(targets))
+        )
         result, start = [], 0
         for state, chunk, want in zip(states, chunks, wanted, strict=True):
             n = len(chunk.token_ids)

@@ -48,7 +48,9 @@ def make_prompt_logprobs(module: Any, k: int):
             logits = module.apply({"params": params}, h, method="compute_logits")
             return prompt_logprobs(logits, jnp.maximum(t, 0), k)
 
-        out = jax.lax.map(one, (hidden.reshape(-1, rows, hidden.shape[1]), targets.reshape(-1, rows)))
+        out = jax.lax.map(
+            one, (hidden.reshape(-1, rows, hidden.shape[1]), targets.reshape(-1, rows))
+        )
         return jax.tree_util.tree_map(lambda x: x.reshape((-1,) + x.shape[2:])[:num_tokens], out)
 
     return jax.jit(fn)
@@ -65,7 +67,8 @@ def make_swap_fns():
 
     def scatter(kv_caches, ids, pages):
         return tuple(
-            cache.at[ids].set(page, mode="drop") for cache, page in zip(kv_caches, pages, strict=True)
+            cache.at[ids].set(page, mode="drop")
+            for cache, page in zip(kv_caches, pages, strict=True)
         )
 
     return jax.jit(gather), jax.jit(scatter, donate_argnums=(0,))

@@ -101,7 +101,7 @@ def ragged_paged_attention(
     num_chunks = (longest + chunk_len - 1) // chunk_len
 
     def body(c, carry):
-        m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
+        m, denom, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
         pages = jax.lax.dynamic_slice_in_dim(token_pages, c * chunk, chunk, axis=1)
         kv = kv_cache[pages].reshape(num_tokens, chunk_len, two_hkv, head_dim)
         k = kv[:, :, 0::2].astype(jnp.float32)  # [T, L, Hkv, D]
@@ -118,9 +118,9 @@ def ragged_paged_attention(
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(axis=-1)
+        denom = denom * alpha + p.sum(axis=-1)
         acc = acc * alpha[..., None] + jnp.einsum("tkgl,tlkd->tkgd", p, v)
-        return m_new, l, acc
+        return m_new, denom, acc
 
     shape = (num_tokens, num_kv_heads, group)
     init = (
@@ -128,7 +128,7 @@ def ragged_paged_attention(
         jnp.zeros(shape, jnp.float32),
         jnp.zeros(shape + (head_dim,), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+    _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

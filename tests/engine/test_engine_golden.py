@@ -62,7 +62,9 @@ BASE = dict(
 CONDITIONS = {
     "default": {},
     "no_chunked_prefill": dict(
-        enable_chunked_prefill=False, max_num_batched_tokens=256, compile_token_buckets=[16, 64, 256]
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=256,
+        compile_token_buckets=[16, 64, 256],
     ),
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "preempt_recompute": dict(num_gpu_blocks_override=41),

@@ -34,14 +34,22 @@ def test_varied_traffic_compiles_nothing_after_warmup(llm):
     guard = llm.engine.runner.guard
     assert guard.armed and guard.compiles_after_warmup == 0
     lengths = [3, 70, 12, 45, 1, 90, 30, 8]
-    prompts = [{"prompt_token_ids": [(17 * i + j) % 5000 + 10 for j in range(n)]} for i, n in enumerate(lengths)]
+    prompts = [
+        {"prompt_token_ids": [(17 * i + j) % 5000 + 10 for j in range(n)]}
+        for i, n in enumerate(lengths)
+    ]
     variants = [
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=3, n=2),
         SamplingParams(temperature=1.0, top_k=20, min_p=0.05, max_tokens=12, logprobs=5),
         SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=3, logprobs=0),
-        SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5,
-                       frequency_penalty=0.3, max_tokens=14),
+        SamplingParams(
+            temperature=0.7,
+            repetition_penalty=1.2,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            max_tokens=14,
+        ),
         SamplingParams(temperature=0.9, logit_bias={42: 5.0}, min_tokens=4, max_tokens=9),
         SamplingParams(temperature=0.5, allowed_token_ids=list(range(100, 400)), max_tokens=8),
         SamplingParams(temperature=0, stop=["the", "\n"], max_tokens=30),

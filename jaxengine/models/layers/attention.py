@@ -7,7 +7,8 @@ CPU, a Pallas kernel on TPU/GPU. Both share the signature of
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
