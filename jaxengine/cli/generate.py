@@ -1,7 +1,9 @@
 """`jaxengine generate PROMPT...`: one-shot offline generation through `LLM.generate`.
 
 Greedy by default (``--temperature 0``); ``--chat`` wraps each prompt in the model's
-chat template as a user message. Engine flags are the same as ``serve``'s.
+chat template as a user message. Engine flags are the same as ``serve``'s, except
+that ``--enforce-eager`` defaults to on: a one-shot run compiles only the buckets it
+uses instead of all of them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def register(subparsers) -> None:
         help="format each prompt as a chat user message (default: on)",
     )
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(func=run)
+    # One-shot use: compile only the buckets this run touches (--no-enforce-eager to
+    # compile every bucket up front, as `serve` does).
+    parser.set_defaults(func=run, enforce_eager=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,24 +13,9 @@ import pytest
 from jaxengine import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2_gguf, tmp_path_factory):
-    engine = LLM(
-        model=str(smollm2_gguf),
-        max_model_len=128,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        compile_token_buckets=[8, 32],
-        num_gpu_blocks_override=24,
-        swap_space=0,
-        compilation_cache_dir=str(tmp_path_factory.getbasetemp() / "xla-cache"),
-    )
-    yield engine
-    engine.engine.shutdown()
-
-
 @pytest.mark.slow
-def test_varied_traffic_compiles_nothing_after_warmup(llm):
+def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
+    llm = small_llm
     guard = llm.engine.runner.guard
     assert guard.armed and guard.compiles_after_warmup == 0
     lengths = [3, 70, 12, 45, 1, 90, 30, 8]
