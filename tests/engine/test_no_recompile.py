@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxengine import LLM, SamplingParams
+from jaxengine import SamplingParams
 
 
 @pytest.mark.slow
