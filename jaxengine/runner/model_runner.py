@@ -24,7 +24,6 @@ import numpy as np
 
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.models.layers.attention import kv_cache_shape
-from jaxengine.models.metadata import AttentionMetadata
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
@@ -201,10 +200,7 @@ class ModelRunner:
         )
 
     def _forward(self, bucket: Bucket, batch):
-        md = AttentionMetadata(**batch.metadata_fields())
-        args = jax.device_put((batch.token_ids, batch.positions, md, batch.logits_indices))
-        step = self.compiled.step(bucket)
-        logits, hidden, self.kv_caches = step(self.params, self.kv_caches, *args)
+        logits, hidden, self.kv_caches = self.compiled.step(self.params, self.kv_caches, batch)
         return logits, hidden
 
     def _sample(self, bucket: Bucket, logits, rows: list):
@@ -216,8 +212,7 @@ class ModelRunner:
         if batch.any_logits_processors:
             host = apply_logits_processors(np.asarray(logits), batch.rows)
             logits = jax.device_put(host)
-        md = jax.device_put(batch.to_metadata(flags))
-        result = self.compiled.sampler(bucket.num_reqs, flags)(logits, md)
+        result = self.compiled.sample(logits, batch.to_metadata(flags), flags)
         token_ids, lp = jax.device_get((result.token_ids, result.logprobs))
         return token_ids, lp
 
@@ -236,9 +231,7 @@ class ModelRunner:
                     inside, np.take(state.token_ids, np.minimum(pos, len(state.token_ids) - 1)), -1
                 )
             start += n
-        out = jax.device_get(
-            self.compiled.prompt_logprobs(bucket)(self.params, hidden, jax.device_put(targets))
-        )
+        out = jax.device_get(self.compiled.prompt_logprobs(self.params, hidden, targets))
         result, start = [], 0
         for state, chunk, want in zip(states, chunks, wanted, strict=True):
             n = len(chunk.token_ids)

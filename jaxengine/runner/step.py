@@ -1,8 +1,10 @@
-"""The jitted device functions of one engine: the model step, prompt logprobs, swaps.
+"""The jitted device functions of one engine: the model step, sampling, prompt
+logprobs and page swaps.
 
-Each is a pure function of arrays, compiled ahead of time per bucket by the runner
-(`jax.jit(...).lower(...).compile()`), so the shapes the engine can see are exactly
-the compiled ones. The KV caches are donated: XLA updates them in place.
+Each is a pure function of arrays. Per-step inputs arrive packed (`runner.transfer`)
+with their `TreeSpec` as a static argument, so each bucket is one cache entry of the
+jitted function and the C++ dispatch path stays fast. The KV caches are donated: XLA
+updates them in place.
 """
 
 from __future__ import annotations
@@ -12,21 +14,34 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxengine.runner.sampler import prompt_logprobs
+from jaxengine.runner.sampler import prompt_logprobs, sample
+from jaxengine.runner.transfer import unpack_tree
 
 PROMPT_LOGPROBS_ROWS = 256  # rows of [rows, V] logits materialized at a time
 
 
 def make_step(module: Any):
-    """``step(params, kv_caches, token_ids, positions, md, logits_indices)``
-    -> ``(logits[R, V] f32, hidden[T, H], kv_caches)``."""
+    """``step(params, kv_caches, buffers, spec)`` -> ``(logits[R, V], hidden[T, H], kv)``.
 
-    def step(params, kv_caches, token_ids, positions, md, logits_indices):
+    ``buffers``/``spec`` pack ``(token_ids[T], positions[T], md, logits_indices[R])``.
+    """
+
+    def step(params, kv_caches, buffers, spec):
+        token_ids, positions, md, logits_indices = unpack_tree(buffers, spec)
         hidden, kv_caches = module.apply({"params": params}, token_ids, positions, kv_caches, md)
         logits = module.apply({"params": params}, hidden[logits_indices], method="compute_logits")
         return logits, hidden, kv_caches
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1,), static_argnames=("spec",))
+
+
+def make_sampler():
+    """``sampler(logits[R, V], buffers, spec, flags)`` -> `SamplerOutput`."""
+
+    def run(logits, buffers, spec, flags):
+        return sample(logits, unpack_tree(buffers, spec), flags=flags)
+
+    return jax.jit(run, static_argnames=("spec", "flags"))
 
 
 def make_prompt_logprobs(module: Any, k: int):
