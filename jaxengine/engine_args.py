@@ -147,7 +147,6 @@ class EngineArgs:
     num_lookahead_slots: int = _default("num_lookahead_slots")
     # CompilationConfig
     compile_token_buckets: list[int] = _default("compile_token_buckets")
-    compile_request_buckets: list[int] = _default("compile_request_buckets")
     compilation_cache_dir: str = _default("compilation_cache_dir")
     enable_compilation_cache: bool = _default("enable_compilation_cache")
 

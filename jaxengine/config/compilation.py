@@ -25,13 +25,10 @@ class CompilationConfig:
     compile_token_buckets: list[int] = spec(default_factory=list, gt=0)
     """Token-count buckets the step is compiled for (jaxengine's counterpart of CUDA
     graph capture sizes): each step's flat batch of scheduled tokens is padded up
-    to the smallest bucket that holds it. Strictly increasing. Empty (the default)
-    derives them from the scheduler config, up to max_num_batched_tokens."""
-    compile_request_buckets: list[int] = spec(default_factory=list, gt=0)
-    """Request-count buckets the step is compiled for: the number of requests in a
-    step is padded up to the smallest bucket that holds it. Strictly increasing.
-    Empty (the default) derives them from the scheduler config, up to
-    max_num_seqs."""
+    to the smallest bucket that holds it, and the bucket of T tokens holds
+    min(T, max_num_seqs) requests. Strictly increasing; the last must be at least
+    max_num_batched_tokens. Empty (the default): powers of two up to
+    max_num_batched_tokens."""
     compilation_cache_dir: str = DEFAULT_COMPILATION_CACHE_DIR
     """Directory of the persistent XLA compilation cache ("~" is expanded), so a
     restart does not compile the buckets again."""
@@ -40,6 +37,6 @@ class CompilationConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
-        for name in ("compile_token_buckets", "compile_request_buckets"):
-            require(_increasing(list(getattr(self, name))), name, "must be strictly increasing")
+        name = "compile_token_buckets"
+        require(_increasing(list(self.compile_token_buckets)), name, "must be strictly increasing")
         require(bool(self.compilation_cache_dir), "compilation_cache_dir", "must not be empty")

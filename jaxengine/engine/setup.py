@@ -122,6 +122,11 @@ def build_components(config: EngineConfig) -> EngineParts:
     buckets = config.compilation_config.compile_token_buckets or default_token_buckets(
         sc.max_num_batched_tokens
     )
+    if buckets[-1] < sc.max_num_batched_tokens:
+        raise ValueError(
+            f"--compile-token-buckets: the largest bucket {buckets[-1]} is smaller than "
+            f"--max-num-batched-tokens {sc.max_num_batched_tokens}"
+        )
     settings = RunnerSettings(
         block_size=block_size,
         num_blocks=kv_size.num_blocks,

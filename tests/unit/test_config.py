@@ -74,7 +74,7 @@ def test_defaults_follow_vllm():
     assert p.distributed_executor_backend is None and not p.enable_expert_parallel
     assert LoadConfig().load_format == "auto"
     x = CompilationConfig()
-    assert (x.compile_token_buckets, x.compile_request_buckets) == ([], [])
+    assert x.compile_token_buckets == []
     assert x.enable_compilation_cache and x.compilation_cache_dir == "~/.cache/jaxengine/xla"
 
 
@@ -109,7 +109,7 @@ def test_defaults_follow_vllm():
         (ParallelConfig, {"tensor_parallel_size": 0}, "tensor_parallel_size"),
         (ParallelConfig, {"data_parallel_rpc_port": 70000}, "data_parallel_rpc_port"),
         (CompilationConfig, {"compile_token_buckets": [16, 8]}, "compile_token_buckets"),
-        (CompilationConfig, {"compile_request_buckets": [0, 8]}, "compile_request_buckets"),
+        (CompilationConfig, {"compile_token_buckets": [0, 8]}, "compile_token_buckets"),
         (EngineConfig, {"cache_config": LoadConfig()}, "cache_config"),
     ],
 )

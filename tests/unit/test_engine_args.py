@@ -78,7 +78,6 @@ VALID_FLAGS = [
     (["--scheduling-policy", "priority"], "scheduling_policy", "priority"),
     (["--num-lookahead-slots", "4"], "num_lookahead_slots", 4),
     (["--compile-token-buckets", "16", "64"], "compile_token_buckets", [16, 64]),
-    (["--compile-request-buckets", "1", "8"], "compile_request_buckets", [1, 8]),
     (["--compilation-cache-dir", "/tmp/xla"], "compilation_cache_dir", "/tmp/xla"),
     (["--no-enable-compilation-cache"], "enable_compilation_cache", False),
 ]  # fmt: skip
