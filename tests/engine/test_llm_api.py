@@ -89,3 +89,15 @@ def test_greedy_logprobs_are_log_softmax(small_llm):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 5
     for position in range(1, 5):
         assert PROMPT["prompt_token_ids"][position] in out.prompt_logprobs[position]
+
+
+def test_logits_processor_runs_on_the_host_path(small_llm):
+    def only_42(output_ids, logits):
+        forced = logits.copy()
+        forced[:] = -1e9
+        forced[42] = 0.0
+        return forced
+
+    params = SamplingParams(temperature=0, max_tokens=3, logits_processors=[only_42])
+    (out,) = small_llm.generate(PROMPT, params, use_tqdm=False)
+    assert out.outputs[0].token_ids == [42, 42, 42]
