@@ -47,6 +47,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Releases the engine's resources (the compile guard's listener)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptLike | Sequence[PromptLike],

@@ -101,7 +101,9 @@ class CompiledFunctions:
             jax.device_get(self._gather(kv_caches, padded[i : i + size]))
             for i in range(0, len(padded), size)
         ]
-        return [np.concatenate([p[layer] for p in parts])[: len(ids)] for layer in range(len(kv_caches))]
+        return [
+            np.concatenate([p[layer] for p in parts])[: len(ids)] for layer in range(len(kv_caches))
+        ]
 
     def scatter_pages(self, kv_caches, ids: list[int], pages: list[np.ndarray]):
         """Writes host ``pages`` (per layer) into device pages ``ids``; returns the caches."""

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-# bench/ is a top-level folder of the repository, not part of the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench import common, latency, throughput  # noqa: E402
-from bench.common import PeerResult  # noqa: E402
+# bench/ is a top-level folder of the repository (on pytest's pythonpath), not installed.
+from bench import common, latency, throughput
+from bench.common import PeerResult
 
 
 def test_throughput_defaults():
