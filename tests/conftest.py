@@ -12,6 +12,22 @@ from pathlib import Path
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """Skips `gpu`/`tpu` tests where that device is absent (they run where it is)."""
+    marked = [i for i in items if "gpu" in i.keywords or "tpu" in i.keywords]
+    if not marked:
+        return
+    import jax
+
+    backend = jax.default_backend()
+    for item in marked:
+        for kind in ("gpu", "tpu"):
+            if kind in item.keywords and backend != kind:
+                item.add_marker(
+                    pytest.mark.skip(reason=f"needs a {kind.upper()} (backend: {backend})")
+                )
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf (Llama architecture, chat template)."""
