@@ -1,4 +1,4 @@
-"""The device side of one engine: a host wrapper around AOT-compiled step functions.
+"""The device side of one engine: a host wrapper around the compiled step functions.
 
 `ModelRunner.execute(SchedulerOutput) -> RunnerOutput` (the contract in
 `jaxengine.core.sched_output`): it updates its per-request state, copies swapped
