@@ -8,7 +8,6 @@ CPU, a Pallas kernel on TPU/GPU. Both share the signature of
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -76,5 +75,3 @@ def kv_cache_shape(config: TransformerConfig, num_pages: int, page_size: int) ->
     """Shape of one layer's cache: ``[num_pages, page_size, 2 * Hkv, D]``."""
     return (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
 
-
-Dtype = Any
