@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxengine.config import EngineConfig
-from jaxengine.core.limits import SchedulerLimits
 from jaxengine.core.request import Request, RequestStatus
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.engine.output_processor import OutputProcessor
@@ -21,6 +20,14 @@ from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class PreparedPrompt(NamedTuple):
+    """A validated prompt: its text (if any), token ids, and engine-ready params."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
 
 
 class PromptTooLongError(ValueError):
@@ -41,14 +48,7 @@ class LLMEngine:
         self.max_model_len = parts.config.model_config.max_model_len
         self.vocab_size = parts.loaded.config.vocab_size
         self.eos_token_id = parts.eos_token_id
-        limits = SchedulerLimits.from_configs(
-            parts.config.scheduler_config,
-            parts.config.cache_config,
-            parts.kv_size.num_blocks,
-            self.max_model_len,
-            bytes_per_block=parts.kv_size.bytes_per_block,
-        )
-        self.scheduler = Scheduler(limits)
+        self.scheduler = Scheduler(parts.limits)
         self.runner = parts.runner
         self.outputs = OutputProcessor(self.tokenizer)
         if warmup and not self.config.model_config.enforce_eager:
@@ -72,6 +72,15 @@ class LLMEngine:
             return prompt, list(self.tokenizer.encode(prompt))
         return None, [int(t) for t in prompt]
 
+    def prepare(self, prompt: str | list[int] | dict, params: SamplingParams) -> PreparedPrompt:
+        """Tokenizes, truncates and validates a prompt; raises ValueError if it is bad."""
+        text, ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > 0:
+            ids = ids[-params.truncate_prompt_tokens :]
+        params = self._prepare_params(params, len(ids))
+        self._check_prompt(ids, params)
+        return PreparedPrompt(text, ids, params)
+
     def add_request(
         self,
         request_id: str,
@@ -82,13 +91,21 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Validates and queues a request; raises ValueError (nothing queued) if bad."""
-        text, ids = self.tokenize(prompt)
-        params = self._prepare_params(params, len(ids))
-        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > 0:
-            ids = ids[-params.truncate_prompt_tokens :]
-        self._check_prompt(ids, params)
+        prepared = self.prepare(prompt, params)
+        self.add_prepared(request_id, prepared, arrival_time=arrival_time, priority=priority)
+
+    def add_prepared(
+        self,
+        request_id: str,
+        prepared: PreparedPrompt,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queues a prompt that `prepare` accepted (one sequence per ``n``)."""
         if request_id in self.outputs.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        text, ids, params = prepared
         arrival = time.time() if arrival_time is None else arrival_time
         child_ids = self.outputs.add(request_id, text, ids, params, arrival)
         for index, child in enumerate(child_ids):

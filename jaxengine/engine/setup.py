@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxengine.config import EngineConfig
+from jaxengine.core.limits import SchedulerLimits
 from jaxengine.loader import LoadedModel, load_model
 from jaxengine.loader.hf_config import load_generation_config
 from jaxengine.runner.buckets import default_token_buckets
@@ -31,6 +32,7 @@ class EngineParts:
     generation_config: dict
     eos_token_id: int | None
     kv_size: KVCacheSize
+    limits: SchedulerLimits
     runner: ModelRunner
 
 
@@ -117,7 +119,9 @@ def build_components(config: EngineConfig) -> EngineParts:
         device=jax.devices()[0] if jax.default_backend() != "cpu" else None,
     )
     logger.info(kv_size.describe(max_model_len))
-    from jaxengine.core.limits import num_host_blocks_for
+    limits = SchedulerLimits.from_configs(
+        sc, cc, kv_size.num_blocks, max_model_len, bytes_per_block=per_block
+    )
 
     buckets = config.compilation_config.compile_token_buckets or default_token_buckets(
         sc.max_num_batched_tokens
@@ -133,11 +137,11 @@ def build_components(config: EngineConfig) -> EngineParts:
         max_model_len=max_model_len,
         max_num_seqs=sc.max_num_seqs,
         token_buckets=tuple(buckets),
-        num_host_blocks=num_host_blocks_for(cc.swap_space, per_block),
+        num_host_blocks=limits.num_host_blocks,
         max_logprobs=mc.max_logprobs,
         logprobs_mode=mc.logprobs_mode,
         seed=mc.seed,
         eos_token_id=eos,
     )
     runner = ModelRunner(loaded, settings)
-    return EngineParts(config, loaded, tokenizer, generation_config, eos, kv_size, runner)
+    return EngineParts(config, loaded, tokenizer, generation_config, eos, kv_size, limits, runner)

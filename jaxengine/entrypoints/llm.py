@@ -111,16 +111,16 @@ class LLM:
 
     def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
         engine = self.engine
-        for prompt, p in zip(prompts, params, strict=True):  # validate all first
-            _, ids = engine.tokenize(prompt)
-            engine._check_prompt(ids, engine._prepare_params(p, len(ids)))
+        prepared = []  # validate every prompt before queueing any
+        for prompt, p in zip(prompts, params, strict=True):
+            p = p.clone()
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            prepared.append(engine.prepare(prompt, p))
         ids = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-                p = p.clone()
-                p.output_kind = RequestOutputKind.FINAL_ONLY
+            for i, ready in enumerate(prepared):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+                engine.add_prepared(request_id, ready, priority=priority[i] if priority else 0)
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)

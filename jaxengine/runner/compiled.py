@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxengine.models.metadata import AttentionMetadata
 from jaxengine.runner.batch import pack_batch
 from jaxengine.runner.buckets import Bucket
 from jaxengine.runner.sampling_metadata import (
@@ -29,7 +28,13 @@ from jaxengine.runner.sampling_metadata import (
 from jaxengine.runner.sampling_metadata import (
     bucket as width_bucket,
 )
-from jaxengine.runner.step import make_prompt_logprobs, make_sampler, make_step, make_swap_fns
+from jaxengine.runner.step import (
+    make_prompt_logprobs,
+    make_sampler,
+    make_step,
+    make_swap_fns,
+    step_inputs,
+)
 from jaxengine.runner.transfer import pack_tree
 
 logger = logging.getLogger(__name__)
@@ -76,8 +81,7 @@ class CompiledFunctions:
 
     def step(self, params, kv_caches, batch):
         """Forward of a packed batch -> ``(logits[R, V], hidden[T, H], kv_caches)``."""
-        md = AttentionMetadata(**batch.metadata_fields())
-        buffers, spec = pack_tree((batch.token_ids, batch.positions, md, batch.logits_indices))
+        buffers, spec = step_inputs(batch)
         return self._step(params, kv_caches, buffers, spec=spec)
 
     def sample(self, logits, metadata, flags: SamplerFlags):

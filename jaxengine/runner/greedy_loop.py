@@ -1,22 +1,21 @@
 """A simple greedy decoding loop over the paged KV cache, without a scheduler.
 
 All prompts prefill together in one ragged step, then decode one token per request per
-step. Pages are handed out sequentially (page 0 stays the null page). It serves the
-golden tests and `jaxengine generate` until the engine's runner takes over; it
-compiles one step per distinct token count, so it is not for serving.
+step, through the engine's own step function (`runner.step`). Pages are handed out
+sequentially (page 0 stays the null page). The golden model tests use it to check the
+forward alone; it compiles one step per distinct token count, so it is not for serving.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.models.layers.attention import kv_cache_shape
-from jaxengine.models.metadata import AttentionMetadata
 from jaxengine.runner.batch import SeqChunk, pack_batch
+from jaxengine.runner.step import make_step, step_inputs
 
 
 class GreedyLoop:
@@ -26,16 +25,7 @@ class GreedyLoop:
         self.module, self.config, self.params = module, config, params
         self.page_size = page_size
 
-        def step(params, token_ids, positions, kv_caches, md, logits_indices):
-            hidden, kv_caches = module.apply(
-                {"params": params}, token_ids, positions, kv_caches, md
-            )
-            logits = module.apply(
-                {"params": params}, hidden[logits_indices], method="compute_logits"
-            )
-            return logits, kv_caches  # [R, V] float32
-
-        self._step = jax.jit(step, donate_argnums=(3,))
+        self._step = make_step(module)  # the engine's step function
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, return_logits: bool = False
@@ -66,17 +56,8 @@ class GreedyLoop:
                 num_reqs=num_reqs,
                 pages_per_req=pages_per_req,
             )
-            md = AttentionMetadata(
-                **{k: jnp.asarray(v) for k, v in batch.metadata_fields().items()}
-            )
-            logits, kv_caches = self._step(
-                self.params,
-                jnp.asarray(batch.token_ids),
-                jnp.asarray(batch.positions),
-                kv_caches,
-                md,
-                jnp.asarray(batch.logits_indices),
-            )
+            buffers, spec = step_inputs(batch)
+            logits, _, kv_caches = self._step(self.params, kv_caches, buffers, spec=spec)
             logits = np.asarray(logits)
             if return_logits:
                 all_logits.append(logits)

@@ -14,10 +14,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxengine.models.metadata import AttentionMetadata
+from jaxengine.runner.batch import PackedBatch
 from jaxengine.runner.sampler import prompt_logprobs, sample
-from jaxengine.runner.transfer import unpack_tree
+from jaxengine.runner.transfer import TreeSpec, pack_tree, unpack_tree
 
 PROMPT_LOGPROBS_ROWS = 256  # rows of [rows, V] logits materialized at a time
+
+
+def step_inputs(batch: PackedBatch) -> tuple[tuple, TreeSpec]:
+    """The packed buffers and spec of a batch, as `make_step`'s function takes them."""
+    md = AttentionMetadata(**batch.metadata_fields())
+    return pack_tree((batch.token_ids, batch.positions, md, batch.logits_indices))
 
 
 def make_step(module: Any):

@@ -74,4 +74,3 @@ class Attention(nn.Module):
 def kv_cache_shape(config: TransformerConfig, num_pages: int, page_size: int) -> tuple:
     """Shape of one layer's cache: ``[num_pages, page_size, 2 * Hkv, D]``."""
     return (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
-
