@@ -159,6 +159,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs its requests' kinds ask for."""
         sched_out = self.scheduler.schedule()
+        if sched_out.scheduled_new_reqs:
+            self.outputs.mark_scheduled(
+                (r.req_id for r in sched_out.scheduled_new_reqs), time.time()
+            )
         runner_out = self.runner.execute(sched_out)
         core_outputs = self.scheduler.update(sched_out, runner_out)
         outputs, stops = self.outputs.process(core_outputs)
@@ -167,7 +171,12 @@ class LLMEngine:
         return outputs
 
     def get_stats(self):
+        """The scheduler's snapshot (`SchedulerStats`): queues, KV usage, counters."""
         return self.scheduler.get_stats()
+
+    def take_iteration_stats(self):
+        """Token and latency statistics (`IterationStats`) since the last call."""
+        return self.outputs.take_stats()
 
     def shutdown(self) -> None:
         self.runner.close()

@@ -12,6 +12,7 @@ import dataclasses
 import time
 from typing import Any
 
+from jaxengine.engine.stats import FinishedRequestStats, IterationStats
 from jaxengine.outputs import (
     CompletionOutput,
     Logprob,
@@ -43,6 +44,8 @@ class SequenceState:
     stop_reason: int | str | None = None
     sent_tokens: int = 0
     sent_text: int = 0
+    sent_finish: bool = False
+    """DELTA outputs: the finish reason has been emitted (each sequence ends once)."""
 
     @property
     def finished(self) -> bool:
@@ -74,6 +77,22 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.by_child: dict[str, tuple[RequestState, SequenceState]] = {}
+        self.stats = IterationStats()
+        """Statistics since the last `take_stats()`."""
+
+    def take_stats(self) -> IterationStats:
+        """The statistics gathered since the last call (a new record starts)."""
+        stats, self.stats = self.stats, IterationStats()
+        return stats
+
+    def mark_scheduled(self, child_ids, now: float) -> None:
+        """Records the first schedule of requests (for queue-time metrics)."""
+        for cid in child_ids:
+            entry = self.by_child.get(cid)
+            if entry is not None and entry[0].metrics.first_scheduled_time is None:
+                metrics = entry[0].metrics
+                metrics.first_scheduled_time = now
+                metrics.time_in_queue = now - metrics.arrival_time
 
     def add(
         self,
@@ -129,9 +148,7 @@ class OutputProcessor:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens or 0)
             if out.new_token_ids:
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
-                state.metrics.last_token_time = now
+                self._record_tokens(state, len(out.new_token_ids), now)
                 stop = self._add_tokens(seq, out.new_token_ids, out.new_logprobs, out.finished)
                 if stop is not None:
                     stops.append((out.request_id, stop))
@@ -145,6 +162,7 @@ class OutputProcessor:
             if result is not None:
                 emitted.append(result)
             if state.finished:
+                self._record_finished(state, now)
                 self._forget(state)
         return emitted, stops
 
@@ -155,9 +173,44 @@ class OutputProcessor:
             return []
         ids = [child_id(request_id, s.index, state.params.n) for s in state.sequences]
         self._forget(state)
+        self.stats.num_aborted += 1
         return ids
 
     # ------------------------------------------------------------------ details
+
+    def _record_tokens(self, state: RequestState, count: int, now: float) -> None:
+        metrics, stats = state.metrics, self.stats
+        stats.num_generation_tokens += count
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
+            stats.time_to_first_tokens.append(now - metrics.arrival_time)
+        elif now > metrics.last_token_time:  # once per step, for n > 1 too
+            stats.inter_token_latencies.append(now - metrics.last_token_time)
+        metrics.last_token_time = now
+
+    def _record_finished(self, state: RequestState, now: float) -> None:
+        m = state.metrics
+        reason = state.sequences[0].finish_reason
+        if reason not in ("stop", "length"):
+            return
+        first = m.first_token_time if m.first_token_time is not None else now
+        scheduled = m.first_scheduled_time if m.first_scheduled_time is not None else first
+        decode = now - first
+        longest = max(len(s.token_ids) for s in state.sequences)
+        self.stats.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=reason,
+                e2e_latency=now - m.arrival_time,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_generation_tokens=sum(len(s.token_ids) for s in state.sequences),
+                max_tokens=state.params.max_tokens,
+                queued_time=scheduled - m.arrival_time,
+                prefill_time=first - scheduled,
+                decode_time=decode,
+                time_per_output_token=decode / (longest - 1) if longest > 1 else 0.0,
+            )
+        )
 
     def _add_tokens(self, seq: SequenceState, new_ids, new_logprobs, finishing: bool):
         """Appends tokens; returns the stop string if one now ends the sequence."""
@@ -222,7 +275,9 @@ class OutputProcessor:
         delta = kind is RequestOutputKind.DELTA
         completions = []
         for seq in state.sequences:
-            if delta and seq.sent_tokens == len(seq.token_ids) and not seq.finished:
+            if delta and seq.sent_tokens == len(seq.token_ids) and (
+                not seq.finished or seq.sent_finish
+            ):
                 continue
             tokens = seq.token_ids[seq.sent_tokens :] if delta else list(seq.token_ids)
             text = seq.text[seq.sent_text :] if delta else seq.text
@@ -244,6 +299,7 @@ class OutputProcessor:
             )
             if delta:
                 seq.sent_tokens, seq.sent_text = len(seq.token_ids), len(seq.text)
+                seq.sent_finish = seq.finished
         state.metrics.num_generation_tokens = sum(len(s.token_ids) for s in state.sequences)
         return RequestOutput(
             request_id=state.request_id,

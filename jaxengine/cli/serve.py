@@ -1,0 +1,35 @@
+"""`jaxengine serve [MODEL]`: the OpenAI-compatible HTTP server.
+
+Loads the model (default: the demo SmolLM2-135M-Instruct), compiles every step
+shape (unless ``--enforce-eager``), then serves ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/detokenize``,
+``/health``, ``/version``, ``/metrics`` (and ``/load`` with
+``--enable-server-load-tracking``) on ``--host``/``--port``.
+
+    jaxengine serve --port 8000
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    from server.args import add_server_args
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="start the OpenAI-compatible API server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_server_args(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from server.launch import serve
+
+    return serve(args)

@@ -1,0 +1,49 @@
+"""Per-step statistics for metrics and logs (host side, pure Python).
+
+The output processor fills one `IterationStats` per engine step from the outputs it
+applies: tokens, time to first token, inter-token latencies and the requests that
+finished. Together with the scheduler's `SchedulerStats` snapshot it is everything
+the Prometheus metrics (`jaxengine.metrics`) and the periodic log line need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedRequestStats:
+    """One request that finished (not aborted) in this step."""
+
+    finish_reason: str
+    """"stop" or "length" (of its first sequence)."""
+    e2e_latency: float
+    """Seconds from arrival to the last token."""
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    """Summed over the request's ``n`` sequences."""
+    max_tokens: int | None
+    queued_time: float
+    """Seconds from arrival to the first schedule."""
+    prefill_time: float
+    """Seconds from the first schedule to the first token."""
+    decode_time: float
+    """Seconds from the first token to the last."""
+    time_per_output_token: float
+    """decode_time / (tokens of the longest sequence - 1); 0 with one token."""
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """What one engine step produced."""
+
+    iteration_timestamp: float = dataclasses.field(default_factory=time.time)
+    num_prompt_tokens: int = 0
+    """Prompt tokens of the requests whose first token came in this step."""
+    num_generation_tokens: int = 0
+    """Tokens generated in this step, over every sequence."""
+    time_to_first_tokens: list[float] = dataclasses.field(default_factory=list)
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
+    num_aborted: int = 0

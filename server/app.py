@@ -1,0 +1,318 @@
+"""The FastAPI app: OpenAI routes, tokenization, health, metrics, and middleware.
+
+`build_app(engine, args)` wires the handlers to an `AsyncLLM`; `server/launch.py`
+serves it with uvicorn. Every error leaves the app in OpenAI's error shape (see
+`server/errors.py`); none of them stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import importlib
+import inspect
+import logging
+import os
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from jaxengine.version import __version__
+from server.errors import APIError, error_response, validation_message
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from server.serving import ServerOptions, ServingContext
+from server.serving_chat import ChatHandler
+from server.serving_completion import CompletionHandler
+
+logger = logging.getLogger("jaxengine.server")
+
+
+def server_options(args: Any, engine: AsyncLLM) -> ServerOptions:
+    """The handler options from parsed `serve` flags."""
+    return ServerOptions(
+        served_model_names=tuple(engine.config.model_config.served_model_names),
+        response_role=args.response_role,
+        chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+    )
+
+
+def build_app(engine: AsyncLLM, args: Any, metrics: Any = None, stats_log: Any = None) -> FastAPI:
+    """The app for ``engine``; ``args`` holds the `serve` flags (server/args.py)."""
+    ctx = ServingContext(engine, server_options(args, engine))
+    docs = not args.disable_fastapi_docs
+    app = FastAPI(
+        title="jaxengine OpenAI-compatible API",
+        version=__version__,
+        root_path=args.root_path or "",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+        lifespan=_lifespan(engine, stats_log, args),
+    )
+    app.state.ctx = ctx
+    app.state.server_load = 0
+    _add_exception_handlers(app)
+    _add_middleware(app, args)
+    _add_routes(app, ctx, metrics, args)
+    return app
+
+
+def _lifespan(engine: AsyncLLM, stats_log: Any, args: Any):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = None
+        if stats_log is not None:
+            task = asyncio.create_task(_log_stats(stats_log, args.log_stats_interval))
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+
+    return lifespan
+
+
+async def _log_stats(stats_log: Any, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        stats_log.log()
+
+
+# ---------------------------------------------------------------------- routes
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> None:
+    completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return _respond(await completions.create(request, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return _respond(await chat.create(request, raw_request))
+
+    @app.get("/v1/models")
+    async def show_models():
+        root = ctx.engine.config.model_config.model
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "jaxengine",
+                    "root": root,
+                    "parent": None,
+                    "max_model_len": ctx.engine.max_model_len,
+                }
+                for name in ctx.options.served_model_names
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        ctx.check_model(request.model)
+        if request.messages is not None:
+            ids = chat.render(request)
+        else:
+            ids = ctx.tokenize(request.prompt, request.add_special_tokens)["prompt_token_ids"]
+        body: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": ctx.engine.max_model_len,
+            "tokens": ids,
+        }
+        if request.return_token_strs:
+            body["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        ctx.check_model(request.model)
+        bad = [t for t in request.tokens if not 0 <= t < ctx.engine.vocab_size]
+        if bad:
+            raise APIError(
+                f"token id {bad[0]} is out of vocabulary (size {ctx.engine.vocab_size})",
+                param="tokens",
+            )
+        return {"prompt": ctx.need_tokenizer().decode(request.tokens)}
+
+    @app.get("/health")
+    async def health():
+        try:
+            await ctx.engine.check_health()
+        except EngineDeadError as e:
+            return error_response(str(e), 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def show_metrics():
+        from jaxengine.metrics import render_metrics
+
+        if metrics is None:
+            raise APIError("metrics are off", 404)
+        body, content_type = render_metrics(metrics.registry)
+        return Response(body, media_type=content_type)
+
+    if args.enable_server_load_tracking:
+
+        @app.get("/load")
+        async def load():
+            return {"server_load": app.state.server_load}
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError):
+        message, param = validation_message(list(exc.errors()))
+        return error_response(message, 400, param)
+
+    @app.exception_handler(ValueError)
+    async def bad_value(_: Request, exc: ValueError):
+        return error_response(str(exc), 400)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError):
+        return error_response(str(exc), 500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception):
+        logger.exception("request failed")
+        return error_response(f"internal error: {exc!r}", 500)
+
+
+# ---------------------------------------------------------------------- middleware
+
+
+def _add_middleware(app: FastAPI, args: Any) -> None:
+    # Pure ASGI middleware (not BaseHTTPMiddleware): it passes `receive` through
+    # untouched, so handlers still see the client's disconnect.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+    )
+    key = args.api_key or os.environ.get("JAXENGINE_API_KEY")
+    if key:
+        app.add_middleware(AuthMiddleware, key=key)
+    if args.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    if args.enable_server_load_tracking:
+        app.add_middleware(LoadTrackingMiddleware, state=app.state)
+    for path in args.middleware or []:
+        _add_user_middleware(app, path)
+
+
+class AuthMiddleware:
+    """401 for `/v1/*` requests without ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _is_api(scope):
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            response = error_response("Unauthorized: a valid API key is required", 401)
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Echoes ``X-Request-Id`` (or a new id) in the response headers."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
+
+
+class LoadTrackingMiddleware:
+    """Counts `/v1/*` requests in flight (streams included) for ``GET /load``."""
+
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not _is_api(scope):
+            return await self.app(scope, receive, send)
+        self.state.server_load += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
+def _is_api(scope) -> bool:
+    path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+    return path.startswith("/v1")
+
+
+def _add_user_middleware(app: FastAPI, path: str) -> None:
+    """``--middleware module.attr``: a class (ASGI middleware) or an http function."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"--middleware {path!r}: give it as module.attribute")
+    obj = getattr(importlib.import_module(module_name), attr)
+    if inspect.isclass(obj):
+        app.add_middleware(obj)
+    elif inspect.iscoroutinefunction(obj):
+        app.middleware("http")(obj)
+    else:
+        raise ValueError(f"--middleware {path!r} is neither a class nor an async function")

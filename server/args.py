@@ -1,0 +1,110 @@
+"""`jaxengine serve` flags: the frontend's, with vLLM's names, beside the engine's.
+
+The engine flags (`EngineArgs.add_cli_args`) already include ``--chat-template``,
+``--served-model-name`` and ``--config``; this module adds the HTTP server's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from jaxengine.config.arg_utils import parse_json
+from jaxengine.engine_args import EngineArgs
+
+UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
+CONTENT_FORMATS = ("auto", "string", "openai")
+LOG_STATS_INTERVAL = float(os.environ.get("JAXENGINE_LOG_STATS_INTERVAL", "10"))
+"""Seconds between the periodic stats lines (``$JAXENGINE_LOG_STATS_INTERVAL``)."""
+
+
+def _json_list(text: str) -> list[str]:
+    value = parse_json(text)
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the frontend flags (group "Frontend") and the engine flags."""
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve (overrides --model; default: the demo SmolLM2-135M-Instruct)",
+    )
+    g = parser.add_argument_group("Frontend", "the OpenAI-compatible HTTP server")
+    add = g.add_argument
+    add("--host", default=None, help="host name to bind (default: all interfaces)")
+    add("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    add("--uds", default=None, help="Unix domain socket path; if set, host and port are ignored")
+    add("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info", help="uvicorn's level")
+    add("--disable-uvicorn-access-log", action="store_true", help="no per-request access log")
+    add("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    add("--allowed-origins", type=_json_list, default=["*"], help="CORS origins (JSON list)")
+    add("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON list)")
+    add("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)")
+    add(
+        "--api-key",
+        default=None,
+        help="require this key (Authorization: Bearer KEY) on /v1 routes; "
+        "also read from $JAXENGINE_API_KEY",
+    )
+    add(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default="auto",
+        help="message content as a string, or as OpenAI's list of parts; auto detects "
+        "it from the template",
+    )
+    add("--response-role", default="assistant", help="the role of chat replies")
+    add("--ssl-keyfile", default=None, help="TLS key file")
+    add("--ssl-certfile", default=None, help="TLS certificate file")
+    add("--ssl-ca-certs", default=None, help="CA certificates file")
+    add("--ssl-cert-reqs", type=int, default=0, help="whether client certificates are required")
+    add("--root-path", default=None, help="FastAPI root_path behind a path-based proxy")
+    add(
+        "--middleware",
+        action="append",
+        default=[],
+        help="extra middleware, as module.attribute (an ASGI class or an async http "
+        "function); may be repeated",
+    )
+    add(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob tokens as 'token_id:N' instead of their text",
+    )
+    add("--enable-request-id-headers", action="store_true", help="add X-Request-Id to responses")
+    add(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report prompt_tokens_details.cached_tokens in usage",
+    )
+    add(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="count requests in flight and serve them at GET /load",
+    )
+    add(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="a usage chunk at the end of every stream",
+    )
+    add("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
+    add("--max-log-len", type=int, default=None, help="characters of prompt text to log")
+    add("--disable-log-stats", action="store_true", help="no periodic stats lines")
+    add("--enable-log-requests", action="store_true", help="log each request's prompt and params")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL)
+    return parser
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from parsed flags; a positional MODEL wins over ``--model``."""
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    return EngineArgs.from_cli_args(args)

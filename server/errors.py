@@ -1,0 +1,59 @@
+"""OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``.
+
+Handlers raise `APIError` (or let a `ValueError` from validation escape); the app's
+exception handlers turn both, and FastAPI's request validation errors, into this
+body with the right status. Nothing is queued for a request that fails here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, reported in OpenAI's shape."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) of pydantic/FastAPI validation errors, first error first."""
+    parts, param = [], None
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        msg = str(err.get("msg", "invalid value"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+        if param is None and loc:
+            param = loc[0]
+    return "; ".join(parts) or "invalid request", param

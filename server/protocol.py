@@ -1,0 +1,218 @@
+"""OpenAI request bodies, with vLLM's extra sampling fields (pydantic models).
+
+The models validate types and ranges that need no model; everything else
+(context length, vocabulary, logprob caps) is checked by the engine when the
+request is prepared. Unknown fields are ignored, as OpenAI's and vLLM's servers do.
+Responses are built in `server/responses.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jaxengine.sampling_params import RequestOutputKind, SamplingParams
+
+# Sampling fields whose server default comes from the model's generation config when
+# the request leaves them out (vLLM's `--generation-config auto`).
+GENERATION_CONFIG_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by completions and chat: OpenAI's and vLLM's extras."""
+
+    model: str | None = None
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    presence_penalty: float | None = 0.0
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    priority: int = 0
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: dict[str, Any],
+        extra: dict[str, Any] | None = None,
+    ) -> SamplingParams:
+        """The engine's params; raises ValueError (-> 400) for invalid values."""
+        chosen = {k: getattr(self, k) for k in GENERATION_CONFIG_DEFAULTS}
+        for key, value in defaults.items():
+            if chosen.get(key) is None:
+                chosen[key] = value
+        return SamplingParams.from_optional(
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            bad_words=self.bad_words,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            **chosen,
+            **(extra or {}),
+        )
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one per text or token-id list."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # one tokenized prompt
+        return list(prompt)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = 0
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, str]] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return self
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: a prompt (completions style) or messages (chat style)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorInfo
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = max(-100.0, min(100.0, float(value)))
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+    return out
+
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]

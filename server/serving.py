@@ -1,0 +1,176 @@
+"""What the OpenAI handlers share: the engine, the served names, prompt preparation,
+merging several requests' streams, and aborting when the client goes away.
+
+A request with several prompts (or ``n`` > 1) becomes one engine request per prompt,
+``{request_id}-{i}``; every prompt is prepared (tokenized, validated) before any is
+queued, so a bad one fails the whole request with nothing left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from jaxengine.engine.llm_engine import PreparedPrompt
+from jaxengine.entrypoints.async_llm import AsyncLLM
+from jaxengine.outputs import RequestOutput
+from jaxengine.sampling_params import SamplingParams
+from server.errors import APIError
+
+logger = logging.getLogger("jaxengine.server")
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """The frontend flags the handlers read."""
+
+    served_model_names: tuple[str, ...]
+    response_role: str = "assistant"
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+
+
+class ServingContext:
+    """The engine and options behind every handler."""
+
+    def __init__(self, engine: AsyncLLM, options: ServerOptions) -> None:
+        self.engine = engine
+        self.options = options
+        self.tokenizer = engine.tokenizer
+        gen = engine.engine.generation_config or {}
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        self.default_sampling = {k: gen[k] for k in keys if gen.get(k) is not None}
+
+    @property
+    def model_name(self) -> str:
+        return self.options.served_model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request addresses; 404 for an unknown one."""
+        if name is None or name == "":
+            return self.model_name
+        if name not in self.options.served_model_names:
+            raise APIError(f"The model `{name}` does not exist.", 404, "model")
+        return name
+
+    def need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError("this server runs without a tokenizer (--skip-tokenizer-init)")
+        return self.tokenizer
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> dict[str, Any]:
+        """An engine prompt dict (text and ids) from a text or a token-id list."""
+        if isinstance(prompt, str):
+            ids = self.need_tokenizer().encode(prompt, add_special_tokens=add_special_tokens)
+            return {"prompt": prompt, "prompt_token_ids": list(ids)}
+        text = None
+        if self.tokenizer is not None:
+            bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+            if not bad:
+                text = self.tokenizer.decode(prompt)
+        return {"prompt": text, "prompt_token_ids": list(prompt)}
+
+    def prepare(self, prompts: Sequence[dict], params: SamplingParams) -> list[PreparedPrompt]:
+        """Validates every prompt (ValueError -> 400) before any is queued."""
+        return [self.engine.prepare(p, params) for p in prompts]
+
+    def log_request(self, request_id: str, prepared: Sequence[PreparedPrompt]) -> None:
+        if not self.options.enable_log_requests:
+            return
+        limit = self.options.max_log_len
+        for i, p in enumerate(prepared):
+            text = p.text if limit is None or p.text is None else p.text[:limit]
+            ids = p.token_ids if limit is None else p.token_ids[:limit]
+            logger.info(
+                "Received request %s-%d: prompt: %r, params: %s, prompt_token_ids: %s",
+                request_id,
+                i,
+                text,
+                p.params,
+                ids,
+            )
+
+    def streams(
+        self, request_id: str, prepared: Sequence[PreparedPrompt], priority: int
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The outputs of every prompt's engine request, merged as they come."""
+        iterators = [
+            self.engine.generate(p, p.params, f"{request_id}-{i}", priority=priority)
+            for i, p in enumerate(prepared)
+        ]
+        return merge_async_iterators(iterators)
+
+
+async def merge_async_iterators(
+    iterators: Sequence[AsyncIterator[T]],
+) -> AsyncIterator[tuple[int, T]]:
+    """Yields (index, item) from several async iterators as items arrive.
+
+    Closing the merged iterator (or an error in one source) closes every source,
+    which aborts their engine requests.
+    """
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await iterators[0].aclose()
+        return
+    pending: dict[asyncio.Task, int] = {
+        asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[index]))] = index
+                yield index, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*(it.aclose() for it in iterators), return_exceptions=True)
+
+
+async def until_disconnected(raw_request: Request | None, work: Awaitable[T]) -> T:
+    """Awaits ``work``, cancelling it (which aborts its engine requests) if the
+    client disconnects first; then raises `asyncio.CancelledError`."""
+    task = asyncio.ensure_future(work)
+    if raw_request is None:
+        return await task
+    watcher = asyncio.ensure_future(_wait_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            watcher.cancel()
+            raise asyncio.CancelledError("client disconnected")
+        watcher.cancel()
+    return task.result()
+
+
+async def _wait_disconnect(raw_request: Request) -> None:
+    # The body has been read; the next ASGI message is the disconnect.
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return

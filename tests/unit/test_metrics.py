@@ -1,0 +1,267 @@
+"""Prometheus metrics and the periodic log line, fed with synthetic engine stats."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxengine.core.sched_output import SchedulerStats
+from jaxengine.engine.stats import FinishedRequestStats, IterationStats
+from jaxengine.metrics import (
+    LoggingStatLogger,
+    PrometheusStatLogger,
+    build_1_2_5_buckets,
+    render_metrics,
+)
+
+MODEL = "SmolLM2-135M-Instruct"
+LABEL = {"model_name": MODEL}
+
+
+def sched(running=0, waiting=0, swapped=0, usage=0.0, preempt=0, queries=0, hits=0):
+    return SchedulerStats(running, waiting, swapped, usage, preempt, queries, hits)
+
+
+def finished(reason="stop", e2e=1.2, prompt=7, gen=5, max_tokens=16):
+    return FinishedRequestStats(
+        finish_reason=reason,
+        e2e_latency=e2e,
+        num_prompt_tokens=prompt,
+        num_generation_tokens=gen,
+        max_tokens=max_tokens,
+        queued_time=0.01,
+        prefill_time=0.2,
+        decode_time=1.0,
+        time_per_output_token=0.25,
+    )
+
+
+def value(metrics: PrometheusStatLogger, name: str, **labels) -> float | None:
+    return metrics.registry.get_sample_value(name, {**LABEL, **labels})
+
+
+# ---- Prometheus ------------------------------------------------------------------
+
+
+def test_exposition_names_and_labels():
+    metrics = PrometheusStatLogger(MODEL)
+    metrics.record(sched(running=1), IterationStats(num_prompt_tokens=3))
+    body, content_type = render_metrics(metrics.registry)
+    assert content_type.startswith("text/plain")
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+    names = {name for name, labels in samples if ("model_name", MODEL) in labels}
+    for name in (
+        "jaxengine:num_requests_running",
+        "jaxengine:num_requests_waiting",
+        "jaxengine:num_requests_swapped",
+        "jaxengine:kv_cache_usage_perc",
+        "jaxengine:num_preemptions_total",
+        "jaxengine:prompt_tokens_total",
+        "jaxengine:generation_tokens_total",
+        "jaxengine:prefix_cache_queries_total",
+        "jaxengine:prefix_cache_hits_total",
+        "jaxengine:time_to_first_token_seconds_bucket",
+        "jaxengine:inter_token_latency_seconds_bucket",
+        "jaxengine:e2e_request_latency_seconds_count",
+        "jaxengine:request_queue_time_seconds_count",
+        "jaxengine:request_prefill_time_seconds_count",
+        "jaxengine:request_decode_time_seconds_count",
+        "jaxengine:request_time_per_output_token_seconds_count",
+        "jaxengine:request_prompt_tokens_count",
+        "jaxengine:request_generation_tokens_count",
+        "jaxengine:request_params_max_tokens_count",
+        "jaxengine:iteration_tokens_total_count",
+    ):
+        assert name in names, name
+    for reason in ("stop", "length", "abort"):
+        key = (("finished_reason", reason), ("model_name", MODEL))
+        assert samples[("jaxengine:request_success_total", key)] == 0
+
+
+def test_each_logger_owns_a_registry():
+    a, b = PrometheusStatLogger(MODEL), PrometheusStatLogger(MODEL)
+    assert a.registry is not b.registry
+    shared = CollectorRegistry()
+    assert PrometheusStatLogger("m", registry=shared).registry is shared
+
+
+def test_gauges_follow_latest_snapshot():
+    metrics = PrometheusStatLogger(MODEL)
+    metrics.record(sched(running=4, waiting=2, swapped=1, usage=0.5), None)
+    metrics.record(sched(running=3, waiting=0, swapped=0, usage=0.25), None)
+    assert value(metrics, "jaxengine:num_requests_running") == 3
+    assert value(metrics, "jaxengine:num_requests_waiting") == 0
+    assert value(metrics, "jaxengine:num_requests_swapped") == 0
+    assert value(metrics, "jaxengine:kv_cache_usage_perc") == 0.25
+
+
+def test_cumulative_counters_become_deltas():
+    metrics = PrometheusStatLogger(MODEL)
+    for preempt, queries, hits in [(0, 10, 0), (2, 30, 16), (2, 30, 16), (5, 50, 32)]:
+        metrics.record(sched(preempt=preempt, queries=queries, hits=hits), None)
+    assert value(metrics, "jaxengine:num_preemptions_total") == 5
+    assert value(metrics, "jaxengine:prefix_cache_queries_total") == 50
+    assert value(metrics, "jaxengine:prefix_cache_hits_total") == 32
+    # A drop means the source was reset: count the new value, never go down.
+    metrics.record(sched(preempt=1, queries=4, hits=0), None)
+    assert value(metrics, "jaxengine:num_preemptions_total") == 6
+    assert value(metrics, "jaxengine:prefix_cache_queries_total") == 54
+    assert value(metrics, "jaxengine:prefix_cache_hits_total") == 32
+
+
+def test_token_counters_and_step_histograms():
+    metrics = PrometheusStatLogger(MODEL)
+    metrics.record(
+        sched(),
+        IterationStats(
+            num_prompt_tokens=12, num_generation_tokens=2, time_to_first_tokens=[0.03, 0.3]
+        ),
+    )
+    metrics.record(
+        sched(), IterationStats(num_generation_tokens=2, inter_token_latencies=[0.02, 0.04])
+    )
+    assert value(metrics, "jaxengine:prompt_tokens_total") == 12
+    assert value(metrics, "jaxengine:generation_tokens_total") == 4
+    ttft = "jaxengine:time_to_first_token_seconds"
+    assert value(metrics, f"{ttft}_count") == 2
+    assert value(metrics, f"{ttft}_sum") == pytest.approx(0.33)
+    assert value(metrics, f"{ttft}_bucket", le="0.04") == 1
+    assert value(metrics, f"{ttft}_bucket", le="+Inf") == 2
+    assert value(metrics, "jaxengine:inter_token_latency_seconds_count") == 2
+    steps = "jaxengine:iteration_tokens_total"
+    assert value(metrics, f"{steps}_count") == 2
+    assert value(metrics, f"{steps}_sum") == 16
+    assert value(metrics, f"{steps}_bucket", le="2.0") == 1
+
+
+def test_finished_requests_by_reason_and_histograms():
+    metrics = PrometheusStatLogger(MODEL, max_model_len=1000)
+    stats = IterationStats(
+        finished_requests=[finished("stop"), finished("length", max_tokens=None)],
+        num_aborted=2,
+    )
+    metrics.record(sched(), stats)
+    metrics.record(None, IterationStats(finished_requests=[finished("stop", e2e=3.0)]))
+    success = "jaxengine:request_success_total"
+    assert value(metrics, success, finished_reason="stop") == 2
+    assert value(metrics, success, finished_reason="length") == 1
+    assert value(metrics, success, finished_reason="abort") == 2
+    e2e = "jaxengine:e2e_request_latency_seconds"
+    assert value(metrics, f"{e2e}_count") == 3
+    assert value(metrics, f"{e2e}_sum") == pytest.approx(5.4)
+    assert value(metrics, f"{e2e}_bucket", le="1.5") == 2
+    for name in ("queue_time", "prefill_time", "decode_time", "time_per_output_token"):
+        assert value(metrics, f"jaxengine:request_{name}_seconds_count") == 3
+    assert value(metrics, "jaxengine:request_prompt_tokens_sum") == 21
+    assert value(metrics, "jaxengine:request_generation_tokens_bucket", le="5.0") == 3
+    # max_tokens=None is not observed; token buckets stop at max_model_len.
+    assert value(metrics, "jaxengine:request_params_max_tokens_count") == 2
+    assert value(metrics, "jaxengine:request_params_max_tokens_bucket", le="1000.0") == 2
+    assert value(metrics, "jaxengine:request_params_max_tokens_bucket", le="2000.0") is None
+
+
+def test_record_from_several_threads():
+    metrics = PrometheusStatLogger(MODEL)
+    log = LoggingStatLogger(interval=1.0, clock=lambda: 0.0)
+
+    def engine_thread() -> None:
+        for _ in range(200):
+            stats = IterationStats(num_generation_tokens=1, inter_token_latencies=[0.01])
+            metrics.record(sched(running=1), stats)
+            log.record(sched(running=1), stats)
+
+    threads = [threading.Thread(target=engine_thread) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert value(metrics, "jaxengine:generation_tokens_total") == 800
+    assert value(metrics, "jaxengine:inter_token_latency_seconds_count") == 800
+    assert log.log(now=2.0).startswith(
+        "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 400.0 tokens/s"
+    )
+
+
+def test_build_1_2_5_buckets():
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(8192)[-1] == 5000
+    assert build_1_2_5_buckets(1) == [1]
+
+
+def test_import_leaves_jax_out():
+    code = "import sys, jaxengine.metrics; print([m for m in ('jax', 'torch') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---- the log line ----------------------------------------------------------------
+
+
+@pytest.fixture
+def caplog_info(caplog):
+    caplog.set_level(logging.INFO, logger="jaxengine.metrics")
+    return caplog
+
+
+def test_log_line_content(caplog_info):
+    log = LoggingStatLogger(interval=10.0, clock=lambda: 0.0)
+    log.record(sched(queries=100, hits=40), None)  # before the window: 40% so far
+    assert log.log(now=10.0) is None  # idle: nothing running, no tokens
+    log.record(sched(running=2, waiting=1, usage=0.125, queries=100, hits=40), None)
+    log.record(None, IterationStats(num_prompt_tokens=200, num_generation_tokens=30))
+    log.record(
+        sched(running=2, waiting=1, usage=0.125, queries=200, hits=115),
+        IterationStats(num_generation_tokens=20),
+    )
+    assert log.log(now=15.0) is None  # less than `interval` since the last call
+    line = log.log(now=20.0)
+    assert line == (
+        "Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
+        "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 12.5%, Prefix cache hit rate: 75.0%"
+    )
+    assert [r.getMessage() for r in caplog_info.records] == [line]
+    assert caplog_info.records[0].levelno == logging.INFO
+
+
+def test_log_keeps_reporting_while_busy(caplog_info):
+    log = LoggingStatLogger(interval=5.0, clock=lambda: 0.0)
+    log.record(sched(waiting=3, swapped=1), None)
+    first = log.log(now=5.0)
+    assert "Avg prompt throughput: 0.0 tokens/s" in first
+    assert "Waiting: 3 reqs" in first and first.endswith("Swapped: 1 reqs")
+    assert "Prefix cache hit rate: 0.0%" in first
+    assert log.log(now=10.0) is not None  # still waiting: keep a line per interval
+    assert len(caplog_info.records) == 2
+
+
+def test_log_quiet_when_idle(caplog_info):
+    times = iter([0.0, 30.0, 60.0, 90.0])
+    log = LoggingStatLogger(interval=10.0, clock=lambda: next(times))
+    log.record(sched(running=1), IterationStats(num_generation_tokens=60))
+    assert (
+        log.log() == "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: "
+        "2.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, "
+        "Prefix cache hit rate: 0.0%"
+    )
+    log.record(sched(), IterationStats(num_generation_tokens=0))  # drained
+    assert log.log() is None
+    assert log.log() is None
+    assert len(caplog_info.records) == 1
+
+
+def test_log_after_idle_rates_use_window_since_last_call(caplog_info):
+    log = LoggingStatLogger(interval=10.0, clock=lambda: 0.0)
+    assert log.log(now=100.0) is None  # idle window dropped
+    log.record(sched(), IterationStats(num_prompt_tokens=50, finished_requests=[finished()]))
+    line = log.log(now=110.0)
+    assert line is not None and line.startswith("Avg prompt throughput: 5.0 tokens/s")
