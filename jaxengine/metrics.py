@@ -186,9 +186,9 @@ class PrometheusStatLogger:
         step = self._step
         step["prompt_tokens"].inc(stats.num_prompt_tokens)
         step["generation_tokens"].inc(stats.num_generation_tokens)
-        step["iteration_tokens_total"].observe(
-            stats.num_prompt_tokens + stats.num_generation_tokens
-        )
+        step_tokens = stats.num_prompt_tokens + stats.num_generation_tokens
+        if step_tokens:  # idle loops report aborts with no step behind them
+            step["iteration_tokens_total"].observe(step_tokens)
         for ttft in stats.time_to_first_tokens:
             step["time_to_first_token_seconds"].observe(ttft)
         for itl in stats.inter_token_latencies:

@@ -192,7 +192,7 @@ class AsyncLLM:
                 if not self._apply_commands(block=not busy):
                     return
                 if not engine.has_unfinished_requests():
-                    self._record(None)
+                    self._record(engine.take_iteration_stats())  # aborts, if any
                     continue
                 outputs = engine.step()
                 self._deliver(outputs)
