@@ -21,9 +21,13 @@ import sys
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported inside the functions that use it, so that building the parsers
+# (`jaxengine bench ... --help`) imports nothing heavy.
 
 BACKENDS = ("jaxengine", "transformers", "llamacpp")
 """Every peer, in the default run order."""
@@ -77,6 +81,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -144,6 +155,8 @@ def resolve_model_files(model: str) -> ModelFiles:
 
 def token_pool(files: ModelFiles) -> np.ndarray:
     """Ids of the model's ordinary tokens, from which prompts are drawn."""
+    import numpy as np
+
     if files.gguf is not None:
         from jaxengine.loader.gguf_io import gguf_metadata
 
@@ -172,6 +185,8 @@ def make_prompts(
     With ``range_ratio`` r > 0 each length is drawn uniformly from
     [input_len * (1 - r), input_len * (1 + r)] (at least 1), as in vLLM's random dataset.
     """
+    import numpy as np
+
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     rng = np.random.default_rng(seed)
@@ -199,6 +214,8 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
     (llama.cpp multiplies Q4_1 weights by 8-bit activations) drift after a while on
     random prompts, so this is a sanity check, not a correctness test.
     """
+    import numpy as np
+
     fractions = []
     for out, ref in zip(outputs, reference, strict=True):
         n = 0
@@ -212,6 +229,8 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
 
 def percentiles(values: list[float]) -> dict[str, float]:
     """``{"p10": ..., "p25": ..., ...}`` of ``values`` (linear interpolation)."""
+    import numpy as np
+
     points = np.percentile(np.asarray(values, dtype=float), PERCENTILES)
     return {f"p{p}": float(v) for p, v in zip(PERCENTILES, points, strict=True)}
 

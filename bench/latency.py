@@ -42,6 +42,7 @@ from bench.common import (
     log,
     machine_info,
     make_prompts,
+    non_negative_int,
     notes_cell,
     percentiles,
     positive_int,
@@ -60,17 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.latency",
         description="End-to-end latency of one batch, for jaxengine and its peers.",
     )
+    add_cli_args(parser)
+    return parser
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Adds this benchmark's flags to ``parser`` (also used by ``jaxengine bench``)."""
     parser.add_argument("--batch-size", type=positive_int, default=1, help="requests per batch")
     add_common_args(parser)
     parser.set_defaults(input_len=16)
-    parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations")
+    parser.add_argument(
+        "--num-iters-warmup", type=non_negative_int, default=1, help="untimed iterations"
+    )
     parser.add_argument("--num-iters", type=positive_int, default=5, help="timed iterations")
     parser.add_argument(
         "--no-isolate-decode",
         action="store_true",
         help="skip the output-len=1 series that isolates decode speed",
     )
-    return parser
 
 
 def batches(args: argparse.Namespace, pool, tag: int) -> list[list[list[int]]]:
@@ -152,8 +160,12 @@ def render(results: list[PeerResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.num_iters_warmup < 0:
-        build_parser().error("--num-iters-warmup must be >= 0")
+    argv_text = shlex.join(sys.argv[1:] if argv is None else argv)
+    return run(args, f"python -m bench.latency {argv_text}")
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Runs the benchmark for parsed ``args``; ``command`` is recorded in the JSON."""
     files = resolve_model_files(args.model)
     pool = token_pool(files)
     full = batches(args, pool, _FULL)
@@ -191,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
         "B*(O-1)/(p50 - prefill+1); x transformers = ratio of decode tok/s (else B*O/p50)"
     )
     if args.json:
-        argv_text = shlex.join(sys.argv[1:] if argv is None else argv)
-        command = f"python -m bench.latency {argv_text}"
         write_json(args.json, "latency", command, machine, workload, args, results)
     return 0 if any(r.status == "ok" for r in results) else 1
 

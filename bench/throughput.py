@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.throughput",
         description="Offline throughput of jaxengine and its peers on one random workload.",
     )
+    add_cli_args(parser)
+    return parser
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Adds this benchmark's flags to ``parser`` (also used by ``jaxengine bench``)."""
     parser.add_argument("--num-prompts", type=positive_int, default=64, help="requests")
     add_common_args(parser)
     parser.add_argument(
@@ -69,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-warmup", action="store_true", help="skip the short warm-up before timing"
     )
-    return parser
 
 
 def measure(
@@ -124,6 +129,12 @@ def render(results: list[PeerResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    argv_text = shlex.join(sys.argv[1:] if argv is None else argv)
+    return run(args, f"python -m bench.throughput {argv_text}")
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Runs the benchmark for parsed ``args``; ``command`` is recorded in the JSON."""
     files = resolve_model_files(args.model)
     prompts = make_prompts(
         args.num_prompts, args.input_len, token_pool(files), args.seed, args.range_ratio
@@ -161,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         "x transformers = out tok/s ratio; agree = greedy tokens shared with transformers"
     )
     if args.json:
-        argv_text = shlex.join(sys.argv[1:] if argv is None else argv)
-        command = f"python -m bench.throughput {argv_text}"
         write_json(args.json, "throughput", command, machine, workload, args, results)
     return 0 if any(r.status == "ok" for r in results) else 1
 

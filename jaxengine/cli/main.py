@@ -17,7 +17,12 @@ from jaxengine.version import __version__
 SUBCOMMANDS: list[str] = [
     # Module paths, each with `register(subparsers)`.
     # List only modules that exist: a missing one is an error, not skipped.
+    "jaxengine.cli.serve",
+    "jaxengine.cli.run_batch",
     "jaxengine.cli.generate",
+    "jaxengine.cli.openai_clients",  # chat, complete
+    "jaxengine.cli.bench",  # bench serve | throughput | latency
+    "jaxengine.cli.collect_env",
 ]
 
 
