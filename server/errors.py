@@ -54,6 +54,6 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
-        if param is None and loc:
+        if param is None and loc and not loc[0].isdigit():  # a digit: a JSON position
             param = loc[0]
     return "; ".join(parts) or "invalid request", param

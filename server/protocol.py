@@ -8,7 +8,7 @@ Responses are built in `server/responses.py`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -74,12 +74,15 @@ class SamplingFields(OpenAIModel):
         defaults: dict[str, Any],
         extra: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """The engine's params; raises ValueError (-> 400) for invalid values."""
+        """The engine's params; raises ValueError (-> 400) for invalid values.
+
+        ``extra`` fields override the request's own (e.g. echo's prompt_logprobs).
+        """
         chosen = {k: getattr(self, k) for k in GENERATION_CONFIG_DEFAULTS}
         for key, value in defaults.items():
             if chosen.get(key) is None:
                 chosen[key] = value
-        return SamplingParams.from_optional(
+        fields = dict(
             n=self.n,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -99,9 +102,8 @@ class SamplingFields(OpenAIModel):
             logit_bias=_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            **chosen,
-            **(extra or {}),
         )
+        return SamplingParams.from_optional(**{**fields, **chosen, **(extra or {})})
 
 
 class CompletionRequest(SamplingFields):
@@ -213,6 +215,3 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         except ValueError:
             raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
     return out
-
-
-Role = Literal["system", "user", "assistant", "tool", "developer"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
@@ -20,7 +21,7 @@ from jaxengine.engine.llm_engine import PreparedPrompt
 from jaxengine.entrypoints.async_llm import AsyncLLM
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
-from server.errors import APIError
+from server.errors import APIError, error_body
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -174,3 +175,33 @@ async def _wait_disconnect(raw_request: Request) -> None:
         message = await raw_request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def usage_flags(request: Any, options: ServerOptions) -> tuple[bool, bool]:
+    """(a final usage chunk, usage on every chunk) for a streamed request."""
+    stream_options = request.stream_options
+    include = options.enable_force_include_usage or bool(
+        stream_options and stream_options.include_usage
+    )
+    return include, include and bool(stream_options and stream_options.continuous_usage_stats)
+
+
+async def sse(payloads: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events: ``data: {...}`` per payload, then ``data: [DONE]``.
+
+    The status line has been sent when a stream fails, so an error travels in-band
+    as one more event in OpenAI's error shape.
+    """
+    try:
+        async for payload in payloads:
+            yield _event(payload)
+    except APIError as e:
+        yield _event(error_body(e.message, e.status, e.param))
+    except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
+        logger.exception("stream failed")
+        yield _event(error_body(str(e), 500))
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -15,8 +15,7 @@ from jaxengine.tokenizer import apply_chat_template, resolve_chat_template
 from server import responses as R
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
-from server.serving import ServingContext, until_disconnected
-from server.serving_completion import _sse
+from server.serving import ServingContext, sse, until_disconnected, usage_flags
 
 _PART_TYPES_TEXT = ("text", "input_text")
 
@@ -72,14 +71,14 @@ class ChatHandler:
         request_id = request.request_id or R.random_id("chatcmpl")
         ctx.log_request(request_id, prepared)
         streams = ctx.streams(request_id, prepared, request.priority)
-        view = _ChatView(ctx, request, model, request_id)
+        view = _ChatView(ctx, request, model, request_id, len(prepared[0].token_ids))
         if request.stream:
-            return view.stream(streams)
+            return sse(view.stream(streams))
         return await until_disconnected(raw_request, view.collect(streams))
 
 
 def content_format(option: str, template: str | None) -> str:
-    """"string" or "openai": how message content reaches the template."""
+    """ "string" or "openai": how message content reaches the template."""
     if option != "auto":
         return option
     text = template or ""
@@ -110,8 +109,9 @@ def normalize_message(message: dict[str, Any], fmt: str) -> dict[str, Any]:
 
 
 class _ChatView:
-    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, model, rid):
+    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, model, rid, n_prompt):
         self.ctx, self.request, self.model, self.id = ctx, request, model, rid
+        self.n_prompt = n_prompt
         self.created = R.now()
         self.role = ctx.options.response_role
         self.as_ids = bool(request.return_tokens_as_token_ids) or (
@@ -130,9 +130,12 @@ class _ChatView:
             seq.token_ids, seq.logprobs or [], top, self.ctx.tokenizer, self.as_ids
         )
 
-    def _usage(self, out: RequestOutput, completion: int) -> dict[str, Any]:
-        cached = (out.num_cached_tokens or 0) if self.ctx.options.enable_prompt_tokens_details else None
-        return R.usage(len(out.prompt_token_ids), completion, cached)
+    def _usage(self, out: RequestOutput | None, completion: int) -> dict[str, Any]:
+        """Usage so far; ``out`` None (before any output) counts no cached tokens yet."""
+        cached = None
+        if self.ctx.options.enable_prompt_tokens_details:
+            cached = (out.num_cached_tokens or 0) if out is not None else 0
+        return R.usage(self.n_prompt, completion, cached)
 
     async def collect(self, streams: AsyncIterator[tuple[int, RequestOutput]]) -> dict:
         final = None
@@ -161,40 +164,33 @@ class _ChatView:
         }
 
     async def stream(self, streams: AsyncIterator[tuple[int, RequestOutput]]):
-        options = self.request.stream_options
-        include_usage = self.ctx.options.enable_force_include_usage or bool(
-            options and options.include_usage
-        )
-        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        include_usage, continuous = usage_flags(self.request, self.ctx.options)
         sent: dict[int, int] = {}
         last = None
-        try:
-            for index in range(self.request.n):  # the role first, for every choice
-                delta = {"role": self.role, "content": self.echo}
-                yield _sse(self._chunk(index, delta, None, None, None))
-            async for _, out in streams:
-                last = out
-                for seq in out.outputs:
-                    sent[seq.index] = sent.get(seq.index, 0) + len(seq.token_ids)
-                    chunk = self._chunk(
-                        seq.index,
-                        {"content": seq.text},
-                        self._logprobs(seq),
-                        seq.finish_reason,
-                        seq.stop_reason,
-                    )
-                    if continuous:
-                        chunk["usage"] = self._usage(out, sum(sent.values()))
-                    yield _sse(chunk)
-            if include_usage and last is not None:
-                final = self._base([])
-                final["usage"] = self._usage(last, sum(sent.values()))
-                yield _sse(final)
-        except APIError as e:
-            yield _sse({"error": {"message": e.message, "type": "BadRequestError", "code": 400}})
-        except Exception as e:  # noqa: BLE001 - the stream has started; report in-band
-            yield _sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
-        yield "data: [DONE]\n\n"
+        for index in range(self.request.n):  # the role first, for every choice
+            delta = {"role": self.role, "content": self.echo}
+            chunk = self._chunk(index, delta, None, None, None)
+            if continuous:
+                chunk["usage"] = self._usage(None, 0)
+            yield chunk
+        async for _, out in streams:
+            last = out
+            for seq in out.outputs:
+                sent[seq.index] = sent.get(seq.index, 0) + len(seq.token_ids)
+                chunk = self._chunk(
+                    seq.index,
+                    {"content": seq.text},
+                    self._logprobs(seq),
+                    seq.finish_reason,
+                    seq.stop_reason,
+                )
+                if continuous:
+                    chunk["usage"] = self._usage(out, sum(sent.values()))
+                yield chunk
+        if include_usage and last is not None:
+            final = self._base([])
+            final["usage"] = self._usage(last, sum(sent.values()))
+            yield final
 
     def _base(self, choices: list) -> dict[str, Any]:
         return {

@@ -6,7 +6,6 @@ before the completion (and its logprobs first, when logprobs are asked for).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +13,7 @@ from jaxengine.outputs import CompletionOutput, RequestOutput
 from server import responses as R
 from server.errors import APIError
 from server.protocol import CompletionRequest
-from server.serving import ServingContext, until_disconnected
+from server.serving import ServingContext, sse, until_disconnected, usage_flags
 
 
 class CompletionHandler:
@@ -45,7 +44,7 @@ class CompletionHandler:
         streams = ctx.streams(request_id, prepared, request.priority)
         view = _View(ctx, request, model, request_id, len(prepared))
         if request.stream:
-            return view.stream(streams)
+            return sse(view.stream(streams))
         return await until_disconnected(raw_request, view.collect(streams))
 
 
@@ -111,46 +110,36 @@ class _View:
         }
 
     async def stream(self, streams: AsyncIterator[tuple[int, RequestOutput]]):
-        options = self.request.stream_options
-        include_usage = self.ctx.options.enable_force_include_usage or bool(
-            options and options.include_usage
-        )
-        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        include_usage, continuous = usage_flags(self.request, self.ctx.options)
         n = self.request.n
         sent = {}  # choice index -> generated tokens so far
         offsets = {}  # choice index -> text offset (for logprobs)
         prompts: dict[int, tuple[int, int]] = {}
-        try:
-            async for index, out in streams:
-                prompts[index] = (len(out.prompt_token_ids), out.num_cached_tokens or 0)
-                for seq in out.outputs:
-                    choice = index * n + seq.index
-                    first = choice not in sent
-                    echo = self.request.echo and first
-                    text = (self._prompt_text(out) if echo else "") + seq.text
-                    sent[choice] = sent.get(choice, 0) + len(seq.token_ids)
-                    chunk = self._chunk(
-                        {
-                            "index": choice,
-                            "text": text,
-                            "logprobs": self._logprobs(out, seq, echo, offsets.get(choice, 0)),
-                            "finish_reason": seq.finish_reason,
-                            "stop_reason": seq.stop_reason,
-                        }
-                    )
-                    offsets[choice] = offsets.get(choice, 0) + len(text)
-                    if continuous:
-                        chunk["usage"] = self._totals(prompts, sent)
-                    yield _sse(chunk)
-            if include_usage:
-                final = self._chunk(None)
-                final["usage"] = self._totals(prompts, sent)
-                yield _sse(final)
-        except APIError as e:
-            yield _sse({"error": {"message": e.message, "type": "BadRequestError", "code": 400}})
-        except Exception as e:  # noqa: BLE001 - the stream has started; report in-band
-            yield _sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
-        yield "data: [DONE]\n\n"
+        async for index, out in streams:
+            prompts[index] = (len(out.prompt_token_ids), out.num_cached_tokens or 0)
+            for seq in out.outputs:
+                choice = index * n + seq.index
+                first = choice not in sent
+                echo = self.request.echo and first
+                text = (self._prompt_text(out) if echo else "") + seq.text
+                sent[choice] = sent.get(choice, 0) + len(seq.token_ids)
+                chunk = self._chunk(
+                    {
+                        "index": choice,
+                        "text": text,
+                        "logprobs": self._logprobs(out, seq, echo, offsets.get(choice, 0)),
+                        "finish_reason": seq.finish_reason,
+                        "stop_reason": seq.stop_reason,
+                    }
+                )
+                offsets[choice] = offsets.get(choice, 0) + len(text)
+                if continuous:
+                    chunk["usage"] = self._totals(prompts, sent)
+                yield chunk
+        if include_usage:
+            final = self._chunk(None)
+            final["usage"] = self._totals(prompts, sent)
+            yield final
 
     def _chunk(self, choice: dict | None) -> dict[str, Any]:
         return {
@@ -165,7 +154,3 @@ class _View:
         prompt = sum(p for p, _ in prompts.values())
         cached = sum(c for _, c in prompts.values())
         return self._usage(prompt, sum(sent.values()), cached)
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
