@@ -157,6 +157,13 @@ def _add_traffic_args(group: Any) -> None:
     add("--temperature", type=float, default=0.0, help="sampling temperature (default: greedy)")
     add("--top-p", type=float, default=None, help="nucleus sampling mass (default: server's)")
     add("--top-k", type=int, default=None, help="top-k sampling (default: server's)")
+    add(
+        "--extra-body",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='fields merged into every request body, e.g. \'{"logit_bias": {"2": -100}}\'',
+    )
 
 
 def _add_output_args(group: Any) -> None:
@@ -273,8 +280,19 @@ def sample_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequ
         raise BenchError(f"cannot sample the {args.dataset_name} dataset: {e}") from e
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """Request fields beyond prompt and length: temperature, top_p, top_k, ignore_eos."""
+    """Request fields beyond prompt and length: temperature, top_p, top_k, ignore_eos,
+    and ``--extra-body``."""
     fields: dict[str, Any] = {"temperature": args.temperature}
     if args.top_p is not None:
         fields["top_p"] = args.top_p
@@ -282,7 +300,7 @@ def sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
         fields["top_k"] = args.top_k
     if args.ignore_eos:
         fields["ignore_eos"] = True
-    return fields
+    return fields | (args.extra_body or {})
 
 
 async def benchmark(

@@ -11,7 +11,10 @@ table with the peers' figures and their ratios to jaxengine. Peers:
 - ``jaxengine``: ``jaxengine serve`` (plus ``--engine-args``);
 - ``llama.cpp``: ``python -m llama_cpp.server`` on the same GGUF file, when
   llama-cpp-python is installed with its server extra; it runs one sequence at a
-  time (no continuous batching), so concurrent requests queue.
+  time (no continuous batching), so concurrent requests queue (with
+  ``--interrupt_requests False``; by default a new request cuts the running one). Its server has no
+  ``ignore_eos``: with ``--ignore-eos`` it gets a -100 logit bias on the model's
+  end-of-sequence tokens instead, so both peers generate the same lengths.
 
 Every flag this script does not know goes to `bench.serve` unchanged.
 """
@@ -71,6 +74,7 @@ def server_command(peer: str, port: int, gguf: Path, args: argparse.Namespace) -
             sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
             "--model_alias", MODEL, "--host", "127.0.0.1", "--port", str(port),
             "--n_ctx", "4096", "--n_threads", str(args.threads), "--verbose", "False",
+            "--interrupt_requests", "False",  # else a new request cuts the running one
         ]  # fmt: skip
     raise SystemExit(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
 
@@ -89,6 +93,19 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"server not ready after {timeout:.0f}s")
 
 
+def eos_bias(gguf: Path) -> dict[str, float]:
+    """A -100 logit bias on the model's end-of-sequence and other special tokens
+    (llama.cpp ends generation on any end-of-generation token, not only EOS)."""
+    from jaxengine.loader.hf_config import load_generation_config
+    from jaxengine.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(gguf)
+    ids = {tokenizer.eos_token_id, *tokenizer.all_special_ids}
+    eos = load_generation_config(gguf).get("eos_token_id")
+    ids |= set(eos) if isinstance(eos, list) else {eos}
+    return {str(i): -100.0 for i in sorted(i for i in ids if i is not None)}
+
+
 def run_peer(peer: str, gguf: Path, args, serve_argv: list[str], out_dir: Path) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,6 +119,8 @@ def run_peer(peer: str, gguf: Path, args, serve_argv: list[str], out_dir: Path) 
         wait_ready(url, process, args.startup_timeout)
         log(f"{peer}: server ready at {url}")
         argv = [*serve_argv, "--base-url", url, "--model", MODEL, "--tokenizer", MODEL]
+        if peer == "llama.cpp" and "--ignore-eos" in serve_argv:
+            argv += ["--extra-body", json.dumps({"logit_bias": eos_bias(gguf)})]
         argv += ["--save-result", "--result-dir", str(out_dir), "--result-filename"]
         status = serve_main([*argv, f"{peer}.json"])
         if status != 0:

@@ -233,48 +233,6 @@ def test_stop_token_ids(client):
     assert out.usage.completion_tokens == ids.index(ids[2]) + 1
 
 
-# ---------------------------------------------------------------------- usage
-
-
-def test_cached_tokens_on_repeated_long_prompt(server, client):
-    words = " ".join(f"fact{i}" for i in range(40))
-    messages = [{"role": "user", "content": f"Remember these: {words}. Which is first?"}]
-    n_prompt = count_tokens(server, messages)
-    chat(client, messages=messages, max_tokens=2, **GREEDY)
-    out = chat(client, messages=messages, max_tokens=2, **GREEDY)
-    cached = out.usage.prompt_tokens_details.cached_tokens
-    assert out.usage.prompt_tokens == n_prompt
-    assert 0 < cached < n_prompt and cached % 16 == 0
-
-
-def test_stream_include_usage(server, client):
-    chunks = stream_chunks(
-        client,
-        max_tokens=6,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-        **GREEDY,
-    )
-    assert all(c.usage is None for c in chunks[:-1])
-    last = chunks[-1]
-    assert last.choices == []
-    assert last.usage.prompt_tokens == count_tokens(server, MESSAGES)
-    assert last.usage.completion_tokens == 6
-    assert last.usage.total_tokens == last.usage.prompt_tokens + 6
-
-
-def test_stream_continuous_usage(server, client):
-    options = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = stream_chunks(client, max_tokens=6, stream_options=options, **GREEDY)
-    n_prompt = count_tokens(server, MESSAGES)
-    assert all(c.usage is not None and c.usage.prompt_tokens == n_prompt for c in chunks)
-    generated = [c.usage.completion_tokens for c in chunks]
-    assert generated == sorted(generated)
-    assert generated[0] == 0  # the role chunk comes before any token
-    assert chunks[-1].choices == []
-    assert all(c.usage.total_tokens == n_prompt + c.usage.completion_tokens for c in chunks)
-
-
 # ---------------------------------------------------------------------- async
 
 

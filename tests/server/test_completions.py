@@ -286,45 +286,7 @@ def test_stop_token_ids(client):
     assert text.startswith(choice.text)
 
 
-# ---------------------------------------------------------------------- usage
-
-
-def test_cached_tokens_on_repeated_long_prompt(server, client):
-    prompt = "Prefix caching test: " + " ".join(f"item{i}" for i in range(40))
-    n_prompt = count_tokens(server, prompt)
-    assert n_prompt > 48
-    complete(client, prompt=prompt, max_tokens=2, **GREEDY)
-    out = complete(client, prompt=prompt, max_tokens=2, **GREEDY)
-    cached = out.usage.prompt_tokens_details.cached_tokens
-    assert out.usage.prompt_tokens == n_prompt
-    assert 0 < cached < n_prompt and cached % 16 == 0
-
-
-def test_stream_include_usage(server, client):
-    chunks = stream_chunks(
-        client,
-        max_tokens=6,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-        **GREEDY,
-    )
-    assert all(c.usage is None for c in chunks[:-1])
-    last = chunks[-1]
-    assert last.choices == []
-    assert last.usage.prompt_tokens == count_tokens(server, PROMPT)
-    assert last.usage.completion_tokens == 6
-    assert last.usage.total_tokens == last.usage.prompt_tokens + 6
-
-
-def test_stream_continuous_usage(server, client):
-    options = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = stream_chunks(client, max_tokens=6, stream_options=options, **GREEDY)
-    n_prompt = count_tokens(server, PROMPT)
-    assert all(c.usage is not None and c.usage.prompt_tokens == n_prompt for c in chunks)
-    generated = [c.usage.completion_tokens for c in chunks]
-    assert generated == sorted(generated)
-    assert chunks[-1].choices == [] and generated[-1] == generated[-2]
-    assert all(c.usage.total_tokens == n_prompt + c.usage.completion_tokens for c in chunks)
+# ---------------------------------------------------------------------- usage (see test_usage.py)
 
 
 def test_stream_without_usage_by_default(client):
