@@ -280,6 +280,20 @@ def test_flags_and_urls():
             serve.build_parser().parse_args(bad)
 
 
+def test_sampling_fields_with_extra_body():
+    argv = ["--ignore-eos", "--top-k", "5", "--extra-body", '{"logit_bias": {"2": -100}}']
+    fields = serve.sampling_fields(serve.build_parser().parse_args(argv))
+    assert fields == {
+        "temperature": 0.0,
+        "top_k": 5,
+        "ignore_eos": True,
+        "logit_bias": {"2": -100},
+    }
+    for bad in ("[1]", "{nope"):
+        with pytest.raises(SystemExit):
+            serve.build_parser().parse_args(["--extra-body", bad])
+
+
 def test_bench_help_and_same_flags_as_the_modules(capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "--help"])
