@@ -66,15 +66,20 @@ def parse_backends(text: str) -> list[str]:
     return list(dict.fromkeys(names))  # drop repeats, keep order
 
 
-def parse_engine_kwargs(text: str) -> dict[str, Any]:
-    """A JSON object of LLM(...) keyword arguments; ``-`` in keys becomes ``_``."""
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"--engine-kwargs is not valid JSON: {e}") from e
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--engine-kwargs must be a JSON object")
-    return {key.replace("-", "_"): val for key, val in value.items()}
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def parse_engine_kwargs(text: str) -> dict[str, Any]:
+    """A JSON object of LLM(...) keyword arguments; ``-`` in keys becomes ``_``."""
+    return {key.replace("-", "_"): val for key, val in json_object(text).items()}
 
 
 def positive_int(text: str) -> int:

@@ -41,7 +41,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: python bench/serve.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import log, positive_int
+from bench.common import json_object, log, positive_int
 from bench.serve_client import RequestResult, build_payload, run_requests, send_request
 from bench.serve_datasets import SampleRequest, arrival_times, sample_random, sample_sharegpt
 from bench.serve_metrics import METRICS, aggregate, format_report
@@ -159,7 +159,7 @@ def _add_traffic_args(group: Any) -> None:
     add("--top-k", type=int, default=None, help="top-k sampling (default: server's)")
     add(
         "--extra-body",
-        type=_json_object,
+        type=json_object,
         default=None,
         metavar="JSON",
         help='fields merged into every request body, e.g. \'{"logit_bias": {"2": -100}}\'',
@@ -278,16 +278,6 @@ def sample_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequ
         )
     except (OSError, ValueError) as e:
         raise BenchError(f"cannot sample the {args.dataset_name} dataset: {e}") from e
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def sampling_fields(args: argparse.Namespace) -> dict[str, Any]:

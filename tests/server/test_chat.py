@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from tests.server.chunks import finishes, joined
 from tests.server.conftest import ALIAS, MODEL
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -33,23 +34,6 @@ def chat(client, messages=MESSAGES, max_tokens=8, extra_body=None, **kwargs):
 
 def stream_chunks(client, **kwargs) -> list:
     return list(chat(client, stream=True, **kwargs))
-
-
-def joined(chunks) -> dict[int, str]:
-    texts: dict[int, str] = {}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
-    return texts
-
-
-def finishes(chunks) -> dict[int, list[str]]:
-    reasons: dict[int, list[str]] = {}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            if choice.finish_reason is not None:
-                reasons.setdefault(choice.index, []).append(choice.finish_reason)
-    return reasons
 
 
 def first_deltas(chunks) -> dict:

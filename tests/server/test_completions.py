@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from tests.server.chunks import finishes, joined
 from tests.server.conftest import ALIAS, MODEL
 
 PROMPT = "The capital of France is"
@@ -36,23 +37,6 @@ def complete(client, prompt=PROMPT, max_tokens=8, extra_body=None, **kwargs):
 
 def stream_chunks(client, **kwargs) -> list:
     return list(complete(client, stream=True, **kwargs))
-
-
-def joined(chunks) -> dict[int, str]:
-    texts: dict[int, str] = {}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            texts[choice.index] = texts.get(choice.index, "") + choice.text
-    return texts
-
-
-def finishes(chunks) -> dict[int, list[str]]:
-    reasons: dict[int, list[str]] = {}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            if choice.finish_reason is not None:
-                reasons.setdefault(choice.index, []).append(choice.finish_reason)
-    return reasons
 
 
 # ---------------------------------------------------------------------- basics
