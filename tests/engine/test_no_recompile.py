@@ -3,7 +3,9 @@
 One engine with small buckets and a small KV cache receives varied traffic: mixed
 prompt lengths, prompts longer than the token budget (chunked prefill), enough
 concurrency to force preemption, n > 1, logprobs and prompt logprobs on and off,
-every sampling feature. The compile guard must count zero compilations.
+every sampling feature. The compile guard must count no compilation during it (the
+guard hears every compilation in the process, so other engines built by earlier
+tests may have added to its count before this test starts).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from jaxengine import SamplingParams
 def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
     llm = small_llm
     guard = llm.engine.runner.guard
-    assert guard.armed and guard.compiles_after_warmup == 0
+    assert guard.armed
+    before = guard.compiles_after_warmup
     lengths = [3, 70, 12, 45, 1, 90, 30, 8]
     prompts = [
         {"prompt_token_ids": [(17 * i + j) % 5000 + 10 for j in range(n)]}
@@ -48,5 +51,5 @@ def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
     # a second round with the batch composition reshuffled
     outputs = llm.generate(prompts[::-1], variants[::-1], use_tqdm=False)
     assert llm.engine.get_stats().num_preemptions > 0
-    assert guard.compiles_after_warmup == 0
+    assert guard.compiles_after_warmup == before
     assert llm.engine.get_stats().kv_cache_usage == 0.0
