@@ -22,6 +22,7 @@ from jaxengine.entrypoints.async_llm import AsyncLLM
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from server.errors import APIError, error_body
+from server.protocol import GENERATION_CONFIG_DEFAULTS
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -51,8 +52,9 @@ class ServingContext:
         self.options = options
         self.tokenizer = engine.tokenizer
         gen = engine.engine.generation_config or {}
-        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        self.default_sampling = {k: gen[k] for k in keys if gen.get(k) is not None}
+        self.default_sampling = {
+            k: gen[k] for k in GENERATION_CONFIG_DEFAULTS if gen.get(k) is not None
+        }
 
     @property
     def model_name(self) -> str:
