@@ -1,12 +1,9 @@
 """Ragged paged attention: one call for a mixed batch of decodes and prefill chunks.
 
-`reference.py` is the definition (pure jnp, jittable, used on CPU). Pallas versions for
-TPU and GPU share its signature.
+`reference.py` is the definition (pure jnp, jittable, used on CPU). `tpu.py` (Mosaic)
+and `gpu.py` (Triton) share its signature; `cost.py` counts their flops and bytes.
 """
 
-from pallas_kernels.ragged_paged_attention.reference import (
-    ragged_paged_attention,
-    update_kv_cache,
-)
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 
-__all__ = ["ragged_paged_attention", "update_kv_cache"]
+__all__ = ["ragged_paged_attention"]

@@ -1,4 +1,5 @@
-"""Pure-jnp reference of ragged paged attention and of the KV-cache write.
+"""Pure-jnp reference of ragged paged attention (the KV-cache write is in
+`pallas_kernels.kv_cache_update`).
 
 Layout contract (DESIGN §3):
 
@@ -28,25 +29,6 @@ import jax
 import jax.numpy as jnp
 
 _MASKED = -1e30  # finite, so an all-masked chunk gives no NaN
-
-
-def update_kv_cache(
-    kv_cache: jax.Array,  # [P, S, 2*Hkv, D]
-    k: jax.Array,  # [T, Hkv, D]
-    v: jax.Array,  # [T, Hkv, D]
-    slot_mapping: jax.Array,  # [T] int32, page * page_size + offset
-) -> jax.Array:
-    """Writes each token's K and V into its slot; returns the updated cache.
-
-    Slots ``>= num_pages * page_size`` are dropped (a padding token may use one, or
-    point into the reserved null page 0). Donate ``kv_cache`` so XLA updates in place.
-    """
-    num_pages, page_size, two_hkv, head_dim = kv_cache.shape
-    num_tokens = k.shape[0]
-    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, two_hkv, head_dim)  # [T, 2Hkv, D]
-    flat = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
-    flat = flat.at[slot_mapping].set(kv.astype(kv_cache.dtype), mode="drop")
-    return flat.reshape(kv_cache.shape)
 
 
 def _token_layout(query_start_loc, seq_lens, num_seqs, num_tokens):

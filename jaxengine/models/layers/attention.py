@@ -16,6 +16,7 @@ from jaxengine.models.config import LayerSpec, TransformerConfig
 from jaxengine.models.layers.basic import Linear, RMSNorm
 from jaxengine.models.layers.rope import apply_rope
 from jaxengine.models.metadata import AttentionMetadata
+from pallas_kernels.kv_cache_update import reference as kv_update
 from pallas_kernels.ragged_paged_attention import reference
 
 AttentionFn = Callable[..., jax.Array]
@@ -27,7 +28,7 @@ class Attention(nn.Module):
     config: TransformerConfig
     spec: LayerSpec
     attention_fn: AttentionFn = reference.ragged_paged_attention
-    update_fn: Callable[..., jax.Array] = reference.update_kv_cache
+    update_fn: Callable[..., jax.Array] = kv_update.update_kv_cache
 
     @nn.compact
     def __call__(

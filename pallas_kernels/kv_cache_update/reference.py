@@ -1,0 +1,32 @@
+"""Pure-jnp reference of the KV-cache write: XLA's scatter, in place when donated.
+
+The cache layout is the attention kernels' (`pallas_kernels.ragged_paged_attention`):
+``[num_pages, page_size, 2 * num_kv_heads, head_dim]``, K and V interleaved on axis 2.
+Token ``t`` goes to slot ``slot_mapping[t] = page * page_size + offset``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def update_kv_cache(
+    kv_cache: jax.Array,  # [P, S, 2*Hkv, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # [T] int32, page * page_size + offset
+) -> jax.Array:
+    """Writes each token's K and V into its slot; returns the updated cache.
+
+    Slots outside ``[0, num_pages * page_size)`` are dropped (a padding token may use
+    one, or point into the reserved null page 0). Donate ``kv_cache`` so XLA updates in place.
+    """
+    num_pages, page_size, two_hkv, head_dim = kv_cache.shape
+    num_tokens = k.shape[0]
+    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, two_hkv, head_dim)  # [T, 2Hkv, D]
+    flat = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
+    num_slots = num_pages * page_size
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # no wrap-around
+    flat = flat.at[slots].set(kv.astype(kv_cache.dtype), mode="drop")
+    return flat.reshape(kv_cache.shape)
