@@ -1,0 +1,358 @@
+"""Ragged paged attention as a Pallas TPU (Mosaic) kernel.
+
+Same signature and semantics as `reference.ragged_paged_attention`; see there for the
+layout and padding rules.
+
+Work split. The flat token axis is cut into q blocks of ``block_q`` tokens (aligned,
+so the BlockSpecs stay plain) and the KV heads into groups of ``heads_per_block``; the
+grid is ``(head groups, q blocks)``. A q block may hold the tail of one request, some
+whole decodes and the head of a prefill chunk: the kernel walks the requests that
+overlap it (their range comes in by scalar prefetch, computed in the wrapper with one
+`searchsorted`), and for each one walks the pages its rows can see in blocks of
+``pages_per_block`` pages. Each page block is copied HBM -> VMEM with one DMA per page
+into one of two buffers, so block ``b + 1`` is in flight while block ``b`` is
+computed. Scores of all ``G * block_q`` query rows of a KV head are one MXU matmul;
+rows outside the current request (or past the causal / window bounds) are masked and
+leave the online-softmax state (float32 scratch, kept across requests and page blocks)
+untouched. The output tile is written once per grid step; rows no request owns (the
+padding tokens) come out as zeros.
+
+Layout. Queries travel as ``[Hkv, G, T, D]`` (one transpose in the wrapper), so each
+KV head's ``G`` query heads form a ``[G * block_q, D]`` tile with the token axis on
+sublanes. The cache keeps the engine's ``[P, S, 2 * Hkv, D]`` layout in HBM; a page
+copy moves ``[S, 2 * heads_per_block, D]``.
+
+Block sizes (`choose_blocks`), from the shapes, overridable by keyword:
+
+==================  ===========================================================
+``block_q``         8 x the dtype's sublane packing (8 f32, 16 bf16) when the
+                    batch has at most two tokens per request (decode-like), else
+                    64 (prefill chunks: fewer re-reads of each request's pages)
+``pages_per_block`` enough pages for 256 KV positions, at most a page-table row
+``heads_per_block`` every KV head, halved while the VMEM estimate exceeds
+                    ``vmem_limit_bytes`` (default 16 MiB, the scoped VMEM of v5e)
+==================  ===========================================================
+
+Nothing here calls `pltpu.get_tpu_info()`: the limits come in as arguments, so the
+kernel runs under TPU interpret mode on CPU (``interpret=True``), which simulates the
+DMAs and semaphores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention.cost import attention_cost
+
+_MASKED = -1e30  # finite: an all-masked row gives exp(0) * 0, never NaN
+DEFAULT_VMEM_LIMIT = 16 * 1024 * 1024
+KV_POSITIONS_PER_BLOCK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    block_q: int
+    pages_per_block: int
+    heads_per_block: int
+
+
+def _sublanes(dtype) -> int:
+    return 8 * max(1, 4 // np.dtype(dtype).itemsize)
+
+
+def vmem_bytes(blocks: Blocks, group: int, page_size: int, head_dim: int, dtype) -> int:
+    """VMEM one grid step needs: two KV buffers, double-buffered q and out, state."""
+    item = np.dtype(dtype).itemsize
+    hb, bq = blocks.heads_per_block, blocks.block_q
+    kv = 2 * blocks.pages_per_block * page_size * 2 * hb * head_dim * item
+    q_out = 2 * 2 * hb * group * bq * head_dim * item
+    state = hb * group * bq * (head_dim + 2 * 128) * 4
+    return kv + q_out + state
+
+
+def choose_blocks(
+    num_tokens: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    group: int,
+    page_size: int,
+    max_pages: int,
+    head_dim: int,
+    dtype,
+    vmem_limit_bytes: int = DEFAULT_VMEM_LIMIT,
+) -> Blocks:
+    """The documented block table (module docstring)."""
+    sub = _sublanes(dtype)
+    block_q = sub if num_tokens <= 2 * num_reqs else max(64, sub)
+    pages = max(1, min(max_pages, KV_POSITIONS_PER_BLOCK // page_size))
+    heads = num_kv_heads
+    blocks = Blocks(block_q, pages, heads)
+    while heads % 2 == 0 and vmem_bytes(blocks, group, page_size, head_dim, dtype) > (
+        vmem_limit_bytes
+    ):
+        heads //= 2
+        blocks = Blocks(block_q, pages, heads)
+    return blocks
+
+
+def _request_ranges(query_start_loc, num_seqs, num_blocks: int, block_q: int):
+    """For each q block: the first and last request with tokens in it (last < first: none)."""
+    real_end = query_start_loc[num_seqs]
+    ends = query_start_loc[1:]
+    start = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    last_tok = jnp.minimum(start + block_q, real_end) - 1
+    first = jnp.searchsorted(ends, start, side="right").astype(jnp.int32)
+    last = jnp.searchsorted(ends, last_tok, side="right").astype(jnp.int32)
+    last = jnp.where(start < real_end, last, first - 1)
+    return first, last
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    seq_lens_ref,  # [R]
+    page_table_ref,  # [R * M]
+    qsl_ref,  # [R + 1]
+    first_ref,  # [NB]
+    last_ref,  # [NB]
+    # inputs
+    q_ref,  # [hb, G, bq, D] VMEM
+    kv_hbm,  # [P, S, 2Hkv, D] HBM
+    # output
+    o_ref,  # [hb, G, bq, D] VMEM
+    # scratch
+    kv_buf,  # [2, ppb, S, 2hb, D] VMEM
+    sems,  # DMA semaphores [2]
+    m_sc,  # [hb, G*bq, 128] f32
+    l_sc,  # [hb, G*bq, 128] f32
+    acc_sc,  # [hb, G*bq, D] f32
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    max_pages: int,
+):
+    hb, group, bq, head_dim = q_ref.shape
+    _, ppb, page_size, _, _ = kv_buf.shape
+    rows = group * bq
+    block_kv = ppb * page_size
+    h_blk, q_blk = pl.program_id(0), pl.program_id(1)
+    h0 = h_blk * hb
+    blk_start = q_blk * bq
+
+    m_sc[...] = jnp.full(m_sc.shape, _MASKED, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    # token offset of each score row inside the block: rows are (g, t) flattened
+    row_tok = blk_start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) % bq
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+
+    def page_copies(req, first_page, b, slot):
+        copies = []
+        for p in range(ppb):
+            idx = jnp.minimum(first_page + b * ppb + p, max_pages - 1)
+            page = page_table_ref[req * max_pages + idx]
+            src = kv_hbm.at[page, :, pl.ds(2 * h0, 2 * hb), :]
+            copies.append(pltpu.make_async_copy(src, kv_buf.at[slot, p], sems.at[slot]))
+        return copies
+
+    def one_request(req, carry):
+        q_start, q_end = qsl_ref[req], qsl_ref[req + 1]
+        seq_len = seq_lens_ref[req]
+        ctx = seq_len - (q_end - q_start)  # position of the request's first new token
+        t_first = jnp.maximum(q_start, blk_start)
+        t_last = jnp.minimum(q_end, blk_start + bq) - 1
+        kv_hi = ctx + (t_last - q_start) + 1  # keys [kv_lo, kv_hi) are visible to some row
+        kv_lo = 0
+        if sliding_window is not None:
+            kv_lo = jnp.maximum(ctx + (t_first - q_start) - sliding_window + 1, 0)
+        first_page = jax.lax.div(kv_lo, page_size)  # kv_lo >= 0: no floor fix-up
+        num_pages = pl.cdiv(kv_hi, page_size) - first_page
+        num_kv_blocks = pl.cdiv(num_pages, ppb)
+
+        in_req = (row_tok >= q_start) & (row_tok < q_end)
+        q_pos = ctx + row_tok - q_start
+
+        for copy in page_copies(req, first_page, 0, 0):
+            copy.start()
+
+        def kv_block(b, carry):
+            slot = jax.lax.rem(b, 2)
+
+            @pl.when(b + 1 < num_kv_blocks)
+            def _prefetch():
+                for copy in page_copies(req, first_page, b + 1, 1 - slot):
+                    copy.start()
+
+            for copy in page_copies(req, first_page, b, slot):
+                copy.wait()
+
+            kv_pos = (first_page + b * ppb) * page_size + col
+            mask = in_req & (kv_pos <= q_pos)
+            if sliding_window is not None:
+                mask &= q_pos - kv_pos < sliding_window
+            for h in range(hb):
+                _online_softmax_step(
+                    q_ref[h].reshape(rows, head_dim),
+                    kv_buf[slot, :, :, 2 * h, :].reshape(block_kv, head_dim),
+                    kv_buf[slot, :, :, 2 * h + 1, :].reshape(block_kv, head_dim),
+                    mask,
+                    m_sc.at[h],
+                    l_sc.at[h],
+                    acc_sc.at[h],
+                    sm_scale=sm_scale,
+                    soft_cap=soft_cap,
+                )
+            return carry
+
+        return jax.lax.fori_loop(0, num_kv_blocks, kv_block, carry)
+
+    jax.lax.fori_loop(first_ref[q_blk], last_ref[q_blk] + 1, one_request, 0)
+
+    for h in range(hb):
+        denom = l_sc[h][:, :1]
+        out = jnp.where(denom > 0, acc_sc[h] / jnp.where(denom > 0, denom, 1.0), 0.0)
+        o_ref[h] = out.reshape(group, bq, head_dim).astype(o_ref.dtype)
+
+
+def _online_softmax_step(q, k, v, mask, m_ref, l_ref, acc_ref, *, sm_scale, soft_cap):
+    """Folds one block of keys into the running max, denominator and accumulator."""
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = jax.lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+    s = s * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask, s, _MASKED)
+    m_prev = m_ref[...]  # [rows, 128], lanes equal
+    m_cur = jnp.max(s, axis=1, keepdims=True)
+    m_next = jnp.maximum(m_prev, m_cur)  # [rows, 128]
+    p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
+    alpha = jnp.exp(m_prev - m_next)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_next
+    pv = jax.lax.dot_general(
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "block_q",
+        "pages_per_block",
+        "heads_per_block",
+        "vmem_limit_bytes",
+        "interpret",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    kv_cache: jax.Array,  # [P, S, 2*Hkv, D]
+    seq_lens: jax.Array,  # [R] int32
+    page_table: jax.Array,  # [R, M] int32
+    query_start_loc: jax.Array,  # [R + 1] int32
+    num_seqs: jax.Array,  # [] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    heads_per_block: int | None = None,
+    vmem_limit_bytes: int = DEFAULT_VMEM_LIMIT,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, two_hkv, _ = kv_cache.shape
+    num_kv_heads = two_hkv // 2
+    group = num_q_heads // num_kv_heads
+    num_reqs, max_pages = page_table.shape
+    auto = choose_blocks(
+        num_tokens,
+        num_reqs,
+        num_kv_heads,
+        group,
+        page_size,
+        max_pages,
+        head_dim,
+        q.dtype,
+        vmem_limit_bytes,
+    )
+    blocks = Blocks(
+        block_q or auto.block_q,
+        pages_per_block or auto.pages_per_block,
+        heads_per_block or auto.heads_per_block,
+    )
+    bq, hb = blocks.block_q, blocks.heads_per_block
+    if num_kv_heads % hb:
+        raise ValueError(f"heads_per_block {hb} does not divide {num_kv_heads} KV heads")
+    num_blocks = pl.cdiv(num_tokens, bq)
+    padded = num_blocks * bq
+
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, padded - num_tokens), (0, 0)))
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    first, last = _request_ranges(query_start_loc, num_seqs, num_blocks, bq)
+
+    q_spec = pl.BlockSpec((hb, group, bq, head_dim), lambda h, i, *_: (h, 0, i, 0))
+    rows = group * bq
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        max_pages=max_pages,
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(num_kv_heads // hb, num_blocks),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[
+                pltpu.VMEM(
+                    (2, blocks.pages_per_block, page_size, 2 * hb, head_dim), kv_cache.dtype
+                ),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((hb, rows, 128), jnp.float32),
+                pltpu.VMEM((hb, rows, 128), jnp.float32),
+                pltpu.VMEM((hb, rows, head_dim), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit_bytes,
+        ),
+        cost_estimate=attention_cost(q.shape, kv_cache.shape, page_table.shape, q.dtype),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(
+        seq_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32).reshape(-1),
+        query_start_loc.astype(jnp.int32),
+        first,
+        last,
+        q4,
+        kv_cache,
+    )
+    out = out[:, :, :num_tokens].transpose(2, 0, 1, 3).reshape(q.shape)
+    return out
