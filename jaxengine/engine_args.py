@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxengine.config import (
+    AttentionConfig,
     CacheConfig,
     CompilationConfig,
     EngineConfig,
@@ -36,6 +37,7 @@ from jaxengine.config.arg_utils import (
     parse_human_int,
     parse_json_flag,
 )
+from jaxengine.config.attention import AttentionBackendName
 from jaxengine.config.cache import BlockSize, CacheDType, PrefixCachingHashAlgo
 from jaxengine.config.load import LoadFormat
 from jaxengine.config.model import (
@@ -63,6 +65,7 @@ CONFIG_CLASSES: dict[str, type] = {
     "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig,
     "compilation_config": CompilationConfig,
+    "attention_config": AttentionConfig,
 }
 
 
@@ -149,6 +152,8 @@ class EngineArgs:
     compile_token_buckets: list[int] = _default("compile_token_buckets")
     compilation_cache_dir: str = _default("compilation_cache_dir")
     enable_compilation_cache: bool = _default("enable_compilation_cache")
+    # AttentionConfig
+    attention_backend: AttentionBackendName = _default("attention_backend")
 
     def __post_init__(self) -> None:
         """Validates every value against its config field, then cross-field rules."""

@@ -14,7 +14,8 @@ import pytest
 
 def pytest_collection_modifyitems(config, items):
     """Skips `gpu`/`tpu` tests where that device is absent (they run where it is)."""
-    marked = [i for i in items if "gpu" in i.keywords or "tpu" in i.keywords]
+    # markers, not keywords: parameter ids such as "gpu" are keywords too
+    marked = [i for i in items if i.get_closest_marker("gpu") or i.get_closest_marker("tpu")]
     if not marked:
         return
     import jax
@@ -22,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
     backend = jax.default_backend()
     for item in marked:
         for kind in ("gpu", "tpu"):
-            if kind in item.keywords and backend != kind:
+            if item.get_closest_marker(kind) and backend != kind:
                 item.add_marker(
                     pytest.mark.skip(reason=f"needs a {kind.upper()} (backend: {backend})")
                 )

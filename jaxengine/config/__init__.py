@@ -5,6 +5,7 @@ EngineConfig with `jaxengine.engine_args.EngineArgs(...).create_engine_config()`
 change one only through `dataclasses.replace`.
 """
 
+from jaxengine.config.attention import AttentionConfig
 from jaxengine.config.cache import CacheConfig
 from jaxengine.config.compilation import CompilationConfig
 from jaxengine.config.engine import EngineConfig
@@ -15,6 +16,7 @@ from jaxengine.config.scheduler import SchedulerConfig
 from jaxengine.config.unsupported import check_supported
 
 __all__ = [
+    "AttentionConfig",
     "CacheConfig",
     "CompilationConfig",
     "EngineConfig",

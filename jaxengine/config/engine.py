@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from jaxengine.config.attention import AttentionConfig
 from jaxengine.config.cache import CacheConfig
 from jaxengine.config.compilation import CompilationConfig
 from jaxengine.config.load import LoadConfig
@@ -34,6 +35,8 @@ class EngineConfig:
     """Distribution over devices and hosts."""
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
     """Compiled shape buckets and the XLA compilation cache."""
+    attention_config: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+    """Which attention kernels run."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -76,4 +79,5 @@ _CLASSES = {
     "scheduler_config": SchedulerConfig,
     "parallel_config": ParallelConfig,
     "compilation_config": CompilationConfig,
+    "attention_config": AttentionConfig,
 }

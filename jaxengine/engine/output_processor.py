@@ -275,8 +275,10 @@ class OutputProcessor:
         delta = kind is RequestOutputKind.DELTA
         completions = []
         for seq in state.sequences:
-            if delta and seq.sent_tokens == len(seq.token_ids) and (
-                not seq.finished or seq.sent_finish
+            if (
+                delta
+                and seq.sent_tokens == len(seq.token_ids)
+                and (not seq.finished or seq.sent_finish)
             ):
                 continue
             tokens = seq.token_ids[seq.sent_tokens :] if delta else list(seq.token_ids)

@@ -17,6 +17,7 @@ from jaxengine.config import EngineConfig
 from jaxengine.core.limits import SchedulerLimits
 from jaxengine.loader import LoadedModel, load_model
 from jaxengine.loader.hf_config import load_generation_config
+from jaxengine.runner.attention_backend import select_attention_backend
 from jaxengine.runner.buckets import default_token_buckets
 from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, plan_kv_cache
 from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
@@ -84,6 +85,16 @@ def build_components(config: EngineConfig) -> EngineParts:
     setup_compilation_cache(config)
     mc = config.model_config
     loaded = load_model(mc, config.load_config)
+    requested = config.attention_config.attention_backend
+    backend = select_attention_backend(requested)
+    logger.info(
+        "attention backend: %s (--attention-backend %s, platform %s)",
+        backend.name,
+        requested,
+        jax.default_backend(),
+    )
+    module = loaded.module.clone(attention_kwargs=backend.module_kwargs())
+    loaded = dataclasses.replace(loaded, module=module)
     max_model_len = resolve_max_model_len(mc.max_model_len, loaded.hf_config)
     config = config.with_max_model_len(max_model_len)
     tokenizer = None

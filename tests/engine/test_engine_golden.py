@@ -3,10 +3,14 @@
 16 prompts of mixed lengths, some sharing long prefixes, through `LLM.generate` under
 each scheduling condition (chunked prefill on/off, prefix caching on/off, a KV cache
 small enough to force preemption by recompute and by swap, max_num_seqs 1 and 16).
-All engines share a persistent compilation cache, so identical shapes compile once.
+The same again with `--attention-backend pallas` (on CPU the Pallas GPU kernels run in
+interpret mode inside the compiled step). All engines share a persistent compilation
+cache, so identical shapes compile once.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -70,15 +74,22 @@ CONDITIONS = {
     "preempt_recompute": dict(num_gpu_blocks_override=41),
     "preempt_swap": dict(num_gpu_blocks_override=41, swap_space=1),
     "max_num_seqs_1": dict(max_num_seqs=1, compile_token_buckets=[1, 16, 64]),
+    # the Pallas kernels inside the real step (interpret mode on CPU)
+    "pallas_kernels": dict(attention_backend="pallas"),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("condition", sorted(CONDITIONS))
-def test_greedy_matches_transformers(condition, prompts, expected, smollm2_gguf, tmp_path_factory):
+def test_greedy_matches_transformers(
+    condition, prompts, expected, smollm2_gguf, tmp_path_factory, caplog
+):
     cache_dir = tmp_path_factory.getbasetemp() / "xla-cache"
     kwargs = {**BASE, **CONDITIONS[condition], "compilation_cache_dir": str(cache_dir)}
-    llm = LLM(model=str(smollm2_gguf), **kwargs)
+    with caplog.at_level(logging.INFO, logger="jaxengine.engine.setup"):
+        llm = LLM(model=str(smollm2_gguf), **kwargs)
+    backend = "pallas-gpu-interpret" if condition == "pallas_kernels" else "reference"
+    assert f"attention backend: {backend}" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):

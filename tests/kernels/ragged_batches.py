@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
@@ -153,3 +154,12 @@ def check_kernel(kernel, batch: Batch, dtype_name: str, **kernel_kwargs) -> floa
     err = relative_error(got[:real], want[:real])
     assert err < TOLERANCE[dtype_name], f"relative error {err:.2e} ({dtype_name})"
     return err
+
+
+def lowers_for(fn, platform: str, *args) -> bool:
+    """Whether ``fn`` lowers for ``platform`` ("tpu" or "cuda") to its kernel's custom
+    call (Mosaic / Triton): Pallas's own lowering runs here, without the device."""
+    target = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
+    checks = [] if platform == "tpu" else [jax.export.DisabledSafetyCheck.custom_call(target)]
+    export = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)
+    return target in export(*args).mlir_module()

@@ -14,11 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_cache_update import reference, tpu
+from pallas_kernels.kv_cache_update import gpu, reference, tpu
+from tests.kernels.ragged_batches import lowers_for
 
 IMPLEMENTATIONS = {
     "reference": reference.update_kv_cache,
     "tpu-interpret": functools.partial(tpu.update_kv_cache, interpret=True),
+    "gpu-interpret": functools.partial(gpu.update_kv_cache, interpret=True),
 }
 SENTINEL = 7.0
 
@@ -54,12 +56,22 @@ def test_writes_exactly_its_slots(name, dtype, num_tokens):
     np.testing.assert_array_equal(untouched, SENTINEL)
 
 
-def test_tpu_kernel_lowers_for_tpu():
-    """The kernel lowers to a Mosaic custom call for TPU (Llama-3-8B layout, bf16)."""
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_kernel_lowers_for_its_device(platform):
+    """Each kernel lowers to its custom call (Mosaic / Triton), Llama-3-8B layout, bf16."""
     cache = jax.ShapeDtypeStruct((2048, 16, 16, 128), jnp.bfloat16)
     new = jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((512,), jnp.int32)
-    exported = jax.export.export(jax.jit(tpu.update_kv_cache), platforms=["tpu"])(
-        cache, new, new, slots
-    )
-    assert "tpu_custom_call" in exported.mlir_module()
+    fn = tpu.update_kv_cache if platform == "tpu" else gpu.update_kv_cache
+    assert lowers_for(fn, platform, cache, new, new, slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_kernel_on_gpu(dtype):
+    out, k, v = _write(gpu.update_kv_cache, dtype, 9, 8, 2, 64, [5, 71, 80, -1, 30])
+    flat = out.reshape(72, 4, 64)
+    for t, s in [(0, 5), (1, 71), (4, 30)]:
+        np.testing.assert_array_equal(flat[s, 0::2], k[t])
+        np.testing.assert_array_equal(flat[s, 1::2], v[t])
+    np.testing.assert_array_equal(np.delete(flat, [5, 71, 30], axis=0), SENTINEL)

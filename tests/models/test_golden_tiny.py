@@ -8,6 +8,8 @@ step's last-token logits with transformers' full-sequence forward in float32.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ import transformers
 
 from jaxengine.config import LoadConfig, ModelConfig
 from jaxengine.loader import load_model
+from jaxengine.runner.attention_backend import kernels
 from jaxengine.runner.greedy_loop import GreedyLoop
 
 SMALL = dict(
@@ -84,6 +87,23 @@ def reference_logits(hf_model, seqs):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_match_transformers(family, tmp_path):
+    check_family(family, tmp_path)
+
+
+# The Pallas kernels (interpret mode) inside the model's forward: window, qk-norm, GQA.
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "qwen3"])
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_pallas_kernels_inside_the_model(family, platform, tmp_path):
+    attention, update = kernels(platform)
+    kwargs = {
+        "attention_fn": functools.partial(attention, interpret=True),
+        "update_fn": functools.partial(update, interpret=True),
+    }
+    check_family(family, tmp_path, attention_kwargs=kwargs)
+
+
+def check_family(family, tmp_path, attention_kwargs=None):
+    """Greedy decode through the paged cache; every step's logits within 1e-4."""
     torch.manual_seed(0)
     hf_config = FAMILIES[family]()
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
@@ -93,7 +113,10 @@ def test_logits_match_transformers(family, tmp_path):
     loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), LoadConfig())
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, SMALL["vocab_size"], n).tolist() for n in PROMPT_LENS]
-    loop = GreedyLoop(loaded.module, loaded.config, loaded.params, page_size=4)
+    module = loaded.module
+    if attention_kwargs is not None:
+        module = module.clone(attention_kwargs=attention_kwargs)
+    loop = GreedyLoop(module, loaded.config, loaded.params, page_size=4)
     outputs, step_logits = loop.generate(prompts, DECODE_STEPS, return_logits=True)
 
     seqs = [list(p) for p in prompts]

@@ -80,6 +80,7 @@ VALID_FLAGS = [
     (["--compile-token-buckets", "16", "64"], "compile_token_buckets", [16, 64]),
     (["--compilation-cache-dir", "/tmp/xla"], "compilation_cache_dir", "/tmp/xla"),
     (["--no-enable-compilation-cache"], "enable_compilation_cache", False),
+    (["--attention-backend", "reference"], "attention_backend", "reference"),
 ]  # fmt: skip
 
 
@@ -142,6 +143,7 @@ def test_create_engine_config_resolves_defaults():
         (["--served-model-name", ""], "--served-model-name"),
         (["--quantization", "nonsense"], "--quantization"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+        (["--attention-backend", "flash"], "--attention-backend"),
     ],
 )
 def test_bad_values_fail_at_parse_time_naming_the_flag(argv, flag, capsys):

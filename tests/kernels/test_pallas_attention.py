@@ -1,8 +1,11 @@
-"""The Pallas TPU attention kernel against the reference, under TPU interpret mode.
+"""The Pallas attention kernels (TPU: Mosaic, GPU: Triton) against the reference.
 
-Interpret mode runs the kernel's own program on CPU (DMAs, semaphores and the
-double-buffered page copies simulated), so these tests check the kernel's logic; the
-lowering test checks that Pallas turns it into a Mosaic custom call for TPU.
+On CPU both run in interpret mode: the TPU kernel under TPU interpret mode (its DMAs,
+semaphores and double-buffered page copies simulated), the GPU kernel with
+``interpret=True``; these tests check the kernels' logic on random ragged batches.
+The lowering tests check that Pallas turns each into its device's custom call (a
+Mosaic kernel for TPU, a Triton kernel for CUDA) without the device. On a GPU or TPU
+machine the `gpu` / `tpu` tests run the real kernels.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.ragged_paged_attention import tpu
-from tests.kernels.ragged_batches import Shape, build, check_kernel, shapes
+from pallas_kernels.ragged_paged_attention import gpu, tpu
+from tests.kernels.ragged_batches import Shape, build, check_kernel, lowers_for, shapes
+
+KERNELS = {"tpu": tpu.ragged_paged_attention, "gpu": gpu.ragged_paged_attention}
 
 DECODE = Shape(16, 2, 4, 128, (1,) * 5, (3, 17, 40, 64, 0), 2, 3, None, None)
 LONG_CHUNK = Shape(8, 1, 3, 64, (1, 2, 24), (9, 30, 70), 0, 0, None, 30.0)
@@ -24,32 +29,32 @@ WINDOWED = Shape(16, 2, 2, 256, (7, 1), (33, 50), 1, 0, 5, 2.0)
 ALL_PADDING = Shape(8, 1, 1, 64, (0,), (0,), 3, 4, None, None)
 
 
+@pytest.mark.parametrize("platform", sorted(KERNELS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(shape=shapes(), seed=st.integers(0, 2**31 - 1))
 @example(shape=DECODE, seed=0)
 @example(shape=LONG_CHUNK, seed=1)
 @example(shape=WINDOWED, seed=2)
 @example(shape=ALL_PADDING, seed=3)
-def test_matches_reference(dtype, shape, seed):
-    check_kernel(tpu.ragged_paged_attention, build(shape, seed), dtype, interpret=True)
+def test_matches_reference(platform, dtype, shape, seed):
+    check_kernel(KERNELS[platform], build(shape, seed), dtype, interpret=True)
 
 
-def test_small_blocks_cross_request_and_page_boundaries():
-    """Tiny blocks: many q blocks span two requests, many page blocks per request."""
+# Small blocks: q blocks span requests, requests span many KV blocks.
+SMALL_BLOCKS = {
+    "tpu": dict(block_q=8, pages_per_block=1, heads_per_block=1),
+    "gpu": dict(block_m=4, block_n=16),
+}
+
+
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+def test_small_blocks_cross_request_and_page_boundaries(platform):
     batch = build(Shape(8, 2, 2, 64, (5, 1, 11, 1), (12, 30, 3, 0), 1, 2, 10, None), 7)
-    check_kernel(
-        tpu.ragged_paged_attention,
-        batch,
-        "float32",
-        interpret=True,
-        block_q=8,
-        pages_per_block=1,
-        heads_per_block=1,
-    )
+    check_kernel(KERNELS[platform], batch, "float32", interpret=True, **SMALL_BLOCKS[platform])
 
 
-def test_block_table():
+def test_block_tables():
     decode = tpu.choose_blocks(64, 64, 8, 4, 16, 128, 128, jnp.bfloat16)
     assert decode == tpu.Blocks(block_q=16, pages_per_block=16, heads_per_block=8)
     prefill = tpu.choose_blocks(512, 8, 8, 4, 16, 128, 128, jnp.float32)
@@ -57,6 +62,9 @@ def test_block_table():
     small_vmem = tpu.choose_blocks(512, 8, 8, 4, 16, 128, 256, jnp.float32, 4 << 20)
     assert small_vmem.heads_per_block < 8
     assert tpu.vmem_bytes(small_vmem, 4, 16, 256, jnp.float32) <= 4 << 20
+    assert gpu.choose_blocks(64, 64, 4, 128) == (16, 64)
+    assert gpu.choose_blocks(512, 8, 4, 256) == (64, 32)
+    assert gpu.choose_blocks(64, 64, 32, 128)[0] == 32  # G > 16
 
 
 def _abstract(num_tokens, num_reqs, max_pages, hq=32, hkv=8, head_dim=128, dtype=jnp.bfloat16):
@@ -71,6 +79,7 @@ def _abstract(num_tokens, num_reqs, max_pages, hq=32, hkv=8, head_dim=128, dtype
     )
 
 
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize(
     "args, options",
     [
@@ -79,11 +88,9 @@ def _abstract(num_tokens, num_reqs, max_pages, hq=32, hkv=8, head_dim=128, dtype
         (_abstract(64, 8, 32, hq=8, hkv=1, head_dim=256, dtype=jnp.float32), {}),
     ],
 )
-def test_lowers_to_mosaic(args, options):
-    """Pallas lowers the kernel to a Mosaic custom call for TPU (no TPU needed)."""
-    fn = functools.partial(tpu.ragged_paged_attention, sm_scale=0.1, **options)
-    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
-    assert "tpu_custom_call" in exported.mlir_module()
+def test_lowers_for_its_device(platform, args, options):
+    kernel = KERNELS["tpu" if platform == "tpu" else "gpu"]
+    assert lowers_for(functools.partial(kernel, sm_scale=0.1, **options), platform, *args)
 
 
 @pytest.mark.tpu
@@ -91,3 +98,11 @@ def test_lowers_to_mosaic(args, options):
 @given(shape=shapes(), seed=st.integers(0, 2**31 - 1))
 def test_matches_reference_on_tpu(shape, seed):
     check_kernel(tpu.ragged_paged_attention, build(shape, seed), "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@settings(max_examples=20, deadline=None)
+@given(shape=shapes(), seed=st.integers(0, 2**31 - 1))
+def test_matches_reference_on_gpu(dtype, shape, seed):
+    check_kernel(gpu.ragged_paged_attention, build(shape, seed), dtype)

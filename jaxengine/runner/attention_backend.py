@@ -1,0 +1,62 @@
+"""Choosing the attention kernels: by platform, overridden by ``--attention-backend``.
+
+=============  ====================  =====================  ==========================
+requested      tpu                   gpu                    cpu
+=============  ====================  =====================  ==========================
+auto           Pallas TPU (Mosaic)   Pallas GPU (Triton)    reference (pure JAX)
+pallas         Pallas TPU (Mosaic)   Pallas GPU (Triton)    Pallas GPU, interpret mode
+reference      reference             reference              reference
+=============  ====================  =====================  ==========================
+
+The attention function and the KV-cache write are chosen together, so the cache
+layout they agree on never mixes. On CPU, "pallas" runs the GPU kernels in interpret
+mode: slow, there to prove the kernels inside the real step function. (They interpret
+several times faster than the TPU kernels, whose DMAs and semaphores the TPU
+interpreter simulates; tests run the TPU kernels inside the model on tiny configs.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    name: str  # "reference", "pallas-tpu", "pallas-gpu", "pallas-gpu-interpret"
+    attention_fn: Callable
+    update_fn: Callable
+
+    def module_kwargs(self) -> dict:
+        """What the model modules take as ``attention_kwargs``."""
+        return {"attention_fn": self.attention_fn, "update_fn": self.update_fn}
+
+
+def select_attention_backend(requested: str, platform: str | None = None) -> AttentionBackend:
+    """The backend for ``--attention-backend requested`` on ``platform`` (default: JAX's)."""
+    platform = platform or jax.default_backend()
+    if requested not in ("auto", "pallas", "reference"):
+        raise ValueError(
+            f"--attention-backend {requested!r}: expected one of auto, pallas, reference"
+        )
+    if requested == "reference" or (requested == "auto" and platform not in ("tpu", "gpu")):
+        return AttentionBackend("reference", *kernels("reference"))
+    if platform in ("tpu", "gpu"):
+        return AttentionBackend(f"pallas-{platform}", *kernels(platform))
+    attention, update = kernels("gpu")
+    return AttentionBackend(
+        "pallas-gpu-interpret",
+        functools.partial(attention, interpret=True),
+        functools.partial(update, interpret=True),
+    )
+
+
+def kernels(name: str) -> tuple[Callable, Callable]:
+    """The attention function and KV-cache write of ``pallas_kernels.*.{name}``."""
+    attention = importlib.import_module(f"pallas_kernels.ragged_paged_attention.{name}")
+    update = importlib.import_module(f"pallas_kernels.kv_cache_update.{name}")
+    return attention.ragged_paged_attention, update.update_kv_cache

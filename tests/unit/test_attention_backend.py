@@ -1,0 +1,54 @@
+"""--attention-backend picks the kernels by platform (the table in attention_backend)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from jaxengine.runner.attention_backend import select_attention_backend
+from pallas_kernels.kv_cache_update import gpu as update_gpu
+from pallas_kernels.kv_cache_update import reference as update_ref
+from pallas_kernels.kv_cache_update import tpu as update_tpu
+from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+
+
+@pytest.mark.parametrize(
+    "requested, platform, name",
+    [
+        ("auto", "cpu", "reference"),
+        ("auto", "tpu", "pallas-tpu"),
+        ("auto", "gpu", "pallas-gpu"),
+        ("pallas", "tpu", "pallas-tpu"),
+        ("pallas", "gpu", "pallas-gpu"),
+        ("pallas", "cpu", "pallas-gpu-interpret"),
+        ("reference", "tpu", "reference"),
+        ("reference", "gpu", "reference"),
+        ("reference", "cpu", "reference"),
+    ],
+)
+def test_table(requested, platform, name):
+    assert select_attention_backend(requested, platform).name == name
+
+
+def test_functions_match_their_names():
+    ref = select_attention_backend("auto", "cpu")
+    assert ref.attention_fn is reference.ragged_paged_attention
+    assert ref.update_fn is update_ref.update_kv_cache
+    on_tpu = select_attention_backend("auto", "tpu")
+    assert on_tpu.attention_fn is tpu.ragged_paged_attention
+    assert on_tpu.update_fn is update_tpu.update_kv_cache
+    interpreted = select_attention_backend("pallas", "cpu")
+    assert isinstance(interpreted.attention_fn, functools.partial)
+    assert interpreted.attention_fn.func is gpu.ragged_paged_attention
+    assert interpreted.attention_fn.keywords["interpret"]
+    assert interpreted.update_fn.func is update_gpu.update_kv_cache
+    assert select_attention_backend("pallas", "cpu").module_kwargs().keys() == {
+        "attention_fn",
+        "update_fn",
+    }
+
+
+def test_unknown_name_is_an_error():
+    with pytest.raises(ValueError, match="--attention-backend 'flash'"):
+        select_attention_backend("flash", "gpu")
