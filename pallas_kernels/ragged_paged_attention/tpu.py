@@ -153,6 +153,7 @@ def _kernel(
     # token offset of each score row inside the block: rows are (g, t) flattened
     row_tok = blk_start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) % bq
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+    v_row = jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
 
     def page_copies(req, first_page, b, slot):
         copies = []
@@ -196,13 +197,18 @@ def _kernel(
 
             kv_pos = (first_page + b * ppb) * page_size + col
             mask = in_req & (kv_pos <= q_pos)
+            # slots past the request's keys may hold anything (NaN included): 0 * NaN
+            # in the PV product would leak, so those rows of V are zeroed
+            v_ok = (first_page + b * ppb) * page_size + v_row < kv_hi
             if sliding_window is not None:
                 mask &= q_pos - kv_pos < sliding_window
             for h in range(hb):
                 _online_softmax_step(
                     q_ref[h].reshape(rows, head_dim),
                     kv_buf[slot, :, :, 2 * h, :].reshape(block_kv, head_dim),
-                    kv_buf[slot, :, :, 2 * h + 1, :].reshape(block_kv, head_dim),
+                    jnp.where(
+                        v_ok, kv_buf[slot, :, :, 2 * h + 1, :].reshape(block_kv, head_dim), 0
+                    ),
                     mask,
                     m_sc.at[h],
                     l_sc.at[h],

@@ -39,8 +39,9 @@ def _write(update, dtype, num_pages, page_size, hkv, head_dim, slots, seed=0):
 @pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_tokens", [3, 70])  # 70: more than one block of tokens
-def test_writes_exactly_its_slots(name, dtype, num_tokens):
-    num_pages, page_size, hkv, head_dim = 9, 8, 2, 64
+@pytest.mark.parametrize("hkv, head_dim", [(2, 64), (3, 40)])  # 240 values: not a power of 2
+def test_writes_exactly_its_slots(name, dtype, num_tokens, hkv, head_dim):
+    num_pages, page_size = 9, 8
     num_slots = num_pages * page_size
     rng = np.random.default_rng(num_tokens)
     slots = rng.permutation(np.arange(page_size, num_slots + 40))[:num_tokens]  # some past end

@@ -14,12 +14,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.ragged_paged_attention import gpu, tpu
-from tests.kernels.ragged_batches import Shape, build, check_kernel, lowers_for, shapes
+from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+from tests.kernels.ragged_batches import (
+    TOLERANCE,
+    Shape,
+    build,
+    check_kernel,
+    lowers_for,
+    relative_error,
+    shapes,
+)
 
 KERNELS = {"tpu": tpu.ragged_paged_attention, "gpu": gpu.ragged_paged_attention}
 
@@ -54,6 +63,27 @@ def test_small_blocks_cross_request_and_page_boundaries(platform):
     check_kernel(KERNELS[platform], batch, "float32", interpret=True, **SMALL_BLOCKS[platform])
 
 
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+def test_never_reads_unused_cache_slots(platform):
+    """NaN in every slot no request owns (null page, spare pages, tails of last pages)."""
+    batch = build(Shape(8, 2, 2, 64, (1, 6, 1), (9, 20, 0), 1, 2, None, None), 11)
+    want = reference.ragged_paged_attention(*batch.args(), **batch.kwargs())
+    cache = batch.kv_cache.copy()
+    page_size = cache.shape[1]
+    owned = np.zeros(cache.shape[:2], bool)
+    for r in range(batch.num_seqs):
+        for pos in range(int(batch.seq_lens[r])):
+            owned[batch.page_table[r, pos // page_size], pos % page_size] = True
+    cache[~owned] = np.nan
+    args = list(batch.args())
+    args[1] = jnp.asarray(cache)
+    got = np.asarray(KERNELS[platform](*args, **batch.kwargs(), interpret=True))
+    assert np.isfinite(got).all()
+    real = batch.num_real_tokens
+    assert relative_error(got[:real], np.asarray(want)[:real]) < TOLERANCE["float32"]
+    np.testing.assert_array_equal(got[real:], 0.0)
+
+
 def test_block_tables():
     decode = tpu.choose_blocks(64, 64, 8, 4, 16, 128, 128, jnp.bfloat16)
     assert decode == tpu.Blocks(block_q=16, pages_per_block=16, heads_per_block=8)
@@ -62,9 +92,10 @@ def test_block_tables():
     small_vmem = tpu.choose_blocks(512, 8, 8, 4, 16, 128, 256, jnp.float32, 4 << 20)
     assert small_vmem.heads_per_block < 8
     assert tpu.vmem_bytes(small_vmem, 4, 16, 256, jnp.float32) <= 4 << 20
-    assert gpu.choose_blocks(64, 64, 4, 128) == (16, 64)
-    assert gpu.choose_blocks(512, 8, 4, 256) == (64, 32)
-    assert gpu.choose_blocks(64, 64, 32, 128)[0] == 32  # G > 16
+    assert gpu.choose_blocks(64, 64, 4, 128) == (16, 64)  # decode-like
+    assert gpu.choose_blocks(512, 16, 4, 128) == (64, 64)  # prefill chunks
+    assert gpu.choose_blocks(512, 16, 4, 256) == (64, 32)  # head_dim 256: fewer keys
+    assert gpu.choose_blocks(64, 64, 32, 128).block_m == 32  # one token's 32 heads
 
 
 def _abstract(num_tokens, num_reqs, max_pages, hq=32, hkv=8, head_dim=128, dtype=jnp.bfloat16):
