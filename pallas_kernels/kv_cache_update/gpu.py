@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_cache_update.reference import interleave
+
 CHUNK = 2048
 
 
@@ -52,7 +54,7 @@ def update_kv_cache(
     num_pages, page_size, two_hkv, head_dim = kv_cache.shape
     num_tokens = k.shape[0]
     row = two_hkv * head_dim
-    new = jnp.stack([k, v], axis=2).reshape(num_tokens, row).astype(kv_cache.dtype)
+    new = interleave(k, v, kv_cache.dtype).reshape(num_tokens, row)
     chunk = min(CHUNK, 1 << (row - 1).bit_length())
     out = pl.pallas_call(
         functools.partial(_kernel, row=row, chunk=chunk),

@@ -23,10 +23,16 @@ def update_kv_cache(
     one, or point into the reserved null page 0). Donate ``kv_cache`` so XLA updates in place.
     """
     num_pages, page_size, two_hkv, head_dim = kv_cache.shape
-    num_tokens = k.shape[0]
-    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, two_hkv, head_dim)  # [T, 2Hkv, D]
+    kv = interleave(k, v, kv_cache.dtype)  # [T, 2Hkv, D]
     flat = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
     num_slots = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # no wrap-around
-    flat = flat.at[slots].set(kv.astype(kv_cache.dtype), mode="drop")
+    flat = flat.at[slots].set(kv, mode="drop")
     return flat.reshape(kv_cache.shape)
+
+
+def interleave(k: jax.Array, v: jax.Array, dtype) -> jax.Array:
+    """``[T, Hkv, D]`` K and V -> ``[T, 2 * Hkv, D]`` in the cache's order and dtype."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
+    return kv.astype(dtype)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.kv_cache_update.reference import interleave
+
 TOKENS_PER_BLOCK = 64
 
 
@@ -66,8 +68,7 @@ def update_kv_cache(
     """
     _, page_size, two_hkv, head_dim = kv_cache.shape
     num_tokens = k.shape[0]
-    new = jnp.stack([k, v], axis=2).reshape(num_tokens, two_hkv, head_dim)
-    new = new.astype(kv_cache.dtype)
+    new = interleave(k, v, kv_cache.dtype)
     tb = min(TOKENS_PER_BLOCK, num_tokens)
     kernel = functools.partial(_kernel, num_tokens=num_tokens, tb=tb, page_size=page_size)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
