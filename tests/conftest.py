@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import pytest
+
+# Eight virtual CPU devices for the parallelism tests (tests/sharding); everything
+# else runs on the first one, as it would on a one-device machine.
+CPU_DEVICES = 8
+jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,14 +20,6 @@ SUPPORTED_EXECUTOR_BACKENDS = (None, "uni")
 
 # (flag, getter of the value, predicate: True when the value is NOT supported yet)
 UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool]]] = [
-    ("--tensor-parallel-size", lambda c: c.parallel_config.tensor_parallel_size, lambda v: v != 1),
-    (
-        "--pipeline-parallel-size",
-        lambda c: c.parallel_config.pipeline_parallel_size,
-        lambda v: v != 1,
-    ),
-    ("--data-parallel-size", lambda c: c.parallel_config.data_parallel_size, lambda v: v != 1),
-    ("--enable-expert-parallel", lambda c: c.parallel_config.enable_expert_parallel, bool),
     (
         "--distributed-executor-backend",
         lambda c: c.parallel_config.distributed_executor_backend,

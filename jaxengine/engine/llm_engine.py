@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from jaxengine.config import EngineConfig
@@ -37,10 +38,14 @@ class PromptTooLongError(ValueError):
 class LLMEngine:
     """Synchronous engine: `add_request`, `step`, `abort_request`."""
 
-    def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, *, warmup: bool = True, devices: Sequence[Any] | None = None
+    ) -> None:
+        """``devices``: this engine's (pipeline x tensor parallel size of them); by
+        default the first ones. Data-parallel replicas each get their own."""
         from jaxengine.engine.setup import build_components
 
-        parts = build_components(config)
+        parts = build_components(config, devices)
         self.config = parts.config
         self.loaded = parts.loaded
         self.tokenizer = parts.tokenizer

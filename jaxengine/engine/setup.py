@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -78,13 +79,19 @@ def setup_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def build_components(config: EngineConfig) -> EngineParts:
-    """Loads and sizes everything an `LLMEngine` needs."""
+def build_components(config: EngineConfig, devices: Sequence[Any] | None = None) -> EngineParts:
+    """Loads and sizes everything an `LLMEngine` needs, on ``devices`` (one replica's:
+    pipeline x tensor of them; the first ones by default)."""
     from jaxengine.tokenizer import get_tokenizer
+    from sharding.mesh import replica_devices
+    from sharding.placement import Placement
 
     setup_compilation_cache(config)
-    mc = config.model_config
-    loaded = load_model(mc, config.load_config)
+    mc, parallel = config.model_config, config.parallel_config
+    if devices is None:
+        devices = replica_devices(parallel)[0]
+    placement = Placement(parallel, devices)
+    loaded = load_model(mc, config.load_config, placement)
     requested = config.attention_config.attention_backend
     backend = select_attention_backend(requested)
     logger.info(
@@ -93,8 +100,20 @@ def build_components(config: EngineConfig) -> EngineParts:
         requested,
         jax.default_backend(),
     )
-    module = loaded.module.clone(attention_kwargs=backend.module_kwargs())
-    loaded = dataclasses.replace(loaded, module=module)
+    if placement.num_stages == 1:
+        plan = placement.plans[0]
+        module = loaded.module.clone(
+            attention_kwargs=plan.attention_kwargs(backend.module_kwargs()),
+            moe_kwargs=plan.moe_kwargs(),
+        )
+        loaded = dataclasses.replace(loaded, module=module)
+    logger.info(
+        "devices: %d (tensor %d x pipeline %d): %s",
+        len(placement.devices),
+        parallel.tensor_parallel_size,
+        parallel.pipeline_parallel_size,
+        ", ".join(str(d) for d in placement.devices),
+    )
     max_model_len = resolve_max_model_len(mc.max_model_len, loaded.hf_config)
     config = config.with_max_model_len(max_model_len)
     tokenizer = None
@@ -116,8 +135,12 @@ def build_components(config: EngineConfig) -> EngineParts:
 
     cc, sc, tc = config.cache_config, config.scheduler_config, loaded.config
     block_size = cc.block_size or 16
-    per_block = bytes_per_block(
-        tc.num_layers, block_size, tc.num_kv_heads, tc.head_dim, np.dtype(tc.dtype).itemsize
+    per_block = bytes_per_block(  # on one device: its stage's layers, its KV heads
+        max(len(r) for r in placement.layer_ranges),
+        block_size,
+        placement.plans[0].kv_heads_per_device,
+        tc.head_dim,
+        np.dtype(tc.dtype).itemsize,
     )
     kv_size = plan_kv_cache(
         per_block=per_block,
@@ -127,7 +150,7 @@ def build_components(config: EngineConfig) -> EngineParts:
         num_gpu_blocks_override=cc.num_gpu_blocks_override,
         kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
         gpu_memory_utilization=cc.gpu_memory_utilization,
-        device=jax.devices()[0] if jax.default_backend() != "cpu" else None,
+        device=placement.devices[0] if jax.default_backend() != "cpu" else None,
     )
     logger.info(kv_size.describe(max_model_len))
     limits = SchedulerLimits.from_configs(
@@ -154,5 +177,10 @@ def build_components(config: EngineConfig) -> EngineParts:
         seed=mc.seed,
         eos_token_id=eos,
     )
-    runner = ModelRunner(loaded, settings)
+    if placement.num_stages == 1:
+        runner = ModelRunner(loaded, settings, placement.plans[0])
+    else:
+        from sharding.pipeline import PipelineRunner
+
+        runner = PipelineRunner(loaded, settings, placement, backend)
     return EngineParts(config, loaded, tokenizer, generation_config, eos, kv_size, limits, runner)

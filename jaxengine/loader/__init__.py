@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -60,8 +62,17 @@ def resolve_dtype(dtype: str, hf_config: Any, backend: str) -> Any:
     return jnp.float16 if stored.endswith("float16") and "bfloat" not in stored else jnp.bfloat16
 
 
-def load_model(model_config: ModelConfig, load_config: LoadConfig) -> LoadedModel:
-    """Resolves, reads and builds the model that ``model_config`` names."""
+def load_model(
+    model_config: ModelConfig,
+    load_config: LoadConfig,
+    placement: Callable[[Any, Any, Any], Any] | None = None,
+) -> LoadedModel:
+    """Resolves, reads and builds the model that ``model_config`` names.
+
+    ``placement(config, logical_axes, abstract_params)`` gives a `NamedSharding` per
+    parameter (`sharding/`); each tensor then goes straight into its shards. Without
+    it the parameters land on the default device.
+    """
     from jaxengine.loader.hf_config import load_hf_config
     from jaxengine.loader.params import abstract_params, dummy_params, logical_axes
     from jaxengine.models import get_model
@@ -80,11 +91,14 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig) -> LoadedMode
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
     module, config = get_model(hf_config, dtype)
     abstract = abstract_params(module, config)
-    if load_config.load_format == "dummy":
-        params = dummy_params(module, config, model_config.seed)
-    else:
-        params = _params_from_checkpoint(module, config, source, load_config.load_format, abstract)
     axes = logical_axes(abstract)
+    shardings = placement(config, axes, nn.unbox(abstract)) if placement else None
+    if load_config.load_format == "dummy":
+        params = dummy_params(module, config, model_config.seed, shardings)
+    else:
+        params = _params_from_checkpoint(
+            module, config, source, load_config.load_format, abstract, shardings
+        )
     logger.info(
         "loaded %s (%s, %s) in %.1fs",
         model_config.model,
@@ -95,7 +109,9 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig) -> LoadedMode
     return LoadedModel(module, config, params, hf_config, source, axes)
 
 
-def _params_from_checkpoint(module, config, source: ModelSource, load_format: str, abstract):
+def _params_from_checkpoint(
+    module, config, source: ModelSource, load_format: str, abstract, shardings=None
+):
     from jaxengine.loader.gguf_io import iter_gguf
     from jaxengine.loader.params import params_from_tensors
     from jaxengine.loader.safetensors_io import iter_safetensors
@@ -104,10 +120,10 @@ def _params_from_checkpoint(module, config, source: ModelSource, load_format: st
         if load_format not in ("auto", "gguf"):
             raise CheckpointError(f"{source.gguf_file}: a GGUF file needs --load-format gguf")
         return params_from_tensors(
-            module, config, iter_gguf(source.gguf_file), str(source.gguf_file), abstract
+            module, config, iter_gguf(source.gguf_file), str(source.gguf_file), abstract, shardings
         )
     if load_format == "gguf":
         raise CheckpointError(f"{source.path}: --load-format gguf but no .gguf file found")
     return params_from_tensors(
-        module, config, iter_safetensors(source.path), str(source.path), abstract
+        module, config, iter_safetensors(source.path), str(source.path), abstract, shardings
     )

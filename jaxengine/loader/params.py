@@ -50,13 +50,29 @@ def logical_axes(abstract: Any) -> Any:
     return nn.get_partition_spec(abstract)
 
 
-def dummy_params(module: nn.Module, config: TransformerConfig, seed: int = 0) -> Any:
-    """Random parameters of the right shapes and dtypes, initialized on device."""
+def dummy_params(
+    module: nn.Module, config: TransformerConfig, seed: int = 0, shardings: Any = None
+) -> Any:
+    """Random parameters of the right shapes and dtypes, initialized on device.
+
+    With ``shardings`` (a `NamedSharding` per leaf) each device computes only its own
+    shard; the values do not depend on the sharding.
+    """
     inputs = init_inputs(config)
     init = jax.jit(
-        lambda key: nn.unbox(module.init(key, *inputs, method="forward_and_logits")["params"])
+        lambda key: nn.unbox(module.init(key, *inputs, method="forward_and_logits")["params"]),
+        out_shardings=shardings,
     )
     return init(jax.random.key(seed))
+
+
+def place(array: np.ndarray, dtype: Any, sharding: Any = None) -> jax.Array:
+    """A host tensor on device(s): each device receives only its shard (no full copy
+    on one device first) when ``sharding`` is given."""
+    if sharding is None:
+        return jnp.asarray(array, dtype=dtype)
+    host = np.asarray(array).astype(dtype, copy=False)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _tree_set(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -80,6 +96,7 @@ def params_from_tensors(
     tensors: Iterable[tuple[str, np.ndarray]],
     source: str,
     abstract: Any = None,
+    shardings: Any = None,
 ) -> Any:
     """Fills the model's parameter tree from ``(hf_name, array)`` pairs.
 
@@ -87,12 +104,14 @@ def params_from_tensors(
     device. Tensors the model has no use for (a tied checkpoint's ``lm_head.weight``,
     rotary buffers) are skipped; missing tensors and shape mismatches raise
     `CheckpointError` naming the tensor and ``source``. ``abstract`` is
-    `abstract_params`' result when the caller has it already.
+    `abstract_params`' result when the caller has it already; ``shardings`` (same
+    tree, `NamedSharding` leaves) places each tensor straight into its shards.
     """
     if abstract is None:
         abstract = abstract_params(module, config)
     shapes = _plain(nn.unbox(abstract))
     out = _plain(shapes, fill=None)
+    placement = _plain(shardings) if shardings is not None else None
     stacks: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], int] = {}
     for name, array in tensors:
@@ -116,9 +135,11 @@ def params_from_tensors(
             stack[index] = array
             filled[path] = filled.get(path, 0) + 1
             if filled[path] == leaf.shape[0]:
-                _tree_set(out, path, jnp.asarray(stacks.pop(path), dtype=leaf.dtype))
+                sharding = _leaf_of(placement, path) if placement else None
+                _tree_set(out, path, place(stacks.pop(path), leaf.dtype, sharding))
             continue
-        _tree_set(out, path, jnp.asarray(array, dtype=leaf.dtype))
+        sharding = _leaf_of(placement, path) if placement else None
+        _tree_set(out, path, place(array, leaf.dtype, sharding))
     missing = list(_unfilled(out))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

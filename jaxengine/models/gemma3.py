@@ -67,6 +67,7 @@ class Gemma3DecoderLayer(nn.Module):
     config: TransformerConfig
     spec: LayerSpec
     attention_kwargs: Any = None
+    moe_kwargs: Any = None  # dense: no experts to place
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, md):

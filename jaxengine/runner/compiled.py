@@ -51,7 +51,9 @@ class CompiledFunctions:
         settings = runner.settings
         vocab = runner.vocab_size
         module = runner.loaded.module
-        self._step = make_step(module)
+        plan = runner.plan
+        self.logits_sharding = plan.replicated if plan is not None else None
+        self._step = make_step(module, self.logits_sharding)
         self._sampler = make_sampler()
         self.logprobs_k = logprobs_bucket(settings.max_logprobs, vocab) or 0
         self._prompt_lp = make_prompt_logprobs(module, self.logprobs_k)
@@ -83,6 +85,12 @@ class CompiledFunctions:
         """Forward of a packed batch -> ``(logits[R, V], hidden[T, H], kv_caches)``."""
         buffers, spec = step_inputs(batch)
         return self._step(params, kv_caches, buffers, spec=spec)
+
+    def to_device(self, logits: np.ndarray):
+        """Host logits placed as the step leaves them (the logits-processor path)."""
+        if self.logits_sharding is None:
+            return jnp.asarray(logits)
+        return jax.device_put(logits, self.logits_sharding)
 
     def sample(self, logits, metadata, flags: SamplerFlags):
         buffers, spec = pack_tree(metadata)
@@ -140,7 +148,7 @@ class CompiledFunctions:
 
     def _warm_sampler(self, num_reqs: int, flags: SamplerFlags) -> None:
         metadata = SamplingBatch([], num_reqs, self.runner.vocab_size).to_metadata(flags)
-        logits = jnp.zeros((num_reqs, self.runner.vocab_size), jnp.float32)
+        logits = self.to_device(np.zeros((num_reqs, self.runner.vocab_size), np.float32))
         jax.block_until_ready(self.sample(logits, metadata, flags))
 
     def _warm_swap(self) -> None:

@@ -74,16 +74,22 @@ class RunnerSettings:
 class ModelRunner:
     """Owns the KV cache and the compiled functions of one model."""
 
-    def __init__(self, loaded: Any, settings: RunnerSettings) -> None:
+    def __init__(self, loaded: Any, settings: RunnerSettings, plan: Any = None) -> None:
         self.loaded = loaded
         self.settings = settings
+        self.plan = plan  # sharding.plan.ShardingPlan, or None for the default device
         self.params = loaded.params
         config = loaded.config
         self.vocab_size = config.vocab_size
         self.pages_per_req = -(-settings.max_model_len // settings.block_size)
         self.buckets = BucketSet(list(settings.token_buckets), settings.max_num_seqs)
-        shape = kv_cache_shape(config, settings.num_blocks, settings.block_size)
-        zeros = jax.jit(lambda: tuple(jax.numpy.zeros(shape, config.dtype) for _ in config.layers))
+        heads = plan.kv_cache_heads if plan is not None else None
+        shape = kv_cache_shape(config, settings.num_blocks, settings.block_size, heads)
+        placed = None if plan is None else (plan.kv_cache_sharding,) * len(config.layers)
+        zeros = jax.jit(
+            lambda: tuple(jax.numpy.zeros(shape, config.dtype) for _ in config.layers),
+            out_shardings=placed,
+        )
         self.kv_caches = zeros()
         self.host_pages = None
         if settings.num_host_blocks:
@@ -211,7 +217,7 @@ class ModelRunner:
         flags = pick_variant(needed, self.compiled.sampler_variants) or needed
         if batch.any_logits_processors:
             host = apply_logits_processors(np.asarray(logits), batch.rows)
-            logits = jax.device_put(host)
+            logits = self.compiled.to_device(host)
         result = self.compiled.sample(logits, batch.to_metadata(flags), flags)
         token_ids, lp = jax.device_get((result.token_ids, result.logprobs))
         return token_ids, lp

@@ -28,16 +28,20 @@ def step_inputs(batch: PackedBatch) -> tuple[tuple, TreeSpec]:
     return pack_tree((batch.token_ids, batch.positions, md, batch.logits_indices))
 
 
-def make_step(module: Any):
+def make_step(module: Any, logits_sharding: Any = None):
     """``step(params, kv_caches, buffers, spec)`` -> ``(logits[R, V], hidden[T, H], kv)``.
 
     ``buffers``/``spec`` pack ``(token_ids[T], positions[T], md, logits_indices[R])``.
+    ``logits_sharding`` pins where the logits land (replicated over a tensor group,
+    so the sampler's input layout never varies and every device can read the result).
     """
 
     def step(params, kv_caches, buffers, spec):
         token_ids, positions, md, logits_indices = unpack_tree(buffers, spec)
         hidden, kv_caches = module.apply({"params": params}, token_ids, positions, kv_caches, md)
         logits = module.apply({"params": params}, hidden[logits_indices], method="compute_logits")
+        if logits_sharding is not None:
+            logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
         return logits, hidden, kv_caches
 
     return jax.jit(step, donate_argnums=(1,), static_argnames=("spec",))

@@ -52,10 +52,13 @@ VALID_FLAGS = [
     (["--load-format", "dummy"], "load_format", "dummy"),
     (["--download-dir", "/tmp/w"], "download_dir", "/tmp/w"),
     (["--ignore-patterns", "*.bin", "*.pt"], "ignore_patterns", ["*.bin", "*.pt"]),
-    (["--tensor-parallel-size", "1"], "tensor_parallel_size", 1),
-    (["-tp", "1"], "tensor_parallel_size", 1),
-    (["--pipeline-parallel-size", "1"], "pipeline_parallel_size", 1),
-    (["--data-parallel-size", "1"], "data_parallel_size", 1),
+    (["--tensor-parallel-size", "4"], "tensor_parallel_size", 4),
+    (["-tp", "2"], "tensor_parallel_size", 2),
+    (["--pipeline-parallel-size", "2"], "pipeline_parallel_size", 2),
+    (["-pp", "4"], "pipeline_parallel_size", 4),
+    (["--data-parallel-size", "2"], "data_parallel_size", 2),
+    (["-dp", "2"], "data_parallel_size", 2),
+    (["--enable-expert-parallel"], "enable_expert_parallel", True),
     (["--no-enable-expert-parallel"], "enable_expert_parallel", False),
     (["--distributed-executor-backend", "uni"], "distributed_executor_backend", "uni"),
     (["--max-parallel-loading-workers", "2"], "max_parallel_loading_workers", 2),
@@ -154,10 +157,6 @@ def test_bad_values_fail_at_parse_time_naming_the_flag(argv, flag, capsys):
 
 
 NOT_SUPPORTED_YET = [
-    ({"tensor_parallel_size": 2}, "--tensor-parallel-size 2 is not supported yet"),
-    ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2 is not supported yet"),
-    ({"data_parallel_size": 2}, "--data-parallel-size 2 is not supported yet"),
-    ({"enable_expert_parallel": True}, "--enable-expert-parallel is not supported yet"),
     ({"distributed_executor_backend": "mp"}, "--distributed-executor-backend mp"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "--kv-cache-dtype fp8_e5m2 is not supported yet"),
     ({"quantization": "gptq"}, "--quantization gptq is not supported yet"),

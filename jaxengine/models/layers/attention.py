@@ -72,6 +72,13 @@ class Attention(nn.Module):
         return o_proj(out.reshape(num_tokens, hq * d)), kv_cache
 
 
-def kv_cache_shape(config: TransformerConfig, num_pages: int, page_size: int) -> tuple:
-    """Shape of one layer's cache: ``[num_pages, page_size, 2 * Hkv, D]``."""
-    return (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+def kv_cache_shape(
+    config: TransformerConfig, num_pages: int, page_size: int, num_kv_heads: int | None = None
+) -> tuple:
+    """Shape of one layer's cache: ``[num_pages, page_size, 2 * Hkv, D]``.
+
+    ``num_kv_heads`` overrides the model's count where a tensor-parallel layout stores
+    KV heads once per device (`sharding.plan.ShardingPlan.kv_cache_heads`).
+    """
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return (num_pages, page_size, 2 * heads, config.head_dim)

@@ -28,6 +28,7 @@ class DecoderLayer(nn.Module):
     config: TransformerConfig
     spec: LayerSpec
     attention_kwargs: Any = None
+    moe_kwargs: Any = None
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, md):
@@ -37,7 +38,10 @@ class DecoderLayer(nn.Module):
         h, kv_cache = attn(RMSNorm(**norm, name="input_layernorm")(x), positions, kv_cache, md)
         x = x + h
         h = RMSNorm(**norm, name="post_attention_layernorm")(x)
-        mlp = SparseMoE(cfg, name="mlp") if self.spec.moe else GatedMLP(cfg, name="mlp")
+        if self.spec.moe:
+            mlp = SparseMoE(cfg, **(self.moe_kwargs or {}), name="mlp")
+        else:
+            mlp = GatedMLP(cfg, name="mlp")
         return x + mlp(h), kv_cache
 
 
@@ -47,11 +51,14 @@ class DecoderModel(nn.Module):
     config: TransformerConfig
     layer_cls: Any = DecoderLayer
     attention_kwargs: Any = None
+    moe_kwargs: Any = None
 
     def setup(self) -> None:
         cfg = self.config
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        self.layers = [self.layer_cls(cfg, spec, self.attention_kwargs) for spec in cfg.layers]
+        self.layers = [
+            self.layer_cls(cfg, spec, self.attention_kwargs, self.moe_kwargs) for spec in cfg.layers
+        ]
         self.norm = RMSNorm(cfg.rms_norm_eps, cfg.norm_offset, cfg.dtype)
 
     def __call__(self, token_ids, positions, kv_caches, md):
@@ -74,11 +81,12 @@ class CausalLM(nn.Module):
 
     config: TransformerConfig
     layer_cls: Any = DecoderLayer
-    attention_kwargs: Any = None
+    attention_kwargs: Any = None  # attention_fn / update_fn (the backend, per shard)
+    moe_kwargs: Any = None  # experts_fn (expert parallelism)
 
     def setup(self) -> None:
         cfg = self.config
-        self.model = DecoderModel(cfg, self.layer_cls, self.attention_kwargs)
+        self.model = DecoderModel(cfg, self.layer_cls, self.attention_kwargs, self.moe_kwargs)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.vocab_size, ("vocab", "embed"), False, cfg.dtype)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,21 +30,49 @@ class GatedMLP(nn.Module):
         )
 
 
+def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, act, first_expert=0):
+    """Weighted sum of the routed experts' outputs, for the experts these weights hold.
+
+    ``x [T, H]``, ``weights``/``experts [T, K]`` (routing), stacked weights
+    ``w_gate``/``w_up [E', I, H]`` and ``w_down [E', H, I]`` of experts
+    ``first_expert .. first_expert + E'``. Rows are sorted by expert and each expert
+    runs one `jax.lax.ragged_dot` group; routes to experts held elsewhere sort last,
+    outside every group, and weigh zero. No token is dropped (no capacity limit).
+    Returns float32 ``[T, H]`` (partial sums when ``E'`` is a shard of the experts).
+    """
+    num_tokens, hidden = x.shape
+    k, local = experts.shape[1], w_gate.shape[0]
+    flat = experts.reshape(-1) - first_expert  # [T*K]
+    mine = (flat >= 0) & (flat < local)
+    flat = jnp.where(mine, flat, local)
+    order = jnp.argsort(flat)
+    token_of = order // k  # [T*K], source token of each sorted row
+    xs = x[token_of].astype(w_gate.dtype)  # [T*K, H]
+    group_sizes = jnp.bincount(flat, length=local + 1)[:local].astype(jnp.int32)  # [E']
+    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w_gate, 1, 2), group_sizes)  # [T*K, I]
+    up = jax.lax.ragged_dot(xs, jnp.swapaxes(w_up, 1, 2), group_sizes)
+    out = jax.lax.ragged_dot(act(gate) * up, jnp.swapaxes(w_down, 1, 2), group_sizes)
+    row_weight = jnp.where(mine, weights.reshape(-1), 0.0)[order]
+    out = jnp.where(row_weight[:, None] != 0, out.astype(jnp.float32), 0.0) * row_weight[:, None]
+    return jnp.zeros((num_tokens, hidden), jnp.float32).at[token_of].add(out)
+
+
 class SparseMoE(nn.Module):
     """Top-k routed experts (Qwen3-MoE layout), computed with `jax.lax.ragged_dot`.
 
     Parameters: ``gate.weight [E, H]`` (the router) and the experts stacked on a
-    leading axis: ``experts.{gate_proj,up_proj,down_proj}`` of ``[E, out, in]``. Tokens
-    are sorted by expert so each expert runs one dense matmul over its group; no token
-    is ever dropped (there is no capacity limit).
+    leading axis: ``experts.{gate_proj,up_proj,down_proj}`` of ``[E, out, in]``. The
+    expert computation is injected (``experts_fn``, `routed_experts` by default) so
+    `sharding/` can run it per expert shard.
     """
 
     config: TransformerConfig
+    experts_fn: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, H] -> [T, H]
         cfg = self.config
-        num_tokens, hidden = x.shape
+        hidden = x.shape[1]
         e, k, width = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         router = Linear(e, ("expert", "embed"), False, cfg.dtype, name="gate")(x)
         probs = jax.nn.softmax(router.astype(jnp.float32), axis=-1)  # [T, E]
@@ -57,16 +87,6 @@ class SparseMoE(nn.Module):
         w_gate = stacked("experts_gate_proj", (e, width, hidden), ("expert", "mlp", "embed"))
         w_up = stacked("experts_up_proj", (e, width, hidden), ("expert", "mlp", "embed"))
         w_down = stacked("experts_down_proj", (e, hidden, width), ("expert", "embed", "mlp"))
-
-        flat_expert = experts.reshape(-1)  # [T*K]
-        order = jnp.argsort(flat_expert)
-        token_of = order // k  # [T*K], source token of each sorted row
-        xs = x[token_of].astype(cfg.dtype)  # [T*K, H]
-        group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)  # [E]
-        act = activation(cfg.hidden_act)
-        gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w_gate, 1, 2), group_sizes)  # [T*K, I]
-        up = jax.lax.ragged_dot(xs, jnp.swapaxes(w_up, 1, 2), group_sizes)
-        out = jax.lax.ragged_dot(act(gate) * up, jnp.swapaxes(w_down, 1, 2), group_sizes)
-        out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [T*K, H]
-        combined = jnp.zeros((num_tokens, hidden), jnp.float32).at[token_of].add(out)
-        return combined.astype(x.dtype)
+        fn = self.experts_fn or routed_experts
+        out = fn(x, weights, experts, w_gate, w_up, w_down, act=activation(cfg.hidden_act))
+        return out.astype(x.dtype)

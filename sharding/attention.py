@@ -1,0 +1,62 @@
+"""Attention and the KV-cache write run per tensor shard under `shard_map`.
+
+Inside, a kernel sees plain per-device arrays: its query heads ``[T, Hq/tp, D]`` and
+its slice of the cache ``[P, S, 2 * Hkv/tp, D]``, so the reference, the Mosaic and the
+Triton kernels run unchanged, with no collective. Page tables and the other metadata
+are replicated.
+
+With fewer KV heads than tensor devices the projections produce every KV head on
+every device (their weights are replicated) and each device keeps the one head its
+query heads read: device ``i`` holds KV head ``i // (tp / Hkv)`` in its one-head slice
+of the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+HEADS = P(None, "tensor", None)  # [T, H, D]
+CACHE = P(None, None, "tensor", None)  # [pages, page_size, 2 * H, D]
+META = P()
+
+
+def shard_attention_fns(attention_kwargs: dict, mesh: Mesh, num_kv_heads: int) -> dict:
+    """``attention_kwargs`` with ``attention_fn`` and ``update_fn`` run per shard."""
+    attention_fn = attention_kwargs["attention_fn"]
+    update_fn = attention_kwargs["update_fn"]
+    tp = mesh.shape["tensor"]
+    replicas = tp // num_kv_heads if num_kv_heads < tp else 1
+
+    def local_update(cache, k, v, slot_mapping):
+        if replicas > 1:  # k, v hold every KV head: keep this device's
+            head = jax.lax.axis_index("tensor") // replicas
+            k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=1)
+            v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=1)
+        return update_fn(cache, k, v, slot_mapping)
+
+    kv_spec = P() if replicas > 1 else HEADS
+    update = jax.shard_map(
+        local_update,
+        mesh=mesh,
+        in_specs=(CACHE, kv_spec, kv_spec, META),
+        out_specs=CACHE,
+        check_vma=False,
+    )
+
+    def attention(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, **kwargs):
+        def local(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs):
+            return attention_fn(
+                q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, **kwargs
+            )
+
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(HEADS, CACHE, META, META, META, META),
+            out_specs=HEADS,
+            check_vma=False,
+        )(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs)
+
+    return {**attention_kwargs, "attention_fn": attention, "update_fn": update}
