@@ -85,20 +85,28 @@ class ModelRunner:
         self.buckets = BucketSet(list(settings.token_buckets), settings.max_num_seqs)
         heads = plan.kv_cache_heads if plan is not None else None
         shape = kv_cache_shape(config, settings.num_blocks, settings.block_size, heads)
-        placed = None if plan is None else (plan.kv_cache_sharding,) * len(config.layers)
-        zeros = jax.jit(
-            lambda: tuple(jax.numpy.zeros(shape, config.dtype) for _ in config.layers),
-            out_shardings=placed,
-        )
-        self.kv_caches = zeros()
+        self.kv_caches = self._allocate_kv_caches(shape, config.dtype, len(config.layers))
         self.host_pages = None
         if settings.num_host_blocks:
             host_shape = (settings.num_host_blocks, *shape[1:])
             self.host_pages = [np.zeros(host_shape, config.dtype) for _ in config.layers]
         self.guard = CompileGuard()
-        self.compiled = CompiledFunctions(self)
+        self.compiled = self._compiled_functions()
         self.requests: dict[str, _RequestState] = {}
         self._request_counter = 0
+
+    def _allocate_kv_caches(self, shape: tuple, dtype: Any, num_layers: int) -> Any:
+        """Zeroed per-layer caches, placed by the plan (split by KV heads)."""
+        plan = self.plan
+        placed = None if plan is None else (plan.kv_cache_sharding,) * num_layers
+        zeros = jax.jit(
+            lambda: tuple(jax.numpy.zeros(shape, dtype) for _ in range(num_layers)),
+            out_shardings=placed,
+        )
+        return zeros()
+
+    def _compiled_functions(self) -> CompiledFunctions:
+        return CompiledFunctions(self)
 
     # ------------------------------------------------------------------ warm-up
 

@@ -62,15 +62,22 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.rms_norm_eps, cfg.norm_offset, cfg.dtype)
 
     def __call__(self, token_ids, positions, kv_caches, md):
+        return self.stage(token_ids, positions, kv_caches, md, 0, len(self.layers), True, True)
+
+    def stage(self, inputs, positions, kv_caches, md, start, stop, first, last):
+        """Layers ``start:stop`` (a pipeline stage): from token ids when ``first`` (else
+        from the previous stage's hidden states), through the final norm when ``last``."""
         cfg = self.config
-        x = self.embed_tokens(token_ids)  # [T, H]
-        if cfg.embed_scale is not None:
-            x = x * jnp.asarray(cfg.embed_scale, dtype=cfg.dtype)
+        x = inputs
+        if first:
+            x = self.embed_tokens(inputs)  # [T, H]
+            if cfg.embed_scale is not None:
+                x = x * jnp.asarray(cfg.embed_scale, dtype=cfg.dtype)
         new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers[start:stop], kv_caches, strict=True):
             x, kv_cache = layer(x, positions, kv_cache, md)
             new_caches.append(kv_cache)
-        return self.norm(x), tuple(new_caches)
+        return (self.norm(x) if last else x), tuple(new_caches)
 
     def attend(self, x):
         return self.embed_tokens.attend(x)
@@ -98,6 +105,10 @@ class CausalLM(nn.Module):
         md: AttentionMetadata,
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         return self.model(token_ids, positions, kv_caches, md)
+
+    def stage(self, inputs, positions, kv_caches, md, start, stop, first, last):
+        """One pipeline stage's part of the forward (`DecoderModel.stage`)."""
+        return self.model.stage(inputs, positions, kv_caches, md, start, stop, first, last)
 
     def forward_and_logits(self, token_ids, positions, kv_caches, md) -> jax.Array:
         """Forward then logits of every token: touches every parameter (for init)."""
