@@ -1,0 +1,218 @@
+"""Every parallel layout gives the one-device engine's outputs, with the expected
+share of the parameters and the KV cache on each device.
+
+For each layout: greedy outputs through `LLM.generate` identical to one device,
+last-token logits of a prefill within 1e-4 relative error (float32), and per-device
+byte counts, read from the arrays' shards, equal to what the layout should put there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sharding.mesh import stage_layers
+from tests.sharding.engine_checks import (
+    build,
+    bytes_per_device,
+    greedy,
+    prefill_logits,
+    relative_error,
+    runner_of,
+    total_bytes,
+)
+
+TOLERANCE = 1e-4
+SPLIT = {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"}
+KV_PROJ = {"k_proj", "v_proj"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    outputs: list
+    logits: object
+    params: dict  # path -> nbytes of the one-device parameters
+    kv_bytes_per_layer: int
+    num_kv_heads: int
+    num_layers: int
+
+
+def _param_bytes(params) -> dict[tuple, int]:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {tuple(k.key for k in path): leaf.nbytes for path, leaf in flat}
+
+
+def _reference(model: str) -> Reference:
+    llm = build(model)
+    try:
+        runner = runner_of(llm)
+        logits = prefill_logits(llm)
+        outputs = greedy(llm)
+        caches = runner.kv_caches
+        return Reference(
+            outputs,
+            logits,
+            _param_bytes(runner.params),
+            caches[0].nbytes,
+            runner.loaded.config.num_kv_heads,
+            len(caches),
+        )
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama_reference(llama_dir) -> Reference:
+    return _reference(llama_dir)
+
+
+def _layer_of(path: tuple) -> int | None:
+    for key in path:
+        if key.startswith("layers_"):
+            return int(key.split("_")[1])
+    return None
+
+
+def expected_param_bytes(ref: Reference, tp: int, pp: int, stage: int) -> int:
+    """What one device of pipeline stage ``stage`` should hold under tp x pp."""
+    layers = stage_layers(ref.num_layers, pp)[stage]
+    total = 0
+    for path, nbytes in ref.params.items():
+        layer = _layer_of(path)
+        if layer is not None and layer not in layers:
+            continue
+        if layer is None and "embed_tokens" in path and stage != 0:
+            continue
+        if layer is None and "embed_tokens" not in path and stage != pp - 1:
+            continue
+        split = bool(SPLIT & set(path)) or (KV_PROJ & set(path) and ref.num_kv_heads % tp == 0)
+        total += nbytes // tp if split else nbytes
+    return total
+
+
+def expected_kv_bytes(ref: Reference, tp: int, pp: int, stage: int) -> int:
+    """KV heads split over tp, or one KV head per device when there are fewer heads."""
+    per_layer = ref.kv_bytes_per_layer // min(tp, ref.num_kv_heads)
+    return per_layer * len(stage_layers(ref.num_layers, pp)[stage])
+
+
+LAYOUTS = [
+    pytest.param(dict(tensor_parallel_size=2), id="tp2"),
+    pytest.param(dict(tensor_parallel_size=4), id="tp4"),
+    pytest.param(dict(tensor_parallel_size=8), id="tp8"),
+    pytest.param(dict(pipeline_parallel_size=2), id="pp2"),
+    pytest.param(dict(pipeline_parallel_size=4), id="pp4"),
+    pytest.param(dict(tensor_parallel_size=2, pipeline_parallel_size=2), id="tp2xpp2"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_one_device(llama_dir, llama_reference, layout):
+    tp = layout.get("tensor_parallel_size", 1)
+    pp = layout.get("pipeline_parallel_size", 1)
+    llm = build(llama_dir, **layout)
+    try:
+        runner = runner_of(llm)
+        logits = prefill_logits(llm)
+        assert relative_error(logits, llama_reference.logits) < TOLERANCE
+        assert greedy(llm) == llama_reference.outputs
+
+        params = runner.params if pp > 1 else [runner.params]
+        caches = runner.kv_caches if pp > 1 else [runner.kv_caches]
+        devices = runner.placement.stage_device_groups if pp > 1 else [runner.plan.devices]
+        assert len({d for group in devices for d in group}) == tp * pp
+        for stage, group in enumerate(devices):
+            held = bytes_per_device(params[stage])
+            kv = bytes_per_device(caches[stage])
+            for device in group:
+                assert held[device] == expected_param_bytes(llama_reference, tp, pp, stage)
+                assert kv[device] == expected_kv_bytes(llama_reference, tp, pp, stage)
+    finally:
+        llm.shutdown()
+
+
+def test_tensor_parallel_specs(llama_dir):
+    """Column-parallel q/gate, row-parallel o/down, vocabulary split, KV heads split."""
+    llm = build(llama_dir, tensor_parallel_size=2)
+    try:
+        runner = runner_of(llm)
+        layer = runner.params["model"]["layers_0"]
+        assert layer["self_attn"]["q_proj"]["weight"].sharding.spec == P("tensor", None)
+        assert layer["self_attn"]["k_proj"]["weight"].sharding.spec == P("tensor", None)
+        assert layer["self_attn"]["o_proj"]["weight"].sharding.spec == P(None, "tensor")
+        assert layer["mlp"]["down_proj"]["weight"].sharding.spec == P(None, "tensor")
+        assert runner.params["lm_head"]["weight"].sharding.spec == P("tensor", None)
+        assert layer["input_layernorm"]["weight"].sharding.is_fully_replicated
+        assert runner.kv_caches[0].sharding.spec == P(None, None, "tensor")
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_dir) -> Reference:
+    return _reference(moe_dir)
+
+
+@pytest.mark.parametrize(
+    "expert_parallel, spec",
+    [(True, P("tensor", None, None)), (False, P(None, "tensor", None))],
+    ids=["ep4", "tp4-experts-split-by-columns"],
+)
+def test_moe_expert_parallel(moe_dir, moe_reference, expert_parallel, spec):
+    llm = build(moe_dir, tensor_parallel_size=4, enable_expert_parallel=expert_parallel)
+    try:
+        runner = runner_of(llm)
+        assert relative_error(prefill_logits(llm), moe_reference.logits) < TOLERANCE
+        assert greedy(llm) == moe_reference.outputs
+        experts = runner.params["model"]["layers_0"]["mlp"]["experts_gate_proj"]
+        assert experts.sharding.spec == spec
+        held = bytes_per_device(experts)
+        assert set(held.values()) == {experts.nbytes // 4}
+        if expert_parallel:  # each device holds 2 of the 8 experts whole
+            assert {s.data.shape[0] for s in experts.addressable_shards} == {2}
+    finally:
+        llm.shutdown()
+
+
+def test_data_parallel_replicas(llama_dir, llama_reference):
+    """Two replicas on disjoint devices, each with the whole model, same outputs."""
+    llm = build(llama_dir, data_parallel_size=2)
+    try:
+        assert greedy(llm) == llama_reference.outputs
+        replicas = llm.engine.engines
+        assert len(replicas) == 2
+        devices = [set(r.runner.plan.devices) for r in replicas]
+        assert not devices[0] & devices[1]
+        for replica, group in zip(replicas, devices, strict=True):
+            held = bytes_per_device(replica.runner.params)
+            assert set(held) == group
+            assert held[next(iter(group))] == total_bytes(replica.runner.params)
+    finally:
+        llm.shutdown()
+
+
+def test_tensor_and_data_parallel(llama_dir, llama_reference):
+    """TP 2 x DP 2: two replicas, each split over its own two devices."""
+    llm = build(llama_dir, tensor_parallel_size=2, data_parallel_size=2)
+    try:
+        assert greedy(llm) == llama_reference.outputs
+        replicas = llm.engine.engines
+        groups = [set(r.runner.plan.devices) for r in replicas]
+        assert [len(g) for g in groups] == [2, 2] and not groups[0] & groups[1]
+        for replica in replicas:
+            held = bytes_per_device(replica.runner.params)
+            assert set(held.values()) == {expected_param_bytes(llama_reference, 2, 1, 0)}
+    finally:
+        llm.shutdown()
+
+
+def test_sizes_that_do_not_fit_are_refused(llama_dir):
+    with pytest.raises(ValueError, match="needs 16 devices, but 8 are available"):
+        build(llama_dir, tensor_parallel_size=8, data_parallel_size=2)
+    with pytest.raises(ValueError, match="attention heads are not divisible by"):
+        build(llama_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="5 stages"):
+        build(llama_dir, pipeline_parallel_size=5)
