@@ -81,7 +81,8 @@ def measure(tp: int, layers: int | None, dtype: str, materialize: bool) -> dict:
     plan = placement.plans[0]
     itemsize = jnp.dtype(config.dtype).itemsize
     kv_per_token = len(config.layers) * 2 * plan.kv_heads_per_device * config.head_dim * itemsize
-    total = sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(abstract))
+    leaves = jax.tree_util.tree_leaves(abstract)
+    total = sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in leaves)
     return {
         "tp": tp,
         "devices": len(held),
@@ -142,8 +143,9 @@ def main(argv=None) -> None:
 
     jax.config.update("jax_num_cpu_devices", max(args.tp))
     gib = 1 << 30
+    model = "model" if args.layers is None else f"{args.layers}-layer model"
     print(
-        f"| TP | parameters per device (GiB) | share of {'' if args.layers is None else f'{args.layers}-layer '}model "
+        f"| TP | parameters per device (GiB) | share of {model} "
         f"| KV heads per device | KV cache per token per device (KiB) "
         f"| KV tokens in the rest of {args.device_gib:g} GiB |"
     )

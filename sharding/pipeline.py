@@ -9,8 +9,11 @@ stages in order and hands the ``[T, H]`` activations from one tensor group to th
 next (`jax.device_put`, device to device). Sampling and prompt logprobs run on the
 last stage.
 
-Each stage is an ordinary jitted function on its own devices, so JAX dispatches
-stages asynchronously; the runner waits only for the sampled ids.
+The runner splits a step's requests into up to one micro-batch per stage
+(`split_balanced`) and dispatches every micro-batch's stages and sampling before
+reading any result. Each stage is an ordinary jitted function on its own devices and
+JAX dispatches asynchronously, so stage ``s`` runs micro-batch ``m + 1`` while stage
+``s + 1`` runs ``m``.
 """
 
 from __future__ import annotations
@@ -78,6 +81,25 @@ def stage_params(params: dict, logical: dict, placement: Any, tie_word_embedding
     return trees
 
 
+def split_balanced(sizes: list[int], parts: int) -> list[list[int]]:
+    """Indices of ``sizes`` cut into at most ``parts`` contiguous non-empty runs whose
+    sums are close to equal (each cut where the running sum passes k/parts of the total)."""
+    parts = max(1, min(parts, len(sizes)))
+    total, groups, current, running = sum(sizes), [], [], 0
+    for i, size in enumerate(sizes):
+        current.append(i)
+        running += size
+        left_items, left_groups = len(sizes) - i - 1, parts - len(groups) - 1
+        if left_groups and (
+            running * parts >= total * (len(groups) + 1) or left_items == left_groups
+        ):
+            groups.append(current)
+            current = []
+    if current:
+        groups.append(current)
+    return groups
+
+
 class PipelineCompiled(CompiledFunctions):
     """`CompiledFunctions` whose step runs the stages in turn; params and caches are
     per-stage lists."""
@@ -136,15 +158,23 @@ class PipelineRunner(ModelRunner):
             loaded.params, loaded.logical_axes, placement, loaded.config.tie_word_embeddings
         )
 
+    def micro_batches(self, num_tokens: list[int]) -> list[list[int]]:
+        """Up to one micro-batch per stage: contiguous runs of requests with about equal
+        token counts, so stage ``s`` can run micro-batch ``m + 1`` while ``s + 1`` runs ``m``."""
+        return split_balanced(num_tokens, self.placement.num_stages)
+
     def _allocate_kv_caches(self, shape: tuple, dtype: Any, num_layers: int) -> Any:
-        caches = []
-        for plan, layers in zip(self.placement.plans, self.placement.layer_ranges, strict=True):
-            zeros = jax.jit(
-                lambda n=len(layers): tuple(jax.numpy.zeros(shape, dtype) for _ in range(n)),
-                out_shardings=(plan.kv_cache_sharding,) * len(layers),
+        def zeros(count: int, sharding: Any):
+            make = jax.jit(
+                lambda: tuple(jax.numpy.zeros(shape, dtype) for _ in range(count)),
+                out_shardings=(sharding,) * count,
             )
-            caches.append(zeros())
-        return caches
+            return make()
+
+        return [
+            zeros(len(layers), plan.kv_cache_sharding)
+            for plan, layers in zip(self.placement.plans, self.placement.layer_ranges, strict=True)
+        ]
 
     def _compiled_functions(self) -> CompiledFunctions:
         return PipelineCompiled(self)

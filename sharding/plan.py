@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.rules import Rules, logical_to_mesh, make_rules

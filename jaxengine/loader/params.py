@@ -89,7 +89,7 @@ def dummy_params(
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dummy_fill(shape: tuple, dtype: str, kind: str, norm_value: float, sharding: Any):
     def fill(key):
         if kind == "zeros":

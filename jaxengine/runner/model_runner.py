@@ -110,10 +110,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compiles every bucket's step, prompt-logprobs and sampler variants."""
+    def warmup(self, progress: bool = True, arm: bool = True) -> None:
+        """Compiles every bucket's step, prompt-logprobs and sampler variants, then arms
+        the compile guard (``arm=False`` leaves that to a caller warming several
+        engines in one process, whose compilations every guard hears)."""
         self.compiled.compile_all(progress)
-        self.guard.arm()
+        if arm:
+            self.guard.arm()
 
     # ------------------------------------------------------------------ state
 
@@ -177,23 +180,32 @@ class ModelRunner:
             )
             for r, s in zip(order, states, strict=True)
         ]
-        bucket = self.buckets.select(out.total_num_scheduled_tokens, len(order))
-        batch = pack_batch(
-            chunks,
-            page_size=self.settings.block_size,
-            num_tokens=bucket.num_tokens,
-            num_reqs=bucket.num_reqs,
-            pages_per_req=self.pages_per_req,
-        )
         sampling = [
             None
             if r in out.partial_req_ids
             else SamplingRow(s.params, s.output_ids, s.token_ids[: s.num_prompt], s.seed)
             for r, s in zip(order, states, strict=True)
         ]
-        logits, hidden = self._forward(bucket, batch)
-        token_ids, lp = self._sample(bucket, logits, sampling)
-        prompt_lps = self._prompt_logprobs(bucket, batch, hidden, order, states, chunks)
+        groups = self.micro_batches([len(c.token_ids) for c in chunks])
+        # dispatch every micro-batch's forward and sampling before reading any result,
+        # so pipeline stages work on different micro-batches at once
+        launched = [self._launch([chunks[i] for i in g], [sampling[i] for i in g]) for g in groups]
+        rows: list[tuple[Any, Any, int]] = [None] * len(order)  # (token ids, logprobs, row)
+        prompt_lps: list = [None] * len(order)
+        for group, (bucket, batch, hidden, result) in zip(groups, launched, strict=True):
+            token_ids, lp = jax.device_get(result)
+            for row, i in enumerate(group):
+                rows[i] = (token_ids, lp, row)
+            group_lps = self._prompt_logprobs(
+                bucket,
+                batch,
+                hidden,
+                [order[i] for i in group],
+                [states[i] for i in group],
+                [chunks[i] for i in group],
+            )
+            for row, i in enumerate(group):
+                prompt_lps[i] = group_lps[row] if group_lps else None
 
         sampled, logprobs = [], []
         for i, (req_id, state) in enumerate(zip(order, states, strict=True)):
@@ -202,16 +214,36 @@ class ModelRunner:
                 sampled.append([])
                 logprobs.append(None)
                 continue
-            token = int(token_ids[i])
+            token_ids, lp, row = rows[i]
+            token = int(token_ids[row])
             state.token_ids.append(token)
             sampled.append([token])
-            logprobs.append(_row_logprobs(lp, i, state.params.logprobs))
+            logprobs.append(_row_logprobs(lp, row, state.params.logprobs))
         return RunnerOutput(
             req_ids=order,
             sampled_token_ids=sampled,
             logprobs=logprobs if any(x is not None for x in logprobs) else None,
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=prompt_lps if any(x is not None for x in prompt_lps) else None,
         )
+
+    def micro_batches(self, num_tokens: list[int]) -> list[list[int]]:
+        """The step's requests (by index) in the groups that run as separate batches:
+        one group here; pipeline parallelism splits them so stages overlap."""
+        return [list(range(len(num_tokens)))]
+
+    def _launch(self, chunks: list[SeqChunk], sampling: list):
+        """Packs, runs and samples one micro-batch without waiting for it:
+        ``(bucket, batch, hidden, (token ids, logprobs) on device)``."""
+        bucket = self.buckets.select(sum(len(c.token_ids) for c in chunks), len(chunks))
+        batch = pack_batch(
+            chunks,
+            page_size=self.settings.block_size,
+            num_tokens=bucket.num_tokens,
+            num_reqs=bucket.num_reqs,
+            pages_per_req=self.pages_per_req,
+        )
+        logits, hidden = self._forward(bucket, batch)
+        return bucket, batch, hidden, self._sample(bucket, logits, sampling)
 
     def _forward(self, bucket: Bucket, batch):
         logits, hidden, self.kv_caches = self.compiled.step(self.params, self.kv_caches, batch)
@@ -227,8 +259,7 @@ class ModelRunner:
             host = apply_logits_processors(np.asarray(logits), batch.rows)
             logits = self.compiled.to_device(host)
         result = self.compiled.sample(logits, batch.to_metadata(flags), flags)
-        token_ids, lp = jax.device_get((result.token_ids, result.logprobs))
-        return token_ids, lp
+        return result.token_ids, result.logprobs
 
     def _prompt_logprobs(self, bucket, batch, hidden, order, states, chunks):
         wanted = [s.params.prompt_logprobs is not None for s in states]

@@ -25,7 +25,7 @@ def greedy(llm: LLM) -> list[list[int]]:
 def runner_of(llm: LLM):
     """The (first replica's) runner."""
     engine = llm.engine
-    replicas = getattr(engine, "engines", None) or getattr(engine, "replicas", None)
+    replicas = getattr(engine, "replicas", None)
     return (replicas[0] if replicas else engine).runner
 
 
@@ -37,7 +37,10 @@ def prefill_logits(llm: LLM) -> np.ndarray:
     runner = runner_of(llm)
     prompts = [p[:8] for p in PROMPTS[:3]]
     pages = -(-8 // runner.settings.block_size)
-    chunks = [SeqChunk(p, 0, list(range(1 + i * pages, 1 + (i + 1) * pages))) for i, p in enumerate(prompts)]
+    chunks = [
+        SeqChunk(p, 0, list(range(1 + i * pages, 1 + (i + 1) * pages)))
+        for i, p in enumerate(prompts)
+    ]
     bucket = runner.buckets.select(sum(len(p) for p in prompts), len(prompts))
     batch = pack_batch(
         chunks,

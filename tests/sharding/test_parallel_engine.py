@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import stage_layers
+from tests.sharding.conftest import PROMPTS
 from tests.sharding.engine_checks import (
     build,
     bytes_per_device,
@@ -182,7 +183,7 @@ def test_data_parallel_replicas(llama_dir, llama_reference):
     llm = build(llama_dir, data_parallel_size=2)
     try:
         assert greedy(llm) == llama_reference.outputs
-        replicas = llm.engine.engines
+        replicas = llm.engine.replicas
         assert len(replicas) == 2
         devices = [set(r.runner.plan.devices) for r in replicas]
         assert not devices[0] & devices[1]
@@ -199,7 +200,7 @@ def test_tensor_and_data_parallel(llama_dir, llama_reference):
     llm = build(llama_dir, tensor_parallel_size=2, data_parallel_size=2)
     try:
         assert greedy(llm) == llama_reference.outputs
-        replicas = llm.engine.engines
+        replicas = llm.engine.replicas
         groups = [set(r.runner.plan.devices) for r in replicas]
         assert [len(g) for g in groups] == [2, 2] and not groups[0] & groups[1]
         for replica in replicas:
@@ -216,3 +217,40 @@ def test_sizes_that_do_not_fit_are_refused(llama_dir):
         build(llama_dir, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="5 stages"):
         build(llama_dir, pipeline_parallel_size=5)
+
+
+def test_pipeline_micro_batches_overlap_stages(llama_dir, llama_reference, monkeypatch):
+    """A step of 4 requests on 2 stages runs as 2 micro-batches, dispatched stage by
+    stage before any result is read, with the one-device outputs and prompt logprobs."""
+    from jaxengine import SamplingParams
+    from sharding.pipeline import PipelineCompiled
+
+    llm = build(llama_dir, pipeline_parallel_size=2)
+    try:
+        calls = []
+        step = PipelineCompiled.step
+
+        def counting(self, params, kv_caches, batch):
+            calls.append(int(batch.num_seqs))
+            return step(self, params, kv_caches, batch)
+
+        monkeypatch.setattr(PipelineCompiled, "step", counting)
+        assert greedy(llm) == llama_reference.outputs
+        assert max(calls) < 4  # never the whole 4-request step in one batch
+        params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, logprobs=2)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(out, PROMPTS, strict=True))
+        assert all(len(o.outputs[0].logprobs) == 2 for o in out)
+    finally:
+        llm.shutdown()
+
+
+def test_split_balanced():
+    from sharding.pipeline import split_balanced
+
+    assert split_balanced([5, 5, 5, 5], 2) == [[0, 1], [2, 3]]
+    assert split_balanced([30, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert split_balanced([1, 1, 1, 30], 2) == [[0, 1, 2], [3]]
+    assert split_balanced([3], 4) == [[0]]
+    assert split_balanced([4, 4], 4) == [[0], [1]]
