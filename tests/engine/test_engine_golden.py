@@ -76,6 +76,14 @@ CONDITIONS = {
     "max_num_seqs_1": dict(max_num_seqs=1, compile_token_buckets=[1, 16, 64]),
     # the Pallas kernels inside the real step (interpret mode on CPU)
     "pallas_kernels": dict(attention_backend="pallas"),
+    # 9 heads / 3 KV heads over 3 tensor devices, 30 layers over 2 stages (6 of the 8
+    # virtual CPU devices), with pages swapped out and back across both stages
+    "preempt_swap_tp3_pp2": dict(
+        num_gpu_blocks_override=41,
+        swap_space=1,
+        tensor_parallel_size=3,
+        pipeline_parallel_size=2,
+    ),
 }
 
 
