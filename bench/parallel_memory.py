@@ -100,7 +100,7 @@ def measure_engine(tp: int, layers: int | None, dtype: str, kv_blocks: int) -> d
     import tempfile
 
     from jaxengine import LLM
-    from tests.sharding.engine_checks import bytes_per_device
+    from sharding.memory import bytes_per_device
 
     folder = tempfile.mkdtemp(prefix="llama3-8b-config-")
     llama3_8b(layers).save_pretrained(folder)
@@ -141,7 +141,12 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    jax.config.update("jax_num_cpu_devices", max(args.tp))
+    try:  # virtual CPU devices for the largest tensor size, unless JAX already started
+        jax.config.update("jax_num_cpu_devices", max(args.tp))
+    except RuntimeError:
+        pass
+    if len(jax.devices()) < max(args.tp):
+        parser.error(f"--tp {max(args.tp)} needs that many devices; {len(jax.devices())} exist")
     gib = 1 << 30
     model = "model" if args.layers is None else f"{args.layers}-layer model"
     print(

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import jax
 import numpy as np
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.runner.batch import SeqChunk, pack_batch
+from sharding.memory import bytes_per_device, total_bytes  # noqa: F401 (re-exported)
 from tests.sharding.conftest import ENGINE_KWARGS, MAX_TOKENS, PROMPTS
 
 
@@ -55,16 +54,3 @@ def prefill_logits(llm: LLM) -> np.ndarray:
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
-
-
-def bytes_per_device(tree) -> Counter:
-    """Bytes each device holds of the arrays in ``tree`` (from their shards)."""
-    held: Counter = Counter()
-    for leaf in jax.tree_util.tree_leaves(tree):
-        for shard in leaf.addressable_shards:
-            held[shard.device] += shard.data.nbytes
-    return held
-
-
-def total_bytes(tree) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
