@@ -129,6 +129,10 @@ class EngineArgs:
     data_parallel_address: str | None = _default("data_parallel_address")
     data_parallel_rpc_port: int | None = _default("data_parallel_rpc_port")
     max_parallel_loading_workers: int | None = _default("max_parallel_loading_workers")
+    nnodes: int = _default("nnodes")
+    node_rank: int = _default("node_rank")
+    master_addr: str = _default("master_addr")
+    master_port: int = _default("master_port")
     # CacheConfig
     block_size: BlockSize | None = _default("block_size")
     gpu_memory_utilization: float = _default("gpu_memory_utilization")

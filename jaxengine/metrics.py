@@ -4,11 +4,13 @@ After every engine step the engine hands each stat logger the scheduler's snapsh
 (`SchedulerStats`) and what the step produced (`IterationStats`, or None):
 
 - `PrometheusStatLogger` keeps vLLM-named metrics (prefix ``jaxengine:`` instead of
-  ``vllm:``), every one labelled ``model_name``, in its own `CollectorRegistry`;
-  `render_metrics` turns a registry into the body of ``GET /metrics``.
+  ``vllm:``), every one labelled ``model_name`` and ``engine`` (the data-parallel
+  replica's index), in its own `CollectorRegistry`; `render_metrics` turns a registry
+  into the body of ``GET /metrics``.
 - `LoggingStatLogger` accumulates tokens and logs one INFO line per interval
   (throughput, queue sizes, KV-cache usage, prefix-cache hit rate); an idle engine
-  stays quiet.
+  stays quiet. With data parallelism each replica has its own, its lines prefixed
+  ``Engine 000:`` as in vLLM.
 
 `SchedulerStats` counters (preemptions, prefix-cache queries and hits) are cumulative;
 both loggers turn them into deltas. A value lower than the last one seen means the
@@ -17,10 +19,11 @@ source was reset (e.g. a new scheduler): the new value itself is then the delta.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -118,9 +121,15 @@ def _delta(current: int, last: int) -> int:
 class PrometheusStatLogger:
     """vLLM-style Prometheus metrics for one model, in a registry it owns by default.
 
-    `record` may be called from the engine thread while the server renders
-    `registry` from another: prometheus_client metrics are thread-safe, and a lock
-    guards the last-seen cumulative values.
+    Every sample is labelled ``model_name`` and ``engine`` (the data-parallel replica,
+    "0" when there is one), as vLLM labels them. `record` takes the engine's index;
+    `for_engine(i)` gives a logger with the plain ``record(scheduler_stats,
+    iteration_stats)`` signature that records as engine ``i``, for that replica's
+    engine thread.
+
+    `record` may be called from engine threads while the server renders `registry`
+    from another: prometheus_client metrics are thread-safe, and a lock guards the
+    last-seen cumulative values.
     """
 
     def __init__(
@@ -128,62 +137,106 @@ class PrometheusStatLogger:
         model_name: str,
         registry: CollectorRegistry | None = None,
         max_model_len: int = 8192,
+        engine_indexes: Sequence[int] = (0,),
     ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         self._lock = threading.Lock()
-        self._last_cumulative = {field: 0 for _, field, _ in _CUMULATIVE_COUNTERS}
         buckets = {
             "ttft": TTFT_BUCKETS,
             "request": REQUEST_LATENCY_BUCKETS,
             "token": TOKEN_LATENCY_BUCKETS,
             "tokens": build_1_2_5_buckets(max_model_len),
         }
-        self._gauges = {f: self._make(Gauge, n, h) for n, f, h in _GAUGES}
-        self._cumulative = {f: self._make(Counter, n, h) for n, f, h in _CUMULATIVE_COUNTERS}
-        self._request_histograms = {
+        gauges = {f: self._make(Gauge, n, h) for n, f, h in _GAUGES}
+        cumulative = {f: self._make(Counter, n, h) for n, f, h in _CUMULATIVE_COUNTERS}
+        request_histograms = {
             field: self._make(Histogram, name, help_, buckets[kind])
             for name, field, kind, help_ in _REQUEST_HISTOGRAMS
         }
-        self._step = {
+        step = {
             name: self._make(cls, name, help_, buckets.get(kind))
             for cls, name, kind, help_ in _STEP_METRICS
         }
-        self._success_metric = Counter(
+        success = Counter(
             PREFIX + "request_success",
             "Count of finished requests, by finish reason (stop, length, abort).",
-            labelnames=("model_name", "finished_reason"),
+            labelnames=("model_name", "engine", "finished_reason"),
             registry=self.registry,
         )
-        for reason in FINISH_REASONS:  # expose every reason from the start, at 0
-            self._success_metric.labels(model_name, reason)
+        self._engines = {
+            index: _EngineMetrics.of(
+                (model_name, str(index)), gauges, cumulative, request_histograms, step, success
+            )
+            for index in engine_indexes
+        }
 
     def _make(self, cls: type, name: str, help_: str, buckets=None):
-        """One metric labelled with this model's name; returns its child."""
+        """One metric labelled with the model's name and the engine's index."""
         kwargs = {} if buckets is None else {"buckets": buckets}
-        metric = cls(PREFIX + name, help_, ("model_name",), registry=self.registry, **kwargs)
-        return metric.labels(self.model_name)
+        return cls(PREFIX + name, help_, _LABELS, registry=self.registry, **kwargs)
+
+    def for_engine(self, engine_idx: int) -> _EngineStatLogger:
+        """A stat logger that records into this one as engine ``engine_idx``."""
+        if engine_idx not in self._engines:
+            raise ValueError(f"engine {engine_idx} is not one of {sorted(self._engines)}")
+        return _EngineStatLogger(self, engine_idx)
 
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
     ) -> None:
-        """Update every metric from one engine step."""
+        """Update every metric of engine ``engine_idx`` from one of its steps."""
+        metrics = self._engines[engine_idx]
         if scheduler_stats is not None:
-            self._record_scheduler(scheduler_stats)
+            with self._lock:
+                metrics.record_scheduler(scheduler_stats)
         if iteration_stats is not None:
-            self._record_iteration(iteration_stats)
+            metrics.record_iteration(iteration_stats)
 
-    def _record_scheduler(self, stats: SchedulerStats) -> None:
-        for field, gauge in self._gauges.items():
+
+_LABELS = ("model_name", "engine")
+
+
+@dataclasses.dataclass
+class _EngineMetrics:
+    """One engine's children of the metrics (its label values bound)."""
+
+    gauges: dict
+    cumulative: dict
+    request_histograms: dict
+    step: dict
+    success: dict  # finish reason -> counter child
+    last_cumulative: dict
+
+    @classmethod
+    def of(cls, labels, gauges, cumulative, request_histograms, step, success) -> _EngineMetrics:
+        def bind(metrics: dict) -> dict:
+            return {key: metric.labels(*labels) for key, metric in metrics.items()}
+
+        return cls(
+            gauges=bind(gauges),
+            cumulative=bind(cumulative),
+            request_histograms=bind(request_histograms),
+            step=bind(step),
+            # every reason exposed from the start, at 0
+            success={reason: success.labels(*labels, reason) for reason in FINISH_REASONS},
+            last_cumulative={field: 0 for _, field, _ in _CUMULATIVE_COUNTERS},
+        )
+
+    def record_scheduler(self, stats: SchedulerStats) -> None:
+        """Gauges and cumulative counters (the caller holds the lock)."""
+        for field, gauge in self.gauges.items():
             gauge.set(getattr(stats, field))
-        with self._lock:
-            for field, counter in self._cumulative.items():
-                current = getattr(stats, field)
-                counter.inc(_delta(current, self._last_cumulative[field]))
-                self._last_cumulative[field] = current
+        for field, counter in self.cumulative.items():
+            current = getattr(stats, field)
+            counter.inc(_delta(current, self.last_cumulative[field]))
+            self.last_cumulative[field] = current
 
-    def _record_iteration(self, stats: IterationStats) -> None:
-        step = self._step
+    def record_iteration(self, stats: IterationStats) -> None:
+        step = self.step
         step["prompt_tokens"].inc(stats.num_prompt_tokens)
         step["generation_tokens"].inc(stats.num_generation_tokens)
         step_tokens = stats.num_prompt_tokens + stats.num_generation_tokens
@@ -196,23 +249,43 @@ class PrometheusStatLogger:
         for finished in stats.finished_requests:
             self._record_finished(finished)
         if stats.num_aborted:
-            self._success_metric.labels(self.model_name, "abort").inc(stats.num_aborted)
+            self.success["abort"].inc(stats.num_aborted)
 
     def _record_finished(self, finished: FinishedRequestStats) -> None:
-        self._success_metric.labels(self.model_name, finished.finish_reason).inc()
-        for field, histogram in self._request_histograms.items():
+        self.success[finished.finish_reason].inc()
+        for field, histogram in self.request_histograms.items():
             value = getattr(finished, field)
             if value is not None:
                 histogram.observe(value)
 
 
+class _EngineStatLogger:
+    """`PrometheusStatLogger.for_engine`: records as one engine."""
+
+    def __init__(self, parent: PrometheusStatLogger, engine_idx: int) -> None:
+        self.parent = parent
+        self.engine_idx = engine_idx
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None:
+        self.parent.record(scheduler_stats, iteration_stats, self.engine_idx)
+
+
 class LoggingStatLogger:
     """Logs one INFO line at most every `interval` seconds, summarising the window
     since the previous line. `log` may be called as often as wanted; it stays quiet
-    while the engine is idle (no tokens, no finished requests, nothing queued)."""
+    while the engine is idle (no tokens, no finished requests, nothing queued).
+    With ``engine_index`` (data parallelism) the line starts ``Engine 001: ``."""
 
-    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        engine_index: int | None = None,
+    ):
         self.interval = interval
+        self.prefix = "" if engine_index is None else f"Engine {engine_index:03d}: "
         self._clock = clock
         self._lock = threading.Lock()
         self._last_log_time = clock()
@@ -264,7 +337,7 @@ class LoggingStatLogger:
         queries = _delta(stats.prefix_cache_queries, self._logged_queries)
         hits = _delta(stats.prefix_cache_hits, self._logged_hits)
         hit_rate = 100.0 * hits / queries if queries else 0.0
-        line = (
+        line = self.prefix + (
             f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
             f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "

@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI routes, tokenization, health, metrics, and middleware.
 
-`build_app(engine, args)` wires the handlers to an `AsyncLLM`; `server/launch.py`
-serves it with uvicorn. Every error leaves the app in OpenAI's error shape (see
-`server/errors.py`); none of them stops the server.
+`build_app(engine, args)` wires the handlers to an `AsyncLLM` (or a `DPAsyncLLM` with
+``--data-parallel-size`` > 1); `server/launch.py` serves it with uvicorn. Every error
+leaves the app in OpenAI's error shape (see `server/errors.py`); none of them stops the
+server.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import inspect
 import logging
 import os
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
 from jaxengine.version import __version__
 from server.errors import APIError, error_response, validation_message
 from server.protocol import (
@@ -39,7 +42,7 @@ from server.serving_completion import CompletionHandler
 logger = logging.getLogger("jaxengine.server")
 
 
-def server_options(args: Any, engine: AsyncLLM) -> ServerOptions:
+def server_options(args: Any, engine: AsyncLLM | DPAsyncLLM) -> ServerOptions:
     """The handler options from parsed `serve` flags."""
     return ServerOptions(
         served_model_names=tuple(engine.config.model_config.served_model_names),
@@ -54,8 +57,17 @@ def server_options(args: Any, engine: AsyncLLM) -> ServerOptions:
     )
 
 
-def build_app(engine: AsyncLLM, args: Any, metrics: Any = None, stats_log: Any = None) -> FastAPI:
-    """The app for ``engine``; ``args`` holds the `serve` flags (server/args.py)."""
+def build_app(
+    engine: AsyncLLM | DPAsyncLLM,
+    args: Any,
+    metrics: Any = None,
+    stats_logs: Sequence[Any] = (),
+) -> FastAPI:
+    """The app for ``engine``; ``args`` holds the `serve` flags (server/args.py).
+
+    ``stats_logs``: `LoggingStatLogger`s (one per data-parallel replica) to log from
+    every ``--log-stats-interval``.
+    """
     ctx = ServingContext(engine, server_options(args, engine))
     docs = not args.disable_fastapi_docs
     app = FastAPI(
@@ -65,7 +77,7 @@ def build_app(engine: AsyncLLM, args: Any, metrics: Any = None, stats_log: Any =
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
-        lifespan=_lifespan(engine, stats_log, args),
+        lifespan=_lifespan(stats_logs, args),
     )
     app.state.ctx = ctx
     app.state.server_load = 0
@@ -75,12 +87,12 @@ def build_app(engine: AsyncLLM, args: Any, metrics: Any = None, stats_log: Any =
     return app
 
 
-def _lifespan(engine: AsyncLLM, stats_log: Any, args: Any):
+def _lifespan(stats_logs: Sequence[Any], args: Any):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = None
-        if stats_log is not None:
-            task = asyncio.create_task(_log_stats(stats_log, args.log_stats_interval))
+        if stats_logs:
+            task = asyncio.create_task(_log_stats(stats_logs, args.log_stats_interval))
         try:
             yield
         finally:
@@ -90,10 +102,11 @@ def _lifespan(engine: AsyncLLM, stats_log: Any, args: Any):
     return lifespan
 
 
-async def _log_stats(stats_log: Any, interval: float) -> None:
+async def _log_stats(stats_logs: Sequence[Any], interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
-        stats_log.log()
+        for stats_log in stats_logs:
+            stats_log.log()
 
 
 # ---------------------------------------------------------------------- routes

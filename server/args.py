@@ -98,6 +98,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--max-log-len", type=int, default=None, help="characters of prompt text to log")
     add("--disable-log-stats", action="store_true", help="no periodic stats lines")
     add("--enable-log-requests", action="store_true", help="log each request's prompt and params")
+    add(
+        "--headless",
+        action="store_true",
+        help="run a follower node of a multi-node engine (--nnodes, --node-rank > 0): no "
+        "API server; it runs the steps that node 0 schedules until node 0 stops",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL)
     return parser

@@ -26,28 +26,42 @@ def setup_logging(level: str = "info") -> None:
 
 
 def build_engine(args: argparse.Namespace):
-    """(AsyncLLM, prometheus stat logger, log stat logger or None) from the flags."""
+    """(engine, prometheus stat logger, log stat loggers) from the flags.
+
+    The engine is an `AsyncLLM`, or with ``--data-parallel-size N`` > 1 a `DPAsyncLLM`
+    over N replicas, each reporting its metrics as ``engine="i"`` and logging its own
+    stats line. The log stat loggers are empty with ``--disable-log-stats``.
+    """
     import jax
     import prometheus_client
 
-    from jaxengine.engine.llm_engine import LLMEngine
-    from jaxengine.entrypoints.async_llm import AsyncLLM
+    from jaxengine.engine.data_parallel import build_engine as build_llm_engine
+    from jaxengine.entrypoints.dp_async_llm import async_engine
     from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
     from server.args import engine_args_from
+    from sharding.distributed import initialize_for
 
     prometheus_client.disable_created_metrics()  # vLLM's exposition has no *_created
-    config = engine_args_from(args).create_engine_config(platform=jax.default_backend())
-    engine = LLMEngine(config)
-    model_config = engine.config.model_config
+    engine_args = engine_args_from(args)
+    initialize_for(engine_args)  # a multi-node driver joins its JAX cluster before any JAX call
+    config = engine_args.create_engine_config(platform=jax.default_backend())
+    engine = build_llm_engine(config)
+    num_replicas = config.parallel_config.data_parallel_size
     metrics = PrometheusStatLogger(
-        model_name=model_config.served_model_names[0], max_model_len=engine.max_model_len
+        model_name=engine.config.model_config.served_model_names[0],
+        max_model_len=engine.max_model_len,
+        engine_indexes=range(num_replicas),
     )
-    loggers: list = [metrics]
-    stats_log = None
+    stats_logs = []
     if not args.disable_log_stats:
-        stats_log = LoggingStatLogger(interval=args.log_stats_interval)
-        loggers.append(stats_log)
-    return AsyncLLM(engine.config, engine=engine, stat_loggers=loggers), metrics, stats_log
+        stats_logs = [
+            LoggingStatLogger(
+                interval=args.log_stats_interval, engine_index=i if num_replicas > 1 else None
+            )
+            for i in range(num_replicas)
+        ]
+    loggers = [[metrics.for_engine(i), *stats_logs[i : i + 1]] for i in range(num_replicas)]
+    return async_engine(engine.config, engine=engine, stat_loggers=loggers), metrics, stats_logs
 
 
 def uvicorn_config(app, args: argparse.Namespace):
@@ -75,9 +89,14 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import build_app
 
     setup_logging(args.uvicorn_log_level)
-    engine, metrics, stats_log = build_engine(args)
+    if getattr(args, "headless", False):  # a follower node: no API server
+        from jaxengine.engine.multihost import run_follower
+        from server.args import engine_args_from
+
+        return run_follower(engine_args_from(args))
+    engine, metrics, stats_logs = build_engine(args)
     try:
-        app = build_app(engine, args, metrics=metrics, stats_log=stats_log)
+        app = build_app(engine, args, metrics=metrics, stats_logs=stats_logs)
         server = uvicorn.Server(uvicorn_config(app, args))
         where = args.uds or f"http://{args.host or '0.0.0.0'}:{args.port}"
         logger.info("serving %s at %s", engine.config.model_config.served_model_names, where)

@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from jaxengine.engine.llm_engine import PreparedPrompt
 from jaxengine.entrypoints.async_llm import AsyncLLM
+from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from server.errors import APIError, error_body
@@ -45,9 +46,9 @@ class ServerOptions:
 
 
 class ServingContext:
-    """The engine and options behind every handler."""
+    """The engine (one, or several data-parallel replicas) and options behind every handler."""
 
-    def __init__(self, engine: AsyncLLM, options: ServerOptions) -> None:
+    def __init__(self, engine: AsyncLLM | DPAsyncLLM, options: ServerOptions) -> None:
         self.engine = engine
         self.options = options
         self.tokenizer = engine.tokenizer

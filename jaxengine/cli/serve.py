@@ -9,6 +9,12 @@ shape (unless ``--enforce-eager``), then serves ``/v1/completions``,
     jaxengine serve --port 8000
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+
+One engine over two hosts (tensor parallelism across them): node 0 serves, node 1
+follows its steps and opens no port.
+
+    jaxengine serve MODEL -tp 16 --nnodes 2 --node-rank 0 --master-addr HOST0
+    jaxengine serve MODEL -tp 16 --nnodes 2 --node-rank 1 --master-addr HOST0 --headless
 """
 
 from __future__ import annotations

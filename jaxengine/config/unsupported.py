@@ -16,7 +16,7 @@ SUPPORTED_QUANTIZATION = (None, "gguf")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_TOKENIZER_MODES = ("auto", "slow")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
-SUPPORTED_EXECUTOR_BACKENDS = (None, "uni")
+SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 
 # (flag, getter of the value, predicate: True when the value is NOT supported yet)
 UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool]]] = [

@@ -42,10 +42,12 @@ class LLMEngine:
         self, config: EngineConfig, *, warmup: bool = True, devices: Sequence[Any] | None = None
     ) -> None:
         """``devices``: this engine's (pipeline x tensor parallel size of them); by
-        default the first ones. Data-parallel replicas each get their own."""
-        from jaxengine.engine.setup import build_components
+        default the first ones. Data-parallel replicas each get their own. Across
+        hosts (``--nnodes``, ``--distributed-executor-backend ray``) the runner drives
+        the other hosts too (`engine.setup.build_engine_parts`)."""
+        from jaxengine.engine.setup import build_engine_parts
 
-        parts = build_components(config, devices)
+        parts = build_engine_parts(config, devices)
         self.config = parts.config
         self.loaded = parts.loaded
         self.tokenizer = parts.tokenizer

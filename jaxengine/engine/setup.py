@@ -35,7 +35,7 @@ class EngineParts:
     eos_token_id: int | None
     kv_size: KVCacheSize
     limits: SchedulerLimits
-    runner: ModelRunner
+    runner: ModelRunner  # or, across hosts, DriverRunner / RayExecutor (same calls)
 
 
 def model_max_len(hf_config: Any) -> int:
@@ -184,3 +184,25 @@ def build_components(config: EngineConfig, devices: Sequence[Any] | None = None)
 
         runner = PipelineRunner(loaded, settings, placement, backend)
     return EngineParts(config, loaded, tokenizer, generation_config, eos, kv_size, limits, runner)
+
+
+def build_engine_parts(config: EngineConfig, devices: Sequence[Any] | None = None) -> EngineParts:
+    """`build_components` here, or across hosts: with ``--nnodes`` > 1 this process is
+    the driver of a multi-host engine (`engine.multihost`); with
+    ``--distributed-executor-backend ray`` the runner is a set of Ray workers
+    (`engine.ray_executor`) and this process loads no parameters."""
+    parallel = config.parallel_config
+    if parallel.distributed_executor_backend == "ray":
+        from jaxengine.engine.ray_executor import start_ray
+
+        return start_ray(config)
+    if parallel.nnodes > 1:
+        if parallel.node_rank != 0:
+            raise ValueError(
+                f"--node-rank {parallel.node_rank} is a follower: start it with "
+                "`jaxengine serve --headless`"
+            )
+        from jaxengine.engine.multihost import start_driver
+
+        return start_driver(config)
+    return build_components(config, devices)

@@ -17,6 +17,9 @@ When a step raises, the engine is dead: every waiting stream receives an
 
 After each step the thread hands `SchedulerStats` and `IterationStats` to the stat
 loggers (`jaxengine.metrics`), which are thread-safe.
+
+With ``--data-parallel-size N`` the server runs one `AsyncLLM` per replica behind a
+`DPAsyncLLM` (`entrypoints.dp_async_llm`).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class AsyncLLM:
         *,
         stat_loggers: Sequence[StatLogger] = (),
         engine: LLMEngine | None = None,
+        thread_name: str = "jaxengine-engine",
     ) -> None:
         self.engine = engine if engine is not None else LLMEngine(config)
         self.config = self.engine.config
@@ -70,14 +74,21 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards _streams and _dead
         self._dead: BaseException | None = None
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="jaxengine-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:
+    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> Any:
+        """An `AsyncLLM`, or a `DPAsyncLLM` when ``data_parallel_size`` > 1 (both with
+        the interface the server uses)."""
         import jax
 
-        return cls(engine_args.create_engine_config(platform=jax.default_backend()), **kwargs)
+        config = engine_args.create_engine_config(platform=jax.default_backend())
+        if config.parallel_config.data_parallel_size > 1:
+            from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
+
+            return DPAsyncLLM(config, **kwargs)
+        return cls(config, **kwargs)
 
     # ------------------------------------------------------------------ properties
 

@@ -4,6 +4,10 @@
 prompt, steps the engine until all finish, and returns `RequestOutput`s in input
 order. Every prompt is validated before any is queued, so one bad prompt raises a
 `ValueError` and leaves nothing half-done.
+
+With ``data_parallel_size=N`` the engine is a `DataParallelEngine`: N replicas, each
+on its own devices; requests are spread over them by load and prefix affinity, and
+every step steps all busy replicas at once.
 """
 
 from __future__ import annotations
@@ -36,19 +40,22 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         import jax
 
-        from jaxengine.engine.llm_engine import LLMEngine
+        from jaxengine.engine.data_parallel import build_engine
+        from sharding.distributed import initialize_for
 
         if model is not None:
             kwargs["model"] = model
         args = EngineArgs(**kwargs)
-        self.engine = LLMEngine(args.create_engine_config(platform=jax.default_backend()))
+        initialize_for(args)  # a multi-node driver joins its JAX cluster before any JAX call
+        # an LLMEngine, or N of them behind the same interface with data_parallel_size=N
+        self.engine = build_engine(args.create_engine_config(platform=jax.default_backend()))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Releases the engine's resources (the compile guard's listener)."""
+        """Releases the engine's (or every replica's) resources."""
         self.engine.shutdown()
 
     def generate(

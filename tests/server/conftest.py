@@ -1,14 +1,20 @@
-"""A real `jaxengine serve` process for the server tests (one per session).
+"""A real `jaxengine serve` process for the server tests (one at a time per session).
 
 The server runs the default demo model on a free local port, with an API key, two
 served names, and the optional endpoints and usage details switched on. Its log is
 kept in a temporary file and printed when start-up fails.
+
+The `server` fixture is parametrized by the data-parallel size: every server test runs
+against one engine (``dp1``) and against ``--data-parallel-size 2`` (``dp2``: two
+replicas on two virtual CPU devices). pytest groups the tests by parameter, so only
+one server runs at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,6 +40,8 @@ SERVER_FLAGS = [
     "--disable-uvicorn-access-log",
 ]  # fmt: skip
 START_TIMEOUT = 900.0
+ENGINE_LABEL = re.compile(r'(?<=[{,])engine="\d+",?|,engine="\d+"(?=})')
+DATA_PARALLEL_SIZES = [1, 2]
 
 
 def free_port() -> int:
@@ -50,6 +58,7 @@ class Server:
     api_key: str
     process: subprocess.Popen
     log_path: Path
+    data_parallel_size: int = 1
 
     @property
     def base_url(self) -> str:
@@ -77,15 +86,21 @@ class Server:
         headers = {**self.headers, **kwargs.pop("headers", {})}
         return httpx.get(self.url + path, headers=headers, timeout=60, **kwargs)
 
-    def metrics(self) -> dict[str, float]:
-        """`/metrics` samples as {"name{labels}": value} (and bare names summed)."""
+    def metrics(self, per_engine: bool = False) -> dict[str, float]:
+        """`/metrics` samples as {"name{labels}": value} (and bare names summed).
+
+        The ``engine`` label (one value per data-parallel replica) is summed away
+        unless ``per_engine``, so the keys are the same whatever the replica count.
+        """
         text = self.get("/metrics").text
         samples: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):
                 continue
             key, _, value = line.rpartition(" ")
-            samples[key] = float(value)
+            if not per_engine:
+                key = ENGINE_LABEL.sub("", key).replace("{}", "")
+            samples[key] = samples.get(key, 0.0) + float(value)
             bare = key.split("{", 1)[0]
             if bare != key:
                 samples[bare] = samples.get(bare, 0.0) + float(value)
@@ -95,13 +110,21 @@ class Server:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_server(log_path: Path, flags: list[str], timeout: float = START_TIMEOUT) -> Server:
-    """Starts `jaxengine serve` and waits until /health answers 200."""
+def start_server(
+    log_path: Path, flags: list[str], timeout: float = START_TIMEOUT, num_cpu_devices: int = 1
+) -> Server:
+    """Starts `jaxengine serve` and waits until /health answers 200.
+
+    ``num_cpu_devices`` > 1 gives the process that many virtual CPU devices.
+    """
     port = free_port()
     cmd = [sys.executable, "-m", "jaxengine.cli.main", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if num_cpu_devices > 1:
+        count = f"--xla_force_host_platform_device_count={num_cpu_devices}"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {count}".strip()
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", API_KEY, process, log_path)
     deadline = time.monotonic() + timeout
@@ -127,11 +150,16 @@ def stop_server(server: Server) -> None:
         server.process.wait()
 
 
-@pytest.fixture(scope="session")
-def server(smollm2_gguf, tmp_path_factory) -> Server:
-    """The shared server (default model; see SERVER_FLAGS)."""
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    running = start_server(log_path, SERVER_FLAGS)
+@pytest.fixture(
+    scope="session", params=DATA_PARALLEL_SIZES, ids=[f"dp{n}" for n in DATA_PARALLEL_SIZES]
+)
+def server(request, smollm2_gguf, tmp_path_factory) -> Server:
+    """The shared server (default model; see SERVER_FLAGS), with 1 or 2 replicas."""
+    dp = request.param
+    log_path = tmp_path_factory.mktemp(f"server-dp{dp}") / "server.log"
+    flags = [*SERVER_FLAGS, "--data-parallel-size", str(dp)]
+    running = start_server(log_path, flags, num_cpu_devices=dp)
+    running.data_parallel_size = dp
     yield running
     stop_server(running)
 

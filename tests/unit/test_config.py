@@ -147,11 +147,12 @@ def test_default_engine_config_is_supported():
 @pytest.mark.parametrize(
     "part, kwargs, message",
     [
-        ("parallel_config", {"tensor_parallel_size": 2}, "--tensor-parallel-size 2"),
-        ("parallel_config", {"pipeline_parallel_size": 4}, "--pipeline-parallel-size 4"),
-        ("parallel_config", {"data_parallel_size": 2}, "--data-parallel-size 2"),
-        ("parallel_config", {"enable_expert_parallel": True}, "--enable-expert-parallel"),
-        ("parallel_config", {"distributed_executor_backend": "ray"}, "backend ray"),
+        (
+            "parallel_config",
+            {"distributed_executor_backend": "external_launcher"},
+            "backend external_launcher",
+        ),
+        ("parallel_config", {"data_parallel_address": "10.0.0.1"}, "--data-parallel-address"),
         ("cache_config", {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
         ("cache_config", {"cpu_offload_gb": 2}, "--cpu-offload-gb 2"),
         ("model_config", {"quantization": "awq"}, "--quantization awq"),
@@ -174,6 +175,10 @@ def test_supported_values_pass():
         parallel_config=ParallelConfig(distributed_executor_backend="uni"),
     )
     check_supported(config)
+    for backend in ("mp", "ray"):
+        check_supported(
+            EngineConfig(parallel_config=ParallelConfig(distributed_executor_backend=backend))
+        )
 
 
 def test_replace_revalidates():

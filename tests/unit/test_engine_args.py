@@ -61,6 +61,13 @@ VALID_FLAGS = [
     (["--enable-expert-parallel"], "enable_expert_parallel", True),
     (["--no-enable-expert-parallel"], "enable_expert_parallel", False),
     (["--distributed-executor-backend", "uni"], "distributed_executor_backend", "uni"),
+    (["--distributed-executor-backend", "mp"], "distributed_executor_backend", "mp"),
+    (["--distributed-executor-backend", "ray"], "distributed_executor_backend", "ray"),
+    (["--nnodes", "2"], "nnodes", 2),
+    (["-n", "4", "-r", "3"], "node_rank", 3),
+    (["--nnodes", "2", "--node-rank", "1"], "node_rank", 1),
+    (["--master-addr", "10.0.0.1"], "master_addr", "10.0.0.1"),
+    (["--master-port", "12345"], "master_port", 12345),
     (["--max-parallel-loading-workers", "2"], "max_parallel_loading_workers", 2),
     (["--block-size", "32"], "block_size", 32),
     (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
@@ -147,6 +154,8 @@ def test_create_engine_config_resolves_defaults():
         (["--quantization", "nonsense"], "--quantization"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
         (["--attention-backend", "flash"], "--attention-backend"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
+        (["--master-port", "70000"], "--master-port"),
     ],
 )
 def test_bad_values_fail_at_parse_time_naming_the_flag(argv, flag, capsys):
@@ -157,7 +166,10 @@ def test_bad_values_fail_at_parse_time_naming_the_flag(argv, flag, capsys):
 
 
 NOT_SUPPORTED_YET = [
-    ({"distributed_executor_backend": "mp"}, "--distributed-executor-backend mp"),
+    (
+        {"distributed_executor_backend": "external_launcher"},
+        "--distributed-executor-backend external_launcher",
+    ),
     ({"kv_cache_dtype": "fp8_e5m2"}, "--kv-cache-dtype fp8_e5m2 is not supported yet"),
     ({"quantization": "gptq"}, "--quantization gptq is not supported yet"),
     ({"load_format": "bitsandbytes"}, "--load-format bitsandbytes is not supported yet"),

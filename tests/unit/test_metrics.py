@@ -21,7 +21,7 @@ from jaxengine.metrics import (
 )
 
 MODEL = "SmolLM2-135M-Instruct"
-LABEL = {"model_name": MODEL}
+LABEL = {"model_name": MODEL, "engine": "0"}
 
 
 def sched(running=0, waiting=0, swapped=0, usage=0.0, preempt=0, queries=0, hits=0):
@@ -84,7 +84,7 @@ def test_exposition_names_and_labels():
     ):
         assert name in names, name
     for reason in ("stop", "length", "abort"):
-        key = (("finished_reason", reason), ("model_name", MODEL))
+        key = (("engine", "0"), ("finished_reason", reason), ("model_name", MODEL))
         assert samples[("jaxengine:request_success_total", key)] == 0
 
 
@@ -190,6 +190,34 @@ def test_record_from_several_threads():
     assert log.log(now=2.0).startswith(
         "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 400.0 tokens/s"
     )
+
+
+def test_data_parallel_engines_are_labelled_apart():
+    metrics = PrometheusStatLogger(MODEL, engine_indexes=range(2))
+    metrics.for_engine(0).record(sched(running=2), IterationStats(num_generation_tokens=3))
+    metrics.for_engine(1).record(
+        sched(running=1, queries=16), IterationStats(finished_requests=[finished("length")])
+    )
+    metrics.record(None, IterationStats(num_generation_tokens=4), engine_idx=1)
+    assert value(metrics, "jaxengine:num_requests_running") == 2
+    assert value(metrics, "jaxengine:num_requests_running", engine="1") == 1
+    assert value(metrics, "jaxengine:generation_tokens_total") == 3
+    assert value(metrics, "jaxengine:generation_tokens_total", engine="1") == 4
+    assert value(metrics, "jaxengine:prefix_cache_queries_total", engine="1") == 16
+    assert value(metrics, "jaxengine:request_success_total", finished_reason="length") == 0
+    assert (
+        value(metrics, "jaxengine:request_success_total", engine="1", finished_reason="length") == 1
+    )
+    with pytest.raises(ValueError, match="engine 2 is not one of"):
+        metrics.for_engine(2)
+    body, _ = render_metrics(metrics.registry)
+    assert 'engine="1"' in body.decode()
+
+
+def test_engine_prefix_on_the_log_line():
+    log = LoggingStatLogger(interval=1.0, clock=lambda: 0.0, engine_index=1)
+    log.record(sched(running=1), IterationStats(num_generation_tokens=5))
+    assert log.log(now=1.0).startswith("Engine 001: Avg prompt throughput: 0.0 tokens/s")
 
 
 def test_build_1_2_5_buckets():

@@ -1,0 +1,212 @@
+"""One engine over several hosts with the "mp" backend: a driver and its followers.
+
+Every node runs one JAX process of one cluster (`sharding.distributed`). Node 0, the
+driver, owns the scheduler, the tokenizer and the API; nodes 1.. are followers
+(`jaxengine serve --headless --node-rank i`). All build the same runner from the
+driver's config, so every process holds the same compiled functions and its own
+shards of the parameters and KV cache. Each step the driver sends its
+`SchedulerOutput` to the followers before running it itself; everyone runs the same
+`ModelRunner.execute` (host packing is deterministic given the same sequence of
+`SchedulerOutput`s), the compiled step's collectives meet across hosts, and only the
+driver's `RunnerOutput` is used (the sampled ids are replicated, so all agree).
+
+The control channel is a `multiprocessing.connection` socket from each follower to
+the driver, authenticated with a random key; the driver publishes its address and the
+key in the JAX coordinator's key-value store, so the only port to agree on is
+``--master-port``. Messages are pickled (cloudpickle when a request's
+``logits_processors`` need it): ``("warmup", progress)``, ``("execute", out)``,
+``("close",)``.
+
+Startup order, driver: join the cluster, accept every follower and send it the
+config, build. Follower: join, connect, receive the config, build, then follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+from jaxengine.config import EngineConfig
+from jaxengine.engine.setup import EngineParts, build_components
+
+logger = logging.getLogger(__name__)
+
+DRIVER_KEY = "jaxengine/driver"  # "host:port:authkey-hex" in the coordinator's store
+
+
+def dumps(message: Any) -> bytes:
+    """Pickles a control message; host callables (logits processors) need cloudpickle."""
+    try:
+        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        try:
+            import cloudpickle
+        except ImportError:
+            raise ValueError(
+                f"a step could not be sent to the other nodes ({exc}); multi-node "
+                "engines need picklable logits_processors (or `pip install cloudpickle`)"
+            ) from exc
+        return cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def check_spans_all_devices(config: EngineConfig) -> None:
+    """A multi-host engine must use every device of every process: a process with no
+    device in the mesh could not run its computations."""
+    import jax
+
+    parallel = config.parallel_config
+    if parallel.data_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        # pipeline stages on different hosts need cross-host activation transfers and
+        # the last stage's samples on the driver; neither is wired up yet
+        raise ValueError(
+            "multi-node engines do not combine with --data-parallel-size or "
+            "--pipeline-parallel-size > 1 yet"
+        )
+    if parallel.world_size != jax.device_count():
+        raise ValueError(
+            f"a multi-node engine spans every device of every node: --tensor-parallel-size "
+            f"x --pipeline-parallel-size = {parallel.world_size}, but the {jax.process_count()} "
+            f"nodes have {jax.device_count()} devices"
+        )
+
+
+def without_host_swap(config: EngineConfig) -> EngineConfig:
+    """``--swap-space 0``: swapping pages to host memory would fetch KV-cache pages that
+    live on other hosts, so a multi-host engine preempts by recomputation instead."""
+    cache = config.cache_config
+    if not cache.swap_space:
+        return config
+    logger.warning(
+        "--swap-space %s ignored: a multi-host engine preempts by recomputation", cache.swap_space
+    )
+    return dataclasses.replace(config, cache_config=dataclasses.replace(cache, swap_space=0))
+
+
+class FollowerLinks:
+    """The driver's connections to its followers (one per node 1..nnodes-1)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from sharding.distributed import publish
+
+        parallel = config.parallel_config
+        authkey = os.urandom(32)
+        listener = Listener((parallel.master_addr, 0), authkey=authkey)
+        host, port = listener.address
+        publish(DRIVER_KEY, f"{host}:{port}:{authkey.hex()}")
+        self.conns: list[Connection] = []
+        try:
+            for _ in range(parallel.nnodes - 1):
+                conn = listener.accept()
+                rank = conn.recv()
+                conn.send(config)
+                self.conns.append(conn)
+                logger.info("follower node %d connected", rank)
+        finally:
+            listener.close()
+
+    def send(self, message: Any) -> None:
+        data = dumps(message)
+        for conn in self.conns:
+            conn.send_bytes(data)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send_bytes(dumps(("close",)))
+            except OSError:
+                pass
+            conn.close()
+        self.conns = []
+
+
+class DriverRunner:
+    """The driver's runner: each call reaches the followers first, then runs here.
+
+    Other attributes (``guard``, ``params``, ``kv_caches``) are the local runner's.
+    """
+
+    def __init__(self, runner: Any, links: FollowerLinks) -> None:
+        self.runner = runner
+        self.links = links
+
+    def warmup(self, progress: bool = True) -> None:
+        self.links.send(("warmup", False))
+        self.runner.warmup(progress)
+
+    def execute(self, out: Any) -> Any:
+        self.links.send(("execute", out))
+        return self.runner.execute(out)
+
+    def close(self) -> None:
+        self.links.close()
+        self.runner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+
+def start_driver(config: EngineConfig) -> EngineParts:
+    """Node 0's engine parts: joins the cluster (unless joined), waits for every
+    follower, builds; the runner forwards each step to the followers."""
+    from sharding.distributed import initialize_for
+
+    initialize_for(config.parallel_config)
+    check_spans_all_devices(config)
+    config = without_host_swap(config)
+    links = FollowerLinks(config)
+    parts = build_components(config)
+    return dataclasses.replace(parts, runner=DriverRunner(parts.runner, links))
+
+
+def connect_to_driver(node_rank: int) -> tuple[Connection, EngineConfig]:
+    """A follower's connection to the driver, and the driver's config."""
+    from sharding.distributed import lookup
+
+    host, port, key = lookup(DRIVER_KEY).rsplit(":", 2)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(key))
+    conn.send(node_rank)
+    return conn, conn.recv()
+
+
+def follow(runner: Any, conn: Connection) -> None:
+    """Runs the driver's calls on ``runner`` until it says close (or goes away)."""
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            logger.warning("the driver closed the connection; stopping")
+            break
+        kind = message[0]
+        if kind == "execute":
+            runner.execute(message[1])
+        elif kind == "warmup":
+            runner.warmup(progress=message[1])
+        elif kind == "close":
+            break
+        else:
+            raise ValueError(f"unknown message from the driver: {kind!r}")
+    runner.close()
+    conn.close()
+
+
+def run_follower(engine_args: Any) -> int:
+    """`jaxengine serve --headless`: joins as node ``node_rank`` > 0 and follows the
+    driver's steps until it shuts down. Opens no HTTP port."""
+    import jax
+
+    from sharding.distributed import initialize_for
+
+    if engine_args.nnodes <= 1 or engine_args.node_rank == 0:
+        raise ValueError("--headless needs --nnodes > 1 and a --node-rank > 0")
+    initialize_for(engine_args)
+    engine_args.create_engine_config(platform=jax.default_backend())  # validates the flags
+    conn, config = connect_to_driver(engine_args.node_rank)
+    check_spans_all_devices(config)
+    logger.info("node %d following the driver", engine_args.node_rank)
+    parts = build_components(config)
+    follow(parts.runner, conn)
+    return 0
