@@ -21,6 +21,7 @@ coordinator itself.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,12 @@ def initialize_for(args: Any, local_device_count: int | None = None) -> bool:
     `EngineArgs`: ``nnodes``, ``node_rank``, ``master_addr``, ``master_port``).
 
     Does nothing on one node. Returns whether this process is (now) one of several.
+    A Ray driver runs no model: it must not take the accelerator memory that JAX
+    preallocates when the driver probes its platform (the workers on the same host
+    need it), so preallocation is turned off for it.
     """
+    if getattr(args, "distributed_executor_backend", None) == "ray":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if args.nnodes <= 1:
         return False
     initialize(
