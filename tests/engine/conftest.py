@@ -7,11 +7,9 @@ import pytest
 from jaxengine import LLM
 
 
-@pytest.fixture(scope="session")
-def small_llm(smollm2_gguf, tmp_path_factory):
+def small_llm_kwargs(tmp_path_factory) -> dict:
     """SmolLM2 with small buckets and a small KV cache (preemption happens)."""
-    engine = LLM(
-        model=str(smollm2_gguf),
+    return dict(
         max_model_len=128,
         max_num_seqs=8,
         max_num_batched_tokens=32,
@@ -20,5 +18,11 @@ def small_llm(smollm2_gguf, tmp_path_factory):
         swap_space=0,
         compilation_cache_dir=str(tmp_path_factory.getbasetemp() / "xla-cache"),
     )
+
+
+@pytest.fixture(scope="session")
+def small_llm(smollm2_gguf, tmp_path_factory):
+    """One engine with `small_llm_kwargs`, shared by the engine tests."""
+    engine = LLM(model=str(smollm2_gguf), **small_llm_kwargs(tmp_path_factory))
     yield engine
     engine.engine.shutdown()

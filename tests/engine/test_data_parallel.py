@@ -19,6 +19,7 @@ from jaxengine import LLM, SamplingParams
 from jaxengine.entrypoints.async_llm import EngineDeadError
 from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
 from jaxengine.sampling_params import RequestOutputKind
+from tests.engine.conftest import small_llm_kwargs
 
 pytestmark = pytest.mark.slow
 
@@ -57,17 +58,8 @@ def count_adds(monkeypatch, dp_engine) -> list[int]:
 @pytest.fixture(scope="module")
 def dp_llm(smollm2_gguf, tmp_path_factory):
     """`small_llm`'s settings on two replicas."""
-    llm = LLM(
-        model=str(smollm2_gguf),
-        data_parallel_size=2,
-        max_model_len=128,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        compile_token_buckets=[8, 32],
-        num_gpu_blocks_override=24,
-        swap_space=0,
-        compilation_cache_dir=str(tmp_path_factory.getbasetemp() / "xla-cache"),
-    )
+    kwargs = small_llm_kwargs(tmp_path_factory)
+    llm = LLM(model=str(smollm2_gguf), data_parallel_size=2, **kwargs)
     yield llm
     llm.shutdown()
 
