@@ -183,6 +183,7 @@ def test_data_parallel_replicas(llama_dir, llama_reference):
     llm = build(llama_dir, data_parallel_size=2)
     try:
         assert greedy(llm) == llama_reference.outputs
+        assert relative_error(prefill_logits(llm), llama_reference.logits) < TOLERANCE
         replicas = llm.engine.replicas
         assert len(replicas) == 2
         devices = [set(r.runner.plan.devices) for r in replicas]
@@ -200,6 +201,7 @@ def test_tensor_and_data_parallel(llama_dir, llama_reference):
     llm = build(llama_dir, tensor_parallel_size=2, data_parallel_size=2)
     try:
         assert greedy(llm) == llama_reference.outputs
+        assert relative_error(prefill_logits(llm), llama_reference.logits) < TOLERANCE
         replicas = llm.engine.replicas
         groups = [set(r.runner.plan.devices) for r in replicas]
         assert [len(g) for g in groups] == [2, 2] and not groups[0] & groups[1]
