@@ -107,6 +107,9 @@ LAYOUTS = [
     pytest.param(dict(pipeline_parallel_size=2), id="pp2"),
     pytest.param(dict(pipeline_parallel_size=4), id="pp4"),
     pytest.param(dict(tensor_parallel_size=2, pipeline_parallel_size=2), id="tp2xpp2"),
+    # the Pallas kernels (GPU kernels, interpreted on CPU) per shard under shard_map,
+    # with one KV head per device
+    pytest.param(dict(tensor_parallel_size=4, attention_backend="pallas"), id="tp4-pallas"),
 ]
 
 
