@@ -126,6 +126,8 @@ class EngineArgs:
     distributed_executor_backend: DistributedExecutorBackend | None = _default(
         "distributed_executor_backend"
     )
+    data_parallel_size_local: int | None = _default("data_parallel_size_local")
+    data_parallel_start_rank: int | None = _default("data_parallel_start_rank")
     data_parallel_address: str | None = _default("data_parallel_address")
     data_parallel_rpc_port: int | None = _default("data_parallel_rpc_port")
     max_parallel_loading_workers: int | None = _default("max_parallel_loading_workers")

@@ -101,8 +101,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(
         "--headless",
         action="store_true",
-        help="run a follower node of a multi-node engine (--nnodes, --node-rank > 0): no "
-        "API server; it runs the steps that node 0 schedules until node 0 stops",
+        help="run a node without an API server: a follower of a multi-node engine "
+        "(--nnodes, --node-rank > 0), which runs the steps that node 0 schedules, or "
+        "data parallel replicas (--data-parallel-address, --data-parallel-start-rank, "
+        "--data-parallel-size-local) that serve the head node's requests; either stops "
+        "when the head stops",
     )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL)

@@ -30,7 +30,10 @@ def build_engine(args: argparse.Namespace):
 
     The engine is an `AsyncLLM`, or with ``--data-parallel-size N`` > 1 a `DPAsyncLLM`
     over N replicas, each reporting its metrics as ``engine="i"`` and logging its own
-    stats line. The log stat loggers are empty with ``--disable-log-stats``.
+    stats line. The log stat loggers are empty with ``--disable-log-stats``. With
+    ``--data-parallel-size-local L`` < N this is the head: it listens on
+    ``--data-parallel-address``/``--data-parallel-rpc-port`` before building its L
+    replicas, then waits for the ``--headless`` nodes to register the other ranks.
     """
     import jax
     import prometheus_client
@@ -45,7 +48,14 @@ def build_engine(args: argparse.Namespace):
     engine_args = engine_args_from(args)
     initialize_for(engine_args)  # a multi-node driver joins its JAX cluster before any JAX call
     config = engine_args.create_engine_config(platform=jax.default_backend())
-    engine = build_llm_engine(config)
+    head = start_dp_head(config.parallel_config)
+    try:
+        engine = build_llm_engine(config, allow_remote=True)
+        remote = head.wait(engine.max_model_len, engine.vocab_size) if head else []
+    except BaseException:
+        if head is not None:
+            head.close()
+        raise
     num_replicas = config.parallel_config.data_parallel_size
     metrics = PrometheusStatLogger(
         model_name=engine.config.model_config.served_model_names[0],
@@ -61,7 +71,43 @@ def build_engine(args: argparse.Namespace):
             for i in range(num_replicas)
         ]
     loggers = [[metrics.for_engine(i), *stats_logs[i : i + 1]] for i in range(num_replicas)]
-    return async_engine(engine.config, engine=engine, stat_loggers=loggers), metrics, stats_logs
+    async_llm = async_engine(engine.config, engine=engine, stat_loggers=loggers, remote=remote)
+    return async_llm, metrics, stats_logs
+
+
+def start_dp_head(parallel):
+    """The head's listener for the remote data-parallel ranks (None when all are here)."""
+    if parallel.data_parallel_rank_start != 0:
+        raise ValueError(
+            f"--data-parallel-start-rank {parallel.data_parallel_start_rank} is for "
+            "--headless nodes: the head, which serves the API, holds ranks 0.."
+        )
+    if not parallel.has_remote_replicas:
+        return None
+    from jaxengine.entrypoints.dp_head import DPHead
+
+    return DPHead(parallel)
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    """`serve --headless`: a follower of a multi-node engine (``--nnodes`` > 1), or a
+    node of data-parallel replicas serving the head's API (``--data-parallel-address``)."""
+    from server.args import engine_args_from
+
+    engine_args = engine_args_from(args)
+    if engine_args.nnodes > 1:
+        from jaxengine.engine.multihost import run_follower
+
+        return run_follower(engine_args)
+    if engine_args.data_parallel_address is not None:
+        from jaxengine.entrypoints.dp_node import run_dp_node
+
+        return run_dp_node(engine_args)
+    raise ValueError(
+        "--headless runs either a follower node of one engine over several hosts "
+        "(--nnodes > 1 --node-rank i) or data parallel replicas for a head node "
+        "(--data-parallel-address, --data-parallel-start-rank, --data-parallel-size-local)"
+    )
 
 
 def uvicorn_config(app, args: argparse.Namespace):
@@ -89,11 +135,8 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import build_app
 
     setup_logging(args.uvicorn_log_level)
-    if getattr(args, "headless", False):  # a follower node: no API server
-        from jaxengine.engine.multihost import run_follower
-        from server.args import engine_args_from
-
-        return run_follower(engine_args_from(args))
+    if getattr(args, "headless", False):  # no API server
+        return run_headless(args)
     engine, metrics, stats_logs = build_engine(args)
     try:
         app = build_app(engine, args, metrics=metrics, stats_logs=stats_logs)

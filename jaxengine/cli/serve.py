@@ -15,6 +15,14 @@ follows its steps and opens no port.
 
     jaxengine serve MODEL -tp 16 --nnodes 2 --node-rank 0 --master-addr HOST0
     jaxengine serve MODEL -tp 16 --nnodes 2 --node-rank 1 --master-addr HOST0 --headless
+
+Four data-parallel replicas on two hosts behind HOST0's API server (ranks 0-1 on
+HOST0, 2-3 on the headless node; both must share $JAXENGINE_DP_AUTHKEY):
+
+    jaxengine serve MODEL -dp 4 -dpl 2 --data-parallel-address HOST0 \\
+        --data-parallel-rpc-port 13345
+    jaxengine serve MODEL -dp 4 -dpl 2 -dpr 2 --data-parallel-address HOST0 \\
+        --data-parallel-rpc-port 13345 --headless
 """
 
 from __future__ import annotations

@@ -26,16 +26,6 @@ UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool
         lambda v: v not in SUPPORTED_EXECUTOR_BACKENDS,
     ),
     (
-        "--data-parallel-address",
-        lambda c: c.parallel_config.data_parallel_address,
-        lambda v: v is not None,
-    ),
-    (
-        "--data-parallel-rpc-port",
-        lambda c: c.parallel_config.data_parallel_rpc_port,
-        lambda v: v is not None,
-    ),
-    (
         "--kv-cache-dtype",
         lambda c: c.cache_config.kv_cache_dtype,
         lambda v: v not in SUPPORTED_KV_CACHE_DTYPES,

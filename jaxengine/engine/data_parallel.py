@@ -10,7 +10,11 @@ affinity), and `step()` steps every busy replica, on a thread each, so the devic
 run at the same time (a step blocks on its sampled ids; JAX releases the GIL).
 
 The server does not step this class: it runs one `AsyncLLM` thread per replica
-(`entrypoints.dp_async_llm`) and uses `replicas` and `balancer` from here.
+(`entrypoints.dp_async_llm`) and uses `replicas` from here.
+
+With ``--data-parallel-size-local L`` < N (replicas on several nodes) this class
+holds this node's L replicas only, on its first L groups of devices; the API server
+reaches the others through `entrypoints.dp_remote`. The offline `LLM` cannot.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxengine.config import EngineConfig
+from jaxengine.config import EngineConfig, ParallelConfig
 from jaxengine.core.dp_balancer import DPBalancer
 from jaxengine.core.sched_output import SchedulerStats
 from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
@@ -35,7 +39,7 @@ class DataParallelEngine:
     ) -> None:
         from sharding.mesh import replica_devices
 
-        groups = replica_devices(config.parallel_config, devices)
+        groups = replica_devices(local_parallel(config.parallel_config), devices)
         self.replicas = [LLMEngine(config, warmup=False, devices=group) for group in groups]
         if warmup and not config.model_config.enforce_eager:
             # every compile guard hears every compilation in the process: arm them
@@ -159,8 +163,34 @@ def _load(stats: SchedulerStats) -> int:
     return stats.num_running + stats.num_waiting
 
 
-def build_engine(config: EngineConfig, *, warmup: bool = True) -> LLMEngine | DataParallelEngine:
-    """An `LLMEngine`, or a `DataParallelEngine` when ``data_parallel_size`` > 1."""
-    if config.parallel_config.data_parallel_size > 1:
+def local_parallel(parallel: ParallelConfig) -> ParallelConfig:
+    """The parallel config of this node's replicas alone (``data_parallel_size`` =
+    ``data_parallel_size_local``), which sizes the device groups."""
+    if not parallel.has_remote_replicas:
+        return parallel
+    return dataclasses.replace(
+        parallel,
+        data_parallel_size=parallel.local_data_parallel_size,
+        data_parallel_size_local=None,
+        data_parallel_start_rank=None,
+    )
+
+
+def build_engine(
+    config: EngineConfig, *, warmup: bool = True, allow_remote: bool = False
+) -> LLMEngine | DataParallelEngine:
+    """An `LLMEngine`, or a `DataParallelEngine` when ``data_parallel_size`` > 1.
+
+    Replicas on other nodes (``data_parallel_size_local`` < ``data_parallel_size``)
+    are the API server's (``allow_remote``); elsewhere they raise ValueError.
+    """
+    parallel = config.parallel_config
+    if parallel.has_remote_replicas and not allow_remote:
+        raise ValueError(
+            f"--data-parallel-size-local {parallel.local_data_parallel_size} < "
+            f"--data-parallel-size {parallel.data_parallel_size} puts replicas on other "
+            "nodes, which only `jaxengine serve` (the head and its --headless nodes) runs"
+        )
+    if parallel.data_parallel_size > 1:
         return DataParallelEngine(config, warmup=warmup)
     return LLMEngine(config, warmup=warmup)

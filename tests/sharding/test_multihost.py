@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ import pytest
 from jaxengine import LLM, SamplingParams
 from jaxengine.config import ParallelConfig
 from jaxengine.engine.ray_executor import worker_layout
+from tests.processes import Children, child_env, wait_healthy
 from tests.sharding.conftest import ENGINE_KWARGS, PROMPTS
 
 MAX_TOKENS = 8
@@ -58,53 +57,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """The test's environment for a child, minus its device count (children set theirs)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "RAY_ADDRESS")}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags)
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-class Children:
-    """Child processes, each in its own session, logged to files; all killed at exit."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str, lines: int = 40) -> str:
-        text = (self.log_dir / f"{name}.log").read_text(errors="replace")
-        return f"--- {name}:\n" + "\n".join(text.splitlines()[-lines:])
-
-    def logs(self) -> str:
-        return "\n".join(self.log(name) for name in self.procs)
-
-    def wait(self, name: str, timeout: float) -> int:
-        try:
-            return self.procs[name].wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} did not finish in {timeout:.0f}s\n{self.logs()}")
-
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)  # the group: the child and what it started
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(5)
 
 
 @pytest.fixture
@@ -141,19 +93,6 @@ def assert_logprobs_close(actual, expected) -> None:
 
 
 # ---------------------------------------------------------------------- mp, by hand
-
-
-def wait_healthy(url: str, children: Children) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        for name, proc in children.procs.items():
-            if proc.poll() is not None:
-                pytest.fail(f"{name} exited with {proc.returncode}\n{children.logs()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        time.sleep(1.0)
-    pytest.fail(f"the driver was not healthy after {TIMEOUT}s\n{children.logs()}")
 
 
 def completion_tokens(url: str) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
@@ -193,7 +132,7 @@ def test_two_processes_serve_one_tensor_parallel_engine(llama_dir, reference, ch
     driver_cmd += ["--host", "127.0.0.1", "--port", str(http), "--disable-log-stats"]
     driver = children.start("driver", driver_cmd, env)
     url = f"http://127.0.0.1:{http}"
-    wait_healthy(url, children)
+    wait_healthy(url, children, TIMEOUT)
 
     tokens, logprobs = completion_tokens(url)
     assert tokens == reference[0], children.logs()

@@ -108,6 +108,28 @@ def test_defaults_follow_vllm():
         ),
         (ParallelConfig, {"tensor_parallel_size": 0}, "tensor_parallel_size"),
         (ParallelConfig, {"data_parallel_rpc_port": 70000}, "data_parallel_rpc_port"),
+        (ParallelConfig, {"data_parallel_size_local": 0}, "data_parallel_size_local"),
+        (ParallelConfig, {"data_parallel_size_local": 2}, "data_parallel_size_local"),
+        (
+            ParallelConfig,
+            {
+                "data_parallel_size": 4,
+                "data_parallel_size_local": 2,
+                "data_parallel_start_rank": 3,
+                "data_parallel_address": "h",
+            },
+            "data_parallel_start_rank",
+        ),
+        (
+            ParallelConfig,
+            {"data_parallel_size": 2, "data_parallel_start_rank": 1},
+            "data_parallel_start_rank",
+        ),
+        (
+            ParallelConfig,
+            {"data_parallel_size": 2, "data_parallel_size_local": 1},
+            "data_parallel_address",
+        ),
         (CompilationConfig, {"compile_token_buckets": [16, 8]}, "compile_token_buckets"),
         (CompilationConfig, {"compile_token_buckets": [0, 8]}, "compile_token_buckets"),
         (EngineConfig, {"cache_config": LoadConfig()}, "cache_config"),
@@ -152,7 +174,6 @@ def test_default_engine_config_is_supported():
             {"distributed_executor_backend": "external_launcher"},
             "backend external_launcher",
         ),
-        ("parallel_config", {"data_parallel_address": "10.0.0.1"}, "--data-parallel-address"),
         ("cache_config", {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
         ("cache_config", {"cpu_offload_gb": 2}, "--cpu-offload-gb 2"),
         ("model_config", {"quantization": "awq"}, "--quantization awq"),
@@ -179,6 +200,21 @@ def test_supported_values_pass():
         check_supported(
             EngineConfig(parallel_config=ParallelConfig(distributed_executor_backend=backend))
         )
+
+
+def test_data_parallel_over_nodes():
+    single = ParallelConfig(data_parallel_size=2)
+    assert (single.local_data_parallel_size, single.data_parallel_rank_start) == (2, 0)
+    assert not single.has_remote_replicas
+    head = ParallelConfig(
+        data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="10.0.0.1"
+    )
+    assert head.has_remote_replicas and head.data_parallel_rank_start == 0
+    assert head.data_parallel_rpc_address == ("10.0.0.1", 29550)  # vLLM's default port
+    node = dataclasses.replace(head, data_parallel_start_rank=2, data_parallel_rpc_port=13345)
+    assert (node.local_data_parallel_size, node.data_parallel_rank_start) == (2, 2)
+    assert node.data_parallel_rpc_address == ("10.0.0.1", 13345)
+    check_supported(EngineConfig(parallel_config=node))
 
 
 def test_replace_revalidates():

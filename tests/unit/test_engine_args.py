@@ -58,6 +58,15 @@ VALID_FLAGS = [
     (["-pp", "4"], "pipeline_parallel_size", 4),
     (["--data-parallel-size", "2"], "data_parallel_size", 2),
     (["-dp", "2"], "data_parallel_size", 2),
+    (["-dp", "4", "--data-parallel-size-local", "2", "-dpa", "10.0.0.1"],
+     "data_parallel_size_local", 2),
+    (["-dp", "4", "-dpl", "2", "-dpr", "2", "-dpa", "10.0.0.1"], "data_parallel_start_rank", 2),
+    (["-dp", "2", "--data-parallel-start-rank", "1", "--data-parallel-size-local", "1",
+      "--data-parallel-address", "10.0.0.1"], "data_parallel_start_rank", 1),
+    (["--data-parallel-address", "10.0.0.1"], "data_parallel_address", "10.0.0.1"),
+    (["-dpa", "head"], "data_parallel_address", "head"),
+    (["--data-parallel-rpc-port", "13345"], "data_parallel_rpc_port", 13345),
+    (["-dpp", "5555"], "data_parallel_rpc_port", 5555),
     (["--enable-expert-parallel"], "enable_expert_parallel", True),
     (["--no-enable-expert-parallel"], "enable_expert_parallel", False),
     (["--distributed-executor-backend", "uni"], "distributed_executor_backend", "uni"),
@@ -156,6 +165,12 @@ def test_create_engine_config_resolves_defaults():
         (["--attention-backend", "flash"], "--attention-backend"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
         (["--master-port", "70000"], "--master-port"),
+        (["-dp", "2", "-dpl", "3"], "--data-parallel-size-local"),
+        (["-dp", "2", "-dpl", "0"], "--data-parallel-size-local"),
+        (["-dp", "2", "-dpl", "1", "-dpr", "2", "-dpa", "h"], "--data-parallel-start-rank"),
+        (["-dp", "2", "-dpr", "1"], "--data-parallel-start-rank"),
+        (["-dp", "2", "-dpl", "1"], "--data-parallel-address"),
+        (["-dp", "2", "-dpl", "1", "-dpa", "h", "--nnodes", "2"], "--nnodes"),
     ],
 )
 def test_bad_values_fail_at_parse_time_naming_the_flag(argv, flag, capsys):
@@ -175,8 +190,6 @@ NOT_SUPPORTED_YET = [
     ({"load_format": "bitsandbytes"}, "--load-format bitsandbytes is not supported yet"),
     ({"tokenizer_mode": "custom"}, "--tokenizer-mode custom is not supported yet"),
     ({"cpu_offload_gb": 4}, "--cpu-offload-gb 4 is not supported yet"),
-    ({"data_parallel_address": "10.0.0.1"}, "--data-parallel-address 10.0.0.1 is not"),
-    ({"data_parallel_rpc_port": 5555}, "--data-parallel-rpc-port 5555 is not supported"),
 ]
 
 

@@ -1,0 +1,243 @@
+"""A headless data-parallel node: replicas that serve the head's API server.
+
+    jaxengine serve MODEL --headless --data-parallel-size 4 --data-parallel-size-local 2 \\
+        --data-parallel-start-rank 2 --data-parallel-address HEAD --data-parallel-rpc-port P
+
+`run_dp_node` builds this node's ``--data-parallel-size-local`` replicas (a
+`DataParallelEngine` over the local devices: ranks ``start .. start + local - 1``),
+each stepped by its own `AsyncLLM` thread, then connects to the head (retrying until
+it listens, at most ``$JAXENGINE_DP_WAIT_TIMEOUT`` seconds), registers its ranks and
+serves what the head sends (`entrypoints.dp_remote` has the protocol) until the head
+says close or goes away; then it exits 0.
+
+Each request the head adds runs as an asyncio task iterating the replica's
+`AsyncLLM.generate`; its outputs, an error that ends it, and every step's stats go
+back through the `Outbox`, whose thread sends them in batches. An abort from the
+head cancels the task, which aborts the request in its engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import socket
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+from jaxengine.entrypoints.async_llm import AsyncLLM
+from jaxengine.entrypoints.dp_remote import (
+    NodeInfo,
+    authkey,
+    portable_error,
+    recv,
+    send,
+    wait_timeout,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Messages to the head, sent in batches by one thread (never from the loop)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="jaxengine-dp-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple) -> None:
+        self._queue.put(item)
+
+    def stats_logger(self, rank: int) -> _StatsForwarder:
+        """A stat logger for rank ``rank``'s `AsyncLLM` that forwards to the head."""
+        return _StatsForwarder(self, rank)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Sends what is queued, then stops the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            items = [item for item in batch if item is not None]
+            if items:
+                try:
+                    send(self.conn, ("batch", items))
+                except OSError as e:
+                    logger.warning("could not send to the head: %r", e)
+                    return
+            if len(items) < len(batch):
+                return
+
+
+class _StatsForwarder:
+    def __init__(self, outbox: Outbox, rank: int) -> None:
+        self.outbox = outbox
+        self.rank = rank
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        self.outbox.put(("stats", self.rank, scheduler_stats, iteration_stats))
+
+
+class NodeServer:
+    """Runs the head's requests on this node's replicas (one event loop)."""
+
+    def __init__(self, conn: Connection, replicas: dict[int, AsyncLLM], outbox: Outbox) -> None:
+        self.conn = conn
+        self.replicas = replicas
+        self.outbox = outbox
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._reported_dead: set[int] = set()
+
+    async def run(self) -> None:
+        """Serves until the head says close or the connection ends."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        reader = threading.Thread(
+            target=self._read, args=(loop, stop), name="jaxengine-dp-reader", daemon=True
+        )
+        reader.start()
+        await stop.wait()
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _read(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        try:
+            while True:
+                message = recv(self.conn)
+                if message[0] == "close":
+                    logger.info("the head closed; stopping")
+                    break
+                loop.call_soon_threadsafe(self._handle, message)
+        except (EOFError, OSError) as e:
+            logger.warning("the head went away (%r); stopping", e)
+        loop.call_soon_threadsafe(stop.set)
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "add":
+            _, rank, request_id, prepared, priority = message
+            if request_id in self._tasks:
+                error = ValueError(f"duplicate request id {request_id!r}")
+                self.outbox.put(("error", rank, request_id, error))
+                return
+            coro = self._generate(rank, request_id, prepared, priority)
+            self._tasks[request_id] = asyncio.get_running_loop().create_task(coro)
+        elif kind == "abort":
+            for request_id in message[2]:
+                task = self._tasks.pop(request_id, None)
+                if task is not None:
+                    task.cancel()  # leaving generate() aborts the request in its engine
+        else:
+            logger.error("unknown message from the head: %r", kind)
+
+    async def _generate(self, rank: int, request_id: str, prepared: Any, priority: int) -> None:
+        replica = self.replicas.get(rank)
+        try:
+            if replica is None:
+                raise ValueError(f"this node has no data parallel rank {rank}")
+            stream = replica.generate(prepared, prepared.params, request_id, priority=priority)
+            async for out in stream:
+                self.outbox.put(("out", rank, out))
+        except asyncio.CancelledError:
+            pass  # aborted by the head
+        except Exception as e:  # noqa: BLE001 - fails this request only, on the head
+            self.outbox.put(("error", rank, request_id, portable_error(e)))
+            if replica is not None and replica.errored and rank not in self._reported_dead:
+                self._reported_dead.add(rank)
+                self.outbox.put(("dead", rank, f"its engine failed: {e!r}"))
+        finally:
+            if self._tasks.get(request_id) is asyncio.current_task():
+                del self._tasks[request_id]
+
+
+def connect_to_head(address: tuple[str, int], timeout: float) -> Connection:
+    """A connection to the head's listener, retried until ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(address, authkey=authkey())
+        except AuthenticationError as e:
+            raise RuntimeError(
+                f"the data parallel head at {address[0]}:{address[1]} refused this node's "
+                "key: set the same $JAXENGINE_DP_AUTHKEY on every node"
+            ) from e
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no data parallel head at {address[0]}:{address[1]} after {timeout:.0f}s "
+                    f"({e!r}); is the head started with the same --data-parallel-address "
+                    "and --data-parallel-rpc-port?"
+                ) from e
+            time.sleep(1.0)
+
+
+def run_dp_node(engine_args: Any) -> int:
+    """`jaxengine serve --headless` with ``--data-parallel-address``: builds this node's
+    replicas, registers them with the head and serves them until the head stops."""
+    import jax
+
+    from jaxengine.engine.data_parallel import DataParallelEngine
+
+    config = engine_args.create_engine_config(platform=jax.default_backend())
+    parallel = config.parallel_config
+    start, local = parallel.data_parallel_rank_start, parallel.local_data_parallel_size
+    if start == 0:
+        raise ValueError(
+            "a --headless data parallel node holds ranks after the head's: set "
+            "--data-parallel-start-rank (>= 1) and --data-parallel-size-local"
+        )
+    ranks = tuple(range(start, start + local))
+    engine = DataParallelEngine(config)
+    try:
+        conn = connect_to_head(parallel.data_parallel_rpc_address, wait_timeout())
+        info = NodeInfo(
+            ranks, parallel.data_parallel_size, engine.max_model_len, engine.vocab_size,
+            socket.gethostname(),
+        )  # fmt: skip
+        send(conn, ("register", info))
+        try:
+            reply = recv(conn)
+        except EOFError:
+            reply = ("refused", "the head closed the connection")
+        if reply[0] != "ready":
+            logger.error("the head refused data parallel ranks %s: %s", list(ranks), reply[1])
+            return 1
+        logger.info("serving data parallel ranks %s for the head", list(ranks))
+        _serve(conn, dict(zip(ranks, engine.replicas, strict=True)))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _serve(conn: Connection, engines: dict[int, Any]) -> None:
+    outbox = Outbox(conn)
+    replicas = {
+        rank: AsyncLLM(
+            e.config,
+            engine=e,
+            stat_loggers=[outbox.stats_logger(rank)],
+            thread_name=f"jaxengine-engine-{rank}",
+        )
+        for rank, e in engines.items()
+    }
+    try:
+        asyncio.run(NodeServer(conn, replicas, outbox).run())
+    finally:
+        for replica in replicas.values():
+            replica.shutdown(shutdown_engine=False)
+        outbox.close()
+        conn.close()
