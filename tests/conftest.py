@@ -74,3 +74,16 @@ def smollm2_loaded(smollm2_gguf: Path):
     from jaxengine.loader import load_model
 
     return load_model(ModelConfig(model=str(smollm2_gguf)), LoadConfig())
+
+
+@pytest.fixture
+def children(tmp_path):
+    """Child processes a test starts (`tests.processes.Children`); their whole process
+    groups are killed when the test ends, however it ends."""
+    from tests.processes import Children
+
+    procs = Children(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.kill_all()

@@ -74,3 +74,12 @@ def wait_healthy(url: str, children: Children, timeout: float) -> None:
                 return
         time.sleep(1.0)
     pytest.fail(f"{url} was not healthy after {timeout:.0f}s\n{children.logs()}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.processes import free_port
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -42,12 +43,6 @@ SERVER_FLAGS = [
 START_TIMEOUT = 900.0
 ENGINE_LABEL = re.compile(r'(?<=[{,])engine="\d+",?|,engine="\d+"(?=})')
 DATA_PARALLEL_SIZES = [1, 2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

@@ -24,8 +24,8 @@ import pytest
 import transformers
 
 from jaxengine import LLM, SamplingParams
-from tests.processes import Children, child_env, wait_healthy
-from tests.server.conftest import API_KEY, Server, free_port
+from tests.processes import child_env, free_port, wait_healthy
+from tests.server.conftest import API_KEY, Server
 from tests.server.test_data_parallel import SUCCESS, per_engine
 from tests.server.test_endpoints import wait_for
 from tests.sharding.conftest import ENGINE_KWARGS, PROMPTS, VOCAB, save_checkpoint
@@ -43,15 +43,6 @@ ENGINE_FLAGS = [
     "--swap-space", "0",
     "--disable-log-stats",
 ]  # fmt: skip
-
-
-@pytest.fixture
-def children(tmp_path):
-    procs = Children(tmp_path)
-    try:
-        yield procs
-    finally:
-        procs.kill_all()
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ import pytest
 from jaxengine import LLM, SamplingParams
 from jaxengine.config import ParallelConfig
 from jaxengine.engine.ray_executor import worker_layout
-from tests.processes import Children, child_env, wait_healthy
+from tests.processes import child_env, free_port, wait_healthy
 from tests.sharding.conftest import ENGINE_KWARGS, PROMPTS
 
 MAX_TOKENS = 8
@@ -51,21 +51,6 @@ ENGINE_FLAGS = [
     "--swap-space", "0",
     "--tensor-parallel-size", "8",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def children(tmp_path):
-    procs = Children(tmp_path)
-    try:
-        yield procs
-    finally:
-        procs.kill_all()
 
 
 @pytest.fixture(scope="module")
