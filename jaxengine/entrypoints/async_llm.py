@@ -47,8 +47,9 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an error; the server must be restarted."""
 
 
-class _Stream:
-    """Where one request's outputs go: a queue read on the caller's event loop."""
+class Stream:
+    """Where one request's outputs go: a queue read on the caller's event loop
+    (filled from other threads with `call_soon` and `putter`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -70,7 +71,7 @@ class AsyncLLM:
         self.config = self.engine.config
         self.stat_loggers = list(stat_loggers)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead
         self._dead: BaseException | None = None
         self._stopped = threading.Event()
@@ -179,13 +180,13 @@ class AsyncLLM:
         if shutdown_engine:
             self.engine.shutdown()
 
-    def _open(self, request_id: str) -> _Stream:
+    def _open(self, request_id: str) -> Stream:
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            stream = _Stream(asyncio.get_running_loop())
+            stream = Stream(asyncio.get_running_loop())
             self._streams[request_id] = stream
         return stream
 
@@ -247,12 +248,12 @@ class AsyncLLM:
         by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
         for stream, out in targets:
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append(_putter(stream.queue, out))
+                by_loop.setdefault(stream.loop, []).append(putter(stream.queue, out))
         for loop, puts in by_loop.items():
-            _call_soon(loop, lambda puts=puts: [put() for put in puts])
+            call_soon(loop, lambda puts=puts: [put() for put in puts])
 
-    def _send(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
-        _call_soon(stream.loop, _putter(stream.queue, item))
+    def _send(self, stream: Stream, item: RequestOutput | BaseException) -> None:
+        call_soon(stream.loop, putter(stream.queue, item))
 
     def _record(self, iteration_stats: Any) -> None:
         if not self.stat_loggers:
@@ -275,11 +276,11 @@ class AsyncLLM:
             self._send(stream, dead)
 
 
-def _putter(q: asyncio.Queue, item: Any) -> Callable[[], None]:
+def putter(q: asyncio.Queue, item: Any) -> Callable[[], None]:
     return lambda: q.put_nowait(item)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> None:
+def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> None:
     try:
         loop.call_soon_threadsafe(callback)
     except RuntimeError:  # the caller's loop is closed: nobody is listening

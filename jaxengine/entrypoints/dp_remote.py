@@ -41,7 +41,13 @@ from typing import Any
 
 from jaxengine.engine.llm_engine import PreparedPrompt
 from jaxengine.engine.multihost import dumps
-from jaxengine.entrypoints.async_llm import EngineDeadError, StatLogger
+from jaxengine.entrypoints.async_llm import (
+    EngineDeadError,
+    StatLogger,
+    Stream,
+    call_soon,
+    putter,
+)
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 
@@ -93,12 +99,6 @@ def portable_error(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-
 class RemoteReplica:
     """Data-parallel rank ``rank`` on another node, with `AsyncLLM`'s interface."""
 
@@ -106,7 +106,7 @@ class RemoteReplica:
         self.node = node
         self.rank = rank
         self.stat_loggers: list[StatLogger] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead
         self._dead: BaseException | None = None
 
@@ -172,13 +172,13 @@ class RemoteReplica:
         """Tells the node to stop (once for all its replicas)."""
         self.node.close()
 
-    def _open(self, request_id: str) -> _Stream:
+    def _open(self, request_id: str) -> Stream:
         with self._lock:
             if self._dead is not None:
                 raise self._dead
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            stream = _Stream(asyncio.get_running_loop())
+            stream = Stream(asyncio.get_running_loop())
             self._streams[request_id] = stream
         return stream
 
@@ -188,7 +188,7 @@ class RemoteReplica:
 
     # ------------------------------------------------------------------ reader thread
 
-    def target(self, request_id: str, item: Any) -> tuple[_Stream, Any] | None:
+    def target(self, request_id: str, item: Any) -> tuple[Stream, Any] | None:
         """(stream, item) for a delivery to ``request_id``; None when nobody listens."""
         with self._lock:
             stream = self._streams.get(request_id)
@@ -213,7 +213,7 @@ class RemoteReplica:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
-            _call_soon(stream.loop, _putter(stream.queue, dead))
+            call_soon(stream.loop, putter(stream.queue, dead))
 
 
 class RemoteNode:
@@ -290,23 +290,12 @@ class RemoteNode:
                 replica.fail(item[2])
             if delivery is not None:
                 stream, payload = delivery
-                by_loop.setdefault(stream.loop, []).append(_putter(stream.queue, payload))
+                by_loop.setdefault(stream.loop, []).append(putter(stream.queue, payload))
         for loop, puts in by_loop.items():
-            _call_soon(loop, lambda puts=puts: [put() for put in puts])
+            call_soon(loop, lambda puts=puts: [put() for put in puts])
 
     def _lost(self, why: str) -> None:
         if not self._closing:
             logger.error("data parallel ranks %s are lost: %s", list(self.replicas), why)
         for replica in self.replicas.values():
             replica.fail(why)
-
-
-def _putter(q: asyncio.Queue, item: Any) -> Callable[[], None]:
-    return lambda: q.put_nowait(item)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> None:
-    try:
-        loop.call_soon_threadsafe(callback)
-    except RuntimeError:  # the caller's loop is closed: nobody is listening
-        pass
