@@ -55,6 +55,74 @@ class RequestOutputKind(Enum):
     """Nothing until the request finishes, then everything."""
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output (vLLM's `StructuredOutputsParams`).
+
+    Exactly one of `json`, `regex`, `choice`, `grammar`, `json_object` and
+    `structural_tag` is set; the rest are options of that constraint. The grammar
+    itself is checked (and compiled) by the engine's structured-output backend when
+    the request arrives: a bad schema, regex or grammar is a ValueError there.
+    """
+
+    json: str | dict | None = None
+    """A JSON schema (a dict, or its JSON text) the output must follow."""
+    regex: str | None = None
+    """A regular expression the whole output must match."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A context-free grammar: Lark or EBNF (GBNF) text."""
+    json_object: bool | None = None
+    """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+    structural_tag: str | None = None
+    """A structural tag (JSON text): free text with constrained tagged regions."""
+    disable_fallback: bool = False
+    """Do not fall back to another backend when the chosen one cannot compile this."""
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (compact output)."""
+    disable_additional_properties: bool = False
+    """JSON objects without `additionalProperties` allow no keys beyond `properties`."""
+    whitespace_pattern: str | None = None
+    """A regex for the whitespace allowed between JSON tokens."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "You must use one kind of structured outputs constraint but "
+                f"{'none' if not given else ', '.join(given)} were specified: set exactly one "
+                f"of {', '.join(_CONSTRAINTS)}."
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(
+                f"structured_outputs.json must be a dict or a string, got {self.json!r}."
+            )
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {value!r}.")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(
+                "structured_outputs.choice must be a non-empty list of strings, "
+                f"got {self.choice!r}."
+            )
+
+    @property
+    def kind(self) -> str:
+        """The name of the one constraint that is set."""
+        return next(n for n in _CONSTRAINTS if getattr(self, n) not in (None, False))
+
+
 class _Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
@@ -130,6 +198,9 @@ class SamplingParams:
     """Arbitrary extra arguments for custom extensions; jaxengine ignores them."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """Cumulative, delta or final-only streamed outputs."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A constraint on the output (JSON schema, regex, choice, grammar, ...), enforced
+    by a token mask in the sampler."""
 
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
@@ -165,6 +236,15 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.output_kind, int):
             self.output_kind = RequestOutputKind(self.output_kind)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}."
+            )
         self._verify_args()
         if self.temperature < _SAMPLING_EPS:
             # Zero temperature means greedy sampling: the filters are irrelevant.
