@@ -28,6 +28,7 @@ from jaxengine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     check_supported,
 )
 from jaxengine.config import cache as cache_mod
@@ -66,6 +67,7 @@ CONFIG_CLASSES: dict[str, type] = {
     "scheduler_config": SchedulerConfig,
     "compilation_config": CompilationConfig,
     "attention_config": AttentionConfig,
+    "structured_outputs_config": StructuredOutputsConfig,
 }
 
 
@@ -160,6 +162,10 @@ class EngineArgs:
     enable_compilation_cache: bool = _default("enable_compilation_cache")
     # AttentionConfig
     attention_backend: AttentionBackendName = _default("attention_backend")
+    # StructuredOutputsConfig
+    structured_outputs_config: dict = _default("structured_outputs_config")
+    reasoning_parser: str = _default("reasoning_parser")
+    reasoning_parser_plugin: str = _default("reasoning_parser_plugin")
 
     def __post_init__(self) -> None:
         """Validates every value against its config field, then cross-field rules."""

@@ -13,6 +13,7 @@ from jaxengine.config.load import LoadConfig
 from jaxengine.config.model import ModelConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import SchedulerConfig
+from jaxengine.config.structured_outputs import StructuredOutputsConfig
 from jaxengine.config.unsupported import check_supported
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "StructuredOutputsConfig",
     "check_supported",
 ]

@@ -12,6 +12,7 @@ from jaxengine.config.load import LoadConfig
 from jaxengine.config.model import ModelConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import MIN_UNCHUNKED_BATCHED_TOKENS, SchedulerConfig
+from jaxengine.config.structured_outputs import StructuredOutputsConfig
 from jaxengine.config.utils import require
 
 
@@ -37,6 +38,10 @@ class EngineConfig:
     """Compiled shape buckets and the XLA compilation cache."""
     attention_config: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
     """Which attention kernels run."""
+    structured_outputs_config: StructuredOutputsConfig = dataclasses.field(
+        default_factory=StructuredOutputsConfig
+    )
+    """Constrained decoding and reasoning."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -80,4 +85,5 @@ _CLASSES = {
     "parallel_config": ParallelConfig,
     "compilation_config": CompilationConfig,
     "attention_config": AttentionConfig,
+    "structured_outputs_config": StructuredOutputsConfig,
 }

@@ -17,6 +17,7 @@ SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_TOKENIZER_MODES = ("auto", "slow")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+SUPPORTED_STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")
 
 # (flag, getter of the value, predicate: True when the value is NOT supported yet)
 UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool]]] = [
@@ -40,6 +41,11 @@ UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool
         "--tokenizer-mode",
         lambda c: c.model_config.tokenizer_mode,
         lambda v: v not in SUPPORTED_TOKENIZER_MODES,
+    ),
+    (
+        "--structured-outputs-config.backend",
+        lambda c: c.structured_outputs_config.option("backend"),
+        lambda v: v not in SUPPORTED_STRUCTURED_OUTPUT_BACKENDS,
     ),
     (
         "--load-format",

@@ -20,7 +20,9 @@ One step, as the runner sees it (`SchedulerOutput`):
    cached ones. Write their KV through the block table (position p -> block
    `block_ids[p // block_size]`, slot `p % block_size`), attend over positions
    `[0, p]`, and sample one token after the last one unless the id is in
-   `partial_req_ids` (prefill not finished: return an empty list).
+   `partial_req_ids` (prefill not finished: return an empty list). A request in
+   `structured_output_req_ids` samples only tokens allowed by its row of
+   `grammar_bitmask`.
 5. Return a `RunnerOutput` with one entry per scheduled request.
 """
 
@@ -76,6 +78,11 @@ class SchedulerOutput:
     """(device block, host block) pairs."""
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
     """(host block, device block) pairs."""
+    structured_output_req_ids: tuple[str, ...] = ()
+    """Requests whose next token is constrained (structured outputs), in bitmask order."""
+    grammar_bitmask: Any = None
+    """None, or int32 numpy rows [len(structured_output_req_ids), ceil(V / 32)]: bit j
+    of word w set = token 32 * w + j allowed."""
 
     @property
     def is_empty(self) -> bool:

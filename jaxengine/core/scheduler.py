@@ -33,6 +33,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from jaxengine.core.grammar import GrammarTracker
 from jaxengine.core.kv_cache.manager import KVCacheManager
 from jaxengine.core.limits import SchedulerLimits
 from jaxengine.core.policy import PartialPrefillLimiter, get_policy
@@ -53,6 +54,7 @@ class _Verdict(enum.Enum):
     ADMIT = 0
     SKIP = 1  # leave it queued, try the next waiting request
     STOP = 2  # stop admitting this step
+    GONE = 3  # the request was finished (its grammar failed); go on with the next
 
 
 @dataclass
@@ -81,8 +83,12 @@ class _Step:
 class Scheduler:
     """Decides, each step, which requests compute how many tokens (see module doc)."""
 
-    def __init__(self, limits: SchedulerLimits) -> None:
+    def __init__(self, limits: SchedulerLimits, grammars: GrammarTracker | None = None) -> None:
+        """``grammars`` (structured outputs): holds waiting requests until their grammar
+        is compiled, gives each step's bitmask rows, and follows the sampled tokens."""
         self.limits = limits
+        self.grammars = grammars
+        self._failed: list[EngineCoreOutput] = []
         self.kv = KVCacheManager(
             limits.num_blocks,
             limits.block_size,
@@ -148,6 +154,8 @@ class Scheduler:
         self.running = [r for r in self.running if r.request_id not in ids]
         for req in done:
             self.kv.free(req)
+            if self.grammars is not None:
+                self.grammars.free(req.request_id)
             del self.requests[req.request_id]
             if req.num_cached_tokens >= 0:  # the runner has seen it
                 self._finished_ids.add(req.request_id)
@@ -240,13 +248,19 @@ class Scheduler:
             verdict = self._try_admit(req, step)
             if verdict is _Verdict.STOP:
                 break
+            if verdict is _Verdict.GONE:
+                continue
             if verdict is _Verdict.SKIP:
                 skipped.append(self.waiting.pop())
         for req in reversed(skipped):
             self.waiting.prepend(req)
 
     def _try_admit(self, req: Request, step: _Step) -> _Verdict:
-        """Admit the waiting-queue head `req` if budget, limiter and blocks allow."""
+        """Admit the waiting-queue head `req` if its grammar, the budget, the limiter and
+        blocks allow."""
+        grammar = self._grammar_verdict(req)
+        if grammar is not None:
+            return grammar
         swapped = req.status is _RS.SWAPPED
         if swapped:
             hit_ids, start = [], req.num_computed_tokens
@@ -274,6 +288,18 @@ class Scheduler:
         req.status = _RS.RUNNING
         self.running.append(req)
         return _Verdict.ADMIT
+
+    def _grammar_verdict(self, req: Request) -> _Verdict | None:
+        """SKIP while a new request's grammar compiles; GONE (finished, reported at the
+        next `update`) when it cannot compile; None when it may be admitted."""
+        if self.grammars is None or req.status is not _RS.WAITING:
+            return None
+        try:
+            return None if self.grammars.is_ready(req) else _Verdict.SKIP
+        except ValueError as e:
+            self.finish_requests(req.request_id, _RS.FINISHED_ABORTED, stop_reason=str(e))
+            self._failed.append(EngineCoreOutput(req.request_id, [], "abort", str(e)))
+            return _Verdict.GONE
 
     def _admission_chunk(self, remaining: int, step: _Step) -> tuple[_Verdict, int]:
         n = self._cap(remaining, step.budget)
@@ -316,6 +342,10 @@ class Scheduler:
             if req.num_computed_tokens < req.num_tokens:
                 partial.add(rid)
         finished, self._finished_ids = frozenset(self._finished_ids), set()
+        masked, bitmask = (), None
+        if self.grammars is not None:
+            sampling = [self.requests[r] for r in step.num_scheduled if r not in partial]
+            masked, bitmask = self.grammars.bitmask(sampling)
         return SchedulerOutput(
             scheduled_new_reqs=tuple(new_reqs),
             scheduled_cached_reqs=tuple(cached_reqs),
@@ -326,6 +356,8 @@ class Scheduler:
             preempted_req_ids=frozenset(step.preempted),
             blocks_to_swap_out=tuple(step.swap_out),
             blocks_to_swap_in=tuple(step.swap_in),
+            structured_output_req_ids=masked,
+            grammar_bitmask=bitmask,
         )
 
     # ---- results -------------------------------------------------------------------
@@ -340,7 +372,8 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and req.status is _RS.RUNNING:
                 self.kv.cache_full_blocks(req)
-        outputs, done = [], []
+        outputs, done = self._failed, []
+        self._failed = []
         ro = runner_output
         for i, rid in enumerate(ro.req_ids):
             req = self.requests.get(rid)
@@ -353,6 +386,8 @@ class Scheduler:
                 if check_stop(req, self.limits.max_model_len):
                     done.append(req)
                     break
+            if self.grammars is not None and new_ids:
+                self.grammars.accept(req, new_ids)
             logprobs = ro.logprobs[i] if ro.logprobs is not None else None
             prompt_lp = ro.prompt_logprobs[i] if ro.prompt_logprobs is not None else None
             if new_ids or prompt_lp is not None:

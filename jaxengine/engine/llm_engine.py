@@ -19,6 +19,7 @@ from jaxengine.core.scheduler import Scheduler
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
+from jaxengine.structured_output import make_manager
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,13 @@ class LLMEngine:
         self.max_model_len = parts.config.model_config.max_model_len
         self.vocab_size = parts.loaded.config.vocab_size
         self.eos_token_id = parts.eos_token_id
-        self.scheduler = Scheduler(parts.limits)
+        self.structured_outputs = make_manager(
+            self.config.structured_outputs_config,
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_id,
+        )
+        self.scheduler = Scheduler(parts.limits, self.structured_outputs)
         self.runner = parts.runner
         self.outputs = OutputProcessor(self.tokenizer)
         if warmup and not self.config.model_config.enforce_eager:
@@ -129,6 +136,12 @@ class LLMEngine:
     def _prepare_params(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
         params = params.clone()
         params.verify_against(self.config.model_config.max_logprobs, self.vocab_size)
+        if params.structured_outputs is not None:
+            if self.structured_outputs is None:
+                raise ValueError(
+                    "structured outputs need a tokenizer (--skip-tokenizer-init is set)"
+                )
+            self.structured_outputs.validate(params)
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
         if params.bad_words and self.tokenizer is not None:
             params.update_from_tokenizer(self.tokenizer)
@@ -187,3 +200,5 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.runner.close()
+        if self.structured_outputs is not None:
+            self.structured_outputs.close()

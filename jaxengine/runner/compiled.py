@@ -10,6 +10,7 @@ compiles on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -62,10 +63,12 @@ class CompiledFunctions:
 
     @staticmethod
     def _variants(vocab: int, settings: Any) -> list[SamplerFlags]:
-        """Greedy; greedy with logprobs; temperature + filters; everything."""
+        """Greedy; greedy with logprobs; temperature + filters; everything; and the
+        last three again with the structured-output bitmask (so a batch mixing
+        constrained and free requests runs one of them and compiles nothing)."""
         k = logprobs_bucket(settings.max_logprobs, vocab)
         mode = settings.logprobs_mode
-        return [
+        base = [
             SamplerFlags(all_greedy=True, logprobs_mode=mode),
             SamplerFlags(all_greedy=True, num_logprobs=k, logprobs_mode=mode),
             SamplerFlags(filter_width=vocab, num_logprobs=k, logprobs_mode=mode),
@@ -78,6 +81,7 @@ class CompiledFunctions:
                 logprobs_mode=mode,
             ),
         ]
+        return base + [dataclasses.replace(f, token_bitmask=True) for f in base[1:]]
 
     # ------------------------------------------------------------------ calls
 

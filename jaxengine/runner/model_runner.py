@@ -180,10 +180,14 @@ class ModelRunner:
             )
             for r, s in zip(order, states, strict=True)
         ]
+        rows = () if out.grammar_bitmask is None else out.grammar_bitmask
+        masks = dict(zip(out.structured_output_req_ids, rows, strict=True))
         sampling = [
             None
             if r in out.partial_req_ids
-            else SamplingRow(s.params, s.output_ids, s.token_ids[: s.num_prompt], s.seed)
+            else SamplingRow(
+                s.params, s.output_ids, s.token_ids[: s.num_prompt], s.seed, None, masks.get(r)
+            )
             for r, s in zip(order, states, strict=True)
         ]
         groups = self.micro_batches([len(c.token_ids) for c in chunks])

@@ -2,6 +2,8 @@
 
 `sample(logits[R, V], metadata, flags=...)` follows vLLM v1's order:
 
+0. structured outputs: tokens outside a row's grammar bitmask -> -inf (vLLM masks
+   the logits before its sampler, so even raw logprobs see the mask);
 1. logprobs source: with `logprobs_mode="raw_logprobs"` (the default) the
    log_softmax of the raw logits, saved before anything else touches them;
 2. allowed_token_ids: every token outside a row's allow-list -> -inf;
@@ -59,6 +61,15 @@ def _scatter_rows(base: jax.Array, ids: jax.Array, values: jax.Array, op: str = 
     cols = jnp.where(ids < 0, V, ids)  # [R, K], V is out of bounds -> dropped
     ref = base.at[rows, cols]
     return ref.set(values, mode="drop") if op == "set" else ref.add(values, mode="drop")
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear in their row of `bitmask [R, ceil(V/32)]` -> -inf."""
+    R, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)  # [32]
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [R, W, 32]; arithmetic shift keeps bit 31
+    allowed = bits.reshape(R, -1)[:, :V].astype(bool)  # [R, V]
+    return jnp.where(allowed, logits, _NEG_INF)
 
 
 def apply_allowed(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -162,6 +173,8 @@ def gumbel_noise(md: SamplingMetadata, vocab_size: int) -> jax.Array:
 def sample(logits: jax.Array, md: SamplingMetadata, *, flags: SamplerFlags) -> SamplerOutput:
     """Samples one token per row of `logits [R, V]`; `flags` must be static."""
     logits = jnp.asarray(logits, jnp.float32)  # [R, V]
+    if flags.token_bitmask:
+        logits = apply_token_bitmask(logits, md.token_bitmask)
     raw = logits
     logits = process_logits(logits, md, flags)  # [R, V]
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R]

@@ -19,6 +19,9 @@ Design choices:
   multi-token word's last token when the output ends with its prefix, checked here
   each step) and, while fewer than `min_tokens` tokens exist, for EOS and the stop
   token ids.
+- Structured outputs: a row's grammar gives a dense bitmask `token_bitmask [R, W]`
+  (int32, W = ceil(V / 32), bit set = allowed; -1 words allow everything, the value
+  of every unconstrained and padding row), a fixed shape whatever the grammar.
 - `allowed_token_ids` is a sparse allow-list `allowed_ids [R, Ka]` with a per-row
   flag `has_allowed [R]`.
 - Penalties read `penalty_ids [R, Lp]`: a row's output token ids followed by its
@@ -81,12 +84,16 @@ class SamplerFlags:
     sampled token's logprob and rank."""
     logprobs_mode: LogprobsMode = "raw_logprobs"
     """`ModelConfig.logprobs_mode`: fixed for an engine, so it multiplies nothing."""
+    token_bitmask: bool = False
+    """Apply `token_bitmask` (structured outputs); False compiles no mask."""
 
     def covers(self, other: SamplerFlags) -> bool:
         """Whether this variant computes `other`'s batches correctly."""
         if self.logprobs_mode != other.logprobs_mode:
             return False
         if self.all_greedy and not other.all_greedy:
+            return False
+        if other.token_bitmask and not self.token_bitmask:
             return False
         lp_self = -1 if self.num_logprobs is None else self.num_logprobs
         lp_other = -1 if other.num_logprobs is None else other.num_logprobs
@@ -97,7 +104,13 @@ class SamplerFlags:
         """A rough ordering of variants by work, for `pick_variant`."""
         lp = 0 if self.num_logprobs is None else self.num_logprobs + 1
         random = 0 if self.all_greedy else 1 << 20
-        return random + sum(getattr(self, f.name) for f in fields(self) if "width" in f.name) + lp
+        mask = 1 << 10 if self.token_bitmask else 0
+        return (
+            random
+            + mask
+            + sum(getattr(self, f.name) for f in fields(self) if "width" in f.name)
+            + lp
+        )
 
 
 def pick_variant(needed: SamplerFlags, compiled: Sequence[SamplerFlags]) -> SamplerFlags | None:
@@ -152,6 +165,7 @@ class SamplingMetadata(NamedTuple):
     bias_values: np.ndarray  # [R, Kb] f32 (-inf bans)
     allowed_ids: np.ndarray  # [R, Ka] i32, -1 pad
     has_allowed: np.ndarray  # [R] bool
+    token_bitmask: np.ndarray  # [R, W] i32, W = ceil(V / 32) (0 without the flag), -1 = all
 
 
 @dataclass(frozen=True)
@@ -165,6 +179,8 @@ class SamplingRow:
     """The request's resolved seed (`request_seed()`), fixed for its lifetime."""
     step: int | None = None
     """Position of the token being sampled; defaults to len(output_token_ids)."""
+    token_bitmask: np.ndarray | None = None
+    """The grammar's allowed next tokens ([ceil(V / 32)] int32), or None."""
 
 
 def request_seed(params: SamplingParams, engine_seed: int, request_counter: int) -> int:
@@ -261,6 +277,7 @@ class SamplingBatch:
             ),
             num_logprobs=logprobs_bucket(widest, self.vocab_size),
             logprobs_mode=logprobs_mode,
+            token_bitmask=any(r.token_bitmask is not None for r, _ in real),
         )
 
     def to_metadata(self, flags: SamplerFlags) -> SamplingMetadata:
@@ -276,6 +293,8 @@ class SamplingBatch:
         bias_vals = np.zeros((R, flags.bias_width), np.float32)  # [R, Kb]
         allowed_ids = np.full((R, flags.allowed_width), -1, np.int32)  # [R, Ka]
         has_allowed = np.zeros(R, bool)  # [R]
+        width = -(-self.vocab_size // 32) if flags.token_bitmask else 0
+        token_bitmask = np.full((R, width), -1, np.int32)  # [R, W]
         for i, q in enumerate(self._prep):
             if q is None:
                 continue
@@ -287,6 +306,9 @@ class SamplingBatch:
             if q.allowed is not None:
                 allowed_ids[i, : len(q.allowed)] = q.allowed
                 has_allowed[i] = True
+            row = self.rows[i]
+            if row is not None and row.token_bitmask is not None:
+                token_bitmask[i] = row.token_bitmask
         return SamplingMetadata(
             **scalars,
             penalty_ids=pen_ids,
@@ -295,6 +317,7 @@ class SamplingBatch:
             bias_values=bias_vals,
             allowed_ids=allowed_ids,
             has_allowed=has_allowed,
+            token_bitmask=token_bitmask,
         )
 
 

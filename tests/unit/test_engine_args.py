@@ -100,6 +100,12 @@ VALID_FLAGS = [
     (["--compilation-cache-dir", "/tmp/xla"], "compilation_cache_dir", "/tmp/xla"),
     (["--no-enable-compilation-cache"], "enable_compilation_cache", False),
     (["--attention-backend", "reference"], "attention_backend", "reference"),
+    (["--structured-outputs-config", '{"backend": "guidance"}'], "structured_outputs_config",
+     {"backend": "guidance"}),
+    (["--structured-outputs-config.disable_any_whitespace", "true"], "structured_outputs_config",
+     {"disable_any_whitespace": True}),
+    (["--reasoning-parser", "qwen3"], "reasoning_parser", "qwen3"),
+    (["--reasoning-parser-plugin", "my_parsers.py"], "reasoning_parser_plugin", "my_parsers.py"),
 ]  # fmt: skip
 
 
