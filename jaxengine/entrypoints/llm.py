@@ -81,12 +81,21 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Generates replies to one conversation or a list of conversations."""
+        """Generates replies to one conversation or a list of conversations.
+
+        ``tools`` (OpenAI's function definitions) are given to the chat template, as
+        in vLLM; the reply is text (parse tool calls from it, or constrain it with
+        `SamplingParams(structured_outputs=...)`).
+        """
         from jaxengine.tokenizer import apply_chat_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = chat_template or self.engine.config.model_config.chat_template
+        template_kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            template_kwargs["tools"] = tools
         prompts = [
             {
                 "prompt_token_ids": apply_chat_template(
@@ -95,7 +104,7 @@ class LLM:
                     chat_template=template,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
-                    **(chat_template_kwargs or {}),
+                    **template_kwargs,
                 )
             }
             for conversation in conversations

@@ -145,6 +145,8 @@ class StructuredOutputManager:
             token_ids = self.reasoner.content_token_ids(request.output_token_ids)
             if not token_ids:
                 return
+        if state.grammar.is_terminated():  # complete: only EOS was allowed, nothing to feed
+            return
         if not state.grammar.accept_tokens(token_ids) and not state.failed:
             state.failed = True
             logger.warning(

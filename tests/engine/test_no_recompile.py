@@ -3,7 +3,8 @@
 One engine with small buckets and a small KV cache receives varied traffic: mixed
 prompt lengths, prompts longer than the token budget (chunked prefill), enough
 concurrency to force preemption, n > 1, logprobs and prompt logprobs on and off,
-every sampling feature. The compile guard must count no compilation during it (the
+every sampling feature, structured outputs (grammar bitmasks) mixed with free
+requests. The compile guard must count no compilation during it (the
 guard hears every compilation in the process, so other engines built by earlier
 tests may have added to its count before this test starts).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxengine import SamplingParams
+from jaxengine import SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.slow
@@ -21,7 +22,7 @@ def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
     guard = llm.engine.runner.guard
     assert guard.armed
     before = guard.compiles_after_warmup
-    lengths = [3, 70, 12, 45, 1, 90, 30, 8]
+    lengths = [3, 70, 12, 45, 1, 90, 30, 8, 20, 5]
     prompts = [
         {"prompt_token_ids": [(17 * i + j) % 5000 + 10 for j in range(n)]}
         for i, n in enumerate(lengths)
@@ -41,6 +42,19 @@ def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
         SamplingParams(temperature=0.9, logit_bias={42: 5.0}, min_tokens=4, max_tokens=9),
         SamplingParams(temperature=0.5, allowed_token_ids=list(range(100, 400)), max_tokens=8),
         SamplingParams(temperature=0, stop=["the", "\n"], max_tokens=30),
+        SamplingParams(
+            temperature=0,
+            logprobs=1,
+            max_tokens=12,
+            structured_outputs=StructuredOutputsParams(json={"type": "array"}),
+        ),
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            repetition_penalty=1.1,
+            max_tokens=10,
+            structured_outputs=StructuredOutputsParams(regex="[a-z ]+"),
+        ),
     ]
     outputs = llm.generate(prompts, variants, use_tqdm=False)
     assert len(outputs) == len(prompts)
@@ -48,6 +62,7 @@ def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
     assert outputs[2].outputs[0].logprobs is not None
     assert outputs[3].prompt_logprobs is not None and outputs[3].prompt_logprobs[0] is None
     assert all(100 <= t < 400 for t in outputs[6].outputs[0].token_ids)
+    assert outputs[9].outputs[0].text.replace(" ", "").isalpha()
     # a second round with the batch composition reshuffled
     outputs = llm.generate(prompts[::-1], variants[::-1], use_tqdm=False)
     assert llm.engine.get_stats().num_preemptions > 0
