@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxengine.runner.sampler import (
+    apply_token_bitmask,
     filter_logits,
     process_logits,
     prompt_logprobs_jit,
@@ -291,3 +292,37 @@ def test_host_logits_processors() -> None:
     rows = [_row(out=[1, 2], prompt=[4], logits_processors=[two, three]), None]
     got = apply_logits_processors(np.zeros((2, V), np.float32), rows)
     assert got[0, 4] == 100.0 and got[0, 0] == 2.0 and np.all(got[1] == 0)
+
+
+def _bitmask(allowed: list[set[int]], vocab: int) -> np.ndarray:
+    """Rows of int32 words, bit j of word w = token 32 w + j (llguidance's layout)."""
+    width = -(-vocab // 32)
+    bits = np.zeros((len(allowed), width * 32), np.uint8)
+    for r, tokens in enumerate(allowed):
+        bits[r, sorted(tokens)] = 1
+    packed = np.packbits(bits.reshape(len(allowed), width, 4, 8)[..., ::-1], axis=-1)
+    return packed.reshape(len(allowed), width * 4).view("<i4").astype(np.int32)
+
+
+def test_token_bitmask_masks_logits_and_sampling() -> None:
+    vocab = 70  # not a multiple of 32; token 31 and 63 use bit 31 (the sign bit)
+    allowed = [{0, 31, 63}, {5}, {40, 41, 69}, set(range(vocab))]
+    mask = _bitmask(allowed, vocab)
+    logits = _logits(4, vocab)
+    masked = np.asarray(apply_token_bitmask(logits, mask))
+    for r, tokens in enumerate(allowed):
+        keep = np.isin(np.arange(vocab), sorted(tokens))
+        assert np.array_equal(masked[r][keep], logits[r][keep])
+        assert np.all(np.isneginf(masked[r][~keep]))
+    rows = [
+        replace(_row(seed=i, temperature=1.5), token_bitmask=mask[i % 3]) for i in range(30)
+    ] + [replace(_row(temperature=0.0, logprobs=2), token_bitmask=mask[1]), _row(temperature=0.0)]
+    md, flags = build_sampling_metadata(rows, 32, vocab)
+    assert flags.token_bitmask and md.token_bitmask.shape == (32, 3)
+    out = sample_jit(np.tile(_logits(1, vocab), (32, 1)), md, flags=flags)
+    tokens = np.asarray(out.token_ids)
+    assert all(int(tokens[i]) in allowed[i % 3] for i in range(30))
+    assert tokens[30] == 5 and tokens[31] == int(np.argmax(_logits(1, vocab)[0]))
+    assert np.isclose(float(out.logprobs.sampled_logprob[30]), 0.0)  # the one allowed token
+    free = SamplingBatch([_row(temperature=0.0)], 1, vocab).required_flags()
+    assert not free.token_bitmask and flags.covers(free) and not free.covers(flags)

@@ -18,6 +18,9 @@ HEAVY = ("jax", "jaxlib", "flax", "torch")
         "jaxengine.core.kv_cache",
         "jaxengine.core.request",
         "jaxengine.core.sched_output",
+        "jaxengine.core.grammar",
+        "jaxengine.structured_output",
+        "jaxengine.structured_output.guidance",
     ],
 )
 def test_import_leaves_jax_out(module):
