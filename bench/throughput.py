@@ -2,6 +2,9 @@
 
     python -m bench.throughput --num-prompts 64 --input-len 128 --output-len 128
 
+With ``--structured-outputs``, jaxengine alone serves the workload free and under
+a JSON schema per request (`bench/structured.py`).
+
 Each peer gets the same N random-token prompts and generates exactly ``output_len``
 greedy tokens for each (EOS ignored). The figures are over the wall time of the one
 ``generate`` call that serves all N: output tokens/s (the headline), requests/s and
@@ -75,6 +78,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-warmup", action="store_true", help="skip the short warm-up before timing"
     )
+    parser.add_argument(
+        "--structured-outputs",
+        action="store_true",
+        help="jaxengine alone, the workload free and under one JSON schema per request, "
+        "alternated for --rounds rounds: the ratio, and schema compile times "
+        "(bench/structured.py)",
+    )
+    parser.add_argument(
+        "--rounds", type=positive_int, default=2, help="rounds of --structured-outputs"
+    )
 
 
 def measure(
@@ -139,6 +152,10 @@ def run(args: argparse.Namespace, command: str) -> int:
     prompts = make_prompts(
         args.num_prompts, args.input_len, token_pool(files), args.seed, args.range_ratio
     )
+    if args.structured_outputs:
+        from bench.structured import run_structured
+
+        return run_structured(args, files, prompts, command)
     opts = PeerOptions(
         model=files,
         threads=args.threads,

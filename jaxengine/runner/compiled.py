@@ -63,9 +63,9 @@ class CompiledFunctions:
 
     @staticmethod
     def _variants(vocab: int, settings: Any) -> list[SamplerFlags]:
-        """Greedy; greedy with logprobs; temperature + filters; everything; and the
-        last three again with the structured-output bitmask (so a batch mixing
-        constrained and free requests runs one of them and compiles nothing)."""
+        """Greedy; greedy with logprobs; temperature + filters; everything; and each
+        again with the structured-output bitmask (a batch mixing constrained and free
+        requests runs one of those and compiles nothing)."""
         k = logprobs_bucket(settings.max_logprobs, vocab)
         mode = settings.logprobs_mode
         base = [
@@ -81,7 +81,7 @@ class CompiledFunctions:
                 logprobs_mode=mode,
             ),
         ]
-        return base + [dataclasses.replace(f, token_bitmask=True) for f in base[1:]]
+        return base + [dataclasses.replace(f, token_bitmask=True) for f in base]
 
     # ------------------------------------------------------------------ calls
 
