@@ -11,11 +11,12 @@ tests/sharding/test_parallel_engine.py.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import jax
 import pytest
 
-from jaxengine import LLM, SamplingParams
+from jaxengine import LLM, SamplingParams, StructuredOutputsParams
 from jaxengine.entrypoints.async_llm import EngineDeadError
 from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
 from jaxengine.sampling_params import RequestOutputKind
@@ -98,6 +99,20 @@ def test_chat_and_tokenizer(small_llm, dp_llm):
     got = dp_llm.chat(conversations, params, use_tqdm=False)
     expected = small_llm.chat(conversations, params, use_tqdm=False)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+
+
+def test_structured_outputs_on_both_replicas(small_llm, dp_llm, monkeypatch):
+    counts = count_adds(monkeypatch, dp_llm.engine)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(regex=r"[0-9]{2}(, [0-9]{2}){2}"),
+    )
+    got = dp_llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    expected = small_llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+    assert all(re.fullmatch(r"[0-9]{2}(, [0-9]{2}){2}", o.outputs[0].text) for o in got)
+    assert min(counts) >= 1, counts
 
 
 def test_shared_prefix_stays_on_one_replica(dp_llm, monkeypatch):
