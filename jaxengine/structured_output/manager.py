@@ -14,8 +14,8 @@ The scheduler drives it (the `GrammarTracker` protocol in `jaxengine.core.gramma
 - `free(request_id)` when the request finishes or is aborted.
 
 With a reasoning parser, a request's grammar starts only once the model has closed
-its reasoning section (the output contains the end marker); the tokens after the
-marker are its first input. Preemption keeps a request's output tokens (recompute
+its reasoning section (the output contains the end marker, or the prompt already
+closed it); the tokens after the marker are its first input. Preemption keeps a request's output tokens (recompute
 replays them as prompt, swapping keeps the pages), so its matcher stays valid and is
 not rewound; `Grammar.rollback` exists for drafts that a verifier rejects.
 """
@@ -108,7 +108,12 @@ class StructuredOutputManager:
         return True
 
     def _starts_active(self, request: Any) -> bool:
-        return self.reasoner is None or self.enable_in_reasoning
+        """Constrained from the first token, unless the model is to reason first (a
+        prompt that already closes the reasoning section, as Qwen3's template does
+        with thinking disabled, does not count)."""
+        if self.reasoner is None or self.enable_in_reasoning:
+            return True
+        return self.reasoner.is_reasoning_end(request.prompt_token_ids)
 
     def _compiled(self, key: str) -> Future:
         future = self._cache.get(key)

@@ -133,6 +133,9 @@ def test_reasoning_delays_the_grammar_until_the_end_marker():
     ids, mask = manager.bitmask([req])
     assert ids == ("r",) and mask[0, 0] == 2  # content so far: [0] -> next is 1
     assert manager._states["r"].grammar.tokens == [0]
+    closed = so_req("closed", prompt=[3, end, 4])  # the template closed the reasoning
+    wait_ready(manager, closed)
+    assert manager.bitmask([closed])[0] == ("closed",)
 
 
 def test_scheduler_admits_others_while_a_grammar_compiles():
