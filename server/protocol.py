@@ -1,18 +1,25 @@
 """OpenAI request bodies, with vLLM's extra sampling fields (pydantic models).
 
 The models validate types and ranges that need no model; everything else
-(context length, vocabulary, logprob caps) is checked by the engine when the
-request is prepared. Unknown fields are ignored, as OpenAI's and vLLM's servers do.
-Responses are built in `server/responses.py`.
+(context length, vocabulary, logprob caps, the grammar of structured outputs) is
+checked by the engine when the request is prepared. Unknown fields are ignored (and
+logged), as OpenAI's and vLLM's servers do; known fields that would change the
+output but are not implemented are refused (`server/unsupported_fields.py`).
+Structured outputs are read from the request in `server/structured.py`, tool choice
+in `server/tool_calls.py`; responses are built in `server/responses.py`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
+from server.unsupported_fields import refuse_unsupported
+
+logger = logging.getLogger("jaxengine.server")
 
 # Sampling fields whose server default comes from the model's generation config when
 # the request leaves them out (vLLM's `--generation-config auto`).
@@ -26,6 +33,25 @@ class OpenAIModel(BaseModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's ``response_format`` (and vLLM's ``structural_tag`` type, whose other
+    keys are kept as given)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -60,6 +86,42 @@ class SamplingFields(OpenAIModel):
     priority: int = 0
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
+    # structured outputs (server/structured.py); the guided_* fields are vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    # refused unless left at their defaults (server/unsupported_fields.py)
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    logits_processors: list[Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    return_token_ids: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = {f.alias or name for name, f in cls.model_fields.items()}
+            ignored = sorted(set(data) - known - set(cls.model_fields))
+            if ignored:
+                logger.warning("fields present in the request but ignored: %s", ignored)
+        return data
+
+    @field_validator("*")
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        refuse_unsupported(info.field_name, value, info.data)
+        return value
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -113,9 +175,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
     add_special_tokens: bool = True
+    suffix: str | None = None  # refused
+    prompt_embeds: Any = None  # refused
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one per text or token-id list."""
@@ -144,7 +206,19 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     documents: list[dict[str, str]] | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    # refused (server/unsupported_fields.py)
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -176,6 +250,7 @@ class TokenizeRequest(OpenAIModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")

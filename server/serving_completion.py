@@ -11,9 +11,9 @@ from typing import Any
 
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from server import responses as R
-from server.errors import APIError
 from server.protocol import CompletionRequest
 from server.serving import ServingContext, sse, until_disconnected, usage_flags
+from server.structured import structured_outputs_params
 
 
 class CompletionHandler:
@@ -26,17 +26,13 @@ class CompletionHandler:
         """A response dict, or an async iterator of SSE lines when streaming."""
         ctx = self.ctx
         model = ctx.check_model(request.model)
-        if request.suffix is not None:
-            raise APIError("suffix is not supported", param="suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise APIError("best_of different from n is not supported", param="best_of")
         logprobs = request.logprobs
-        params = request.sampling_params(
-            request.max_tokens,
-            logprobs,
-            ctx.default_sampling,
-            {"prompt_logprobs": logprobs} if request.echo and logprobs is not None else None,
-        )
+        extra: dict[str, Any] = {
+            "structured_outputs": structured_outputs_params(request, ctx.structured_config)
+        }
+        if request.echo and logprobs is not None:
+            extra["prompt_logprobs"] = logprobs
+        params = request.sampling_params(request.max_tokens, logprobs, ctx.default_sampling, extra)
         prompts = [ctx.tokenize(p, request.add_special_tokens) for p in request.prompts()]
         prepared = ctx.prepare(prompts, params)
         request_id = request.request_id or R.random_id("cmpl")

@@ -1,0 +1,89 @@
+"""Request fields that would change the output but that jaxengine does not run: a 400.
+
+OpenAI's and vLLM's servers accept these fields; silently dropping one would hand
+the client an output it did not ask for, so each is refused, naming the field, when
+it asks for something other than the default. Fields that cannot change the output
+(``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``) are not listed: they are accepted and ignored, like any
+unknown field (which is logged).
+
+The request models (`server/protocol.py`) declare every field named here and run
+`refuse_unsupported` on each value the client sent, so pydantic reports the field
+as the error's location (``param``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """When a field's value is refused, and why."""
+
+    refuses: Callable[[Any, dict[str, Any]], bool]
+    """``refuses(value, other_fields)``: True for a value that asks for the feature."""
+    reason: str
+
+
+def _given(value: Any, _: dict[str, Any]) -> bool:
+    return value is not None and value != {} and value != []
+
+
+def _true(value: Any, _: dict[str, Any]) -> bool:
+    return bool(value)
+
+
+REFUSED: dict[str, Refusal] = {
+    # both endpoints (vLLM's extra fields, and OpenAI's best_of)
+    "use_beam_search": Refusal(_true, "beam search is not supported"),
+    "length_penalty": Refusal(
+        lambda v, _: v is not None and v != 1.0,
+        "length_penalty applies to beam search, which is not supported",
+    ),
+    "best_of": Refusal(
+        lambda v, data: v is not None and v != data.get("n", 1),
+        "best_of different from n is not supported",
+    ),
+    "logits_processors": Refusal(_given, "per-request logits processors are not supported"),
+    "vllm_xargs": Refusal(
+        _given, "vllm_xargs (arguments of custom logits processors) are not supported"
+    ),
+    "kv_transfer_params": Refusal(
+        _given, "KV-cache transfer (disaggregated prefill) is not supported"
+    ),
+    "mm_processor_kwargs": Refusal(_given, "multimodal inputs are not supported (text only)"),
+    "cache_salt": Refusal(
+        _given, "cache_salt is not supported: the prefix cache is shared by all requests"
+    ),
+    "return_token_ids": Refusal(_true, "return_token_ids is not supported"),
+    # completions
+    "suffix": Refusal(_given, "suffix is not supported"),
+    "prompt_embeds": Refusal(_given, "prompt_embeds are not supported (text and token ids only)"),
+    # chat
+    "functions": Refusal(
+        _given, "the legacy `functions` field is not supported; send `tools` instead"
+    ),
+    "function_call": Refusal(
+        _given, "the legacy `function_call` field is not supported; send `tool_choice` instead"
+    ),
+    "audio": Refusal(_given, "audio output is not supported (text only)"),
+    "modalities": Refusal(
+        lambda v, _: v is not None and list(v) != ["text"],
+        'only the "text" output modality is supported',
+    ),
+    "prediction": Refusal(_given, "predicted outputs are not supported"),
+    "web_search_options": Refusal(lambda v, _: v is not None, "web search is not supported"),
+    "verbosity": Refusal(_given, "verbosity is not supported"),
+}
+"""Every refused field, by name."""
+
+
+def refuse_unsupported(name: str, value: Any, data: dict[str, Any]) -> None:
+    """Raises ValueError if ``value`` asks for a missing feature (pydantic reports it
+    as a 400 at the field's location, so the message starts with ``name``)."""
+    refusal = REFUSED.get(name)
+    if refusal is not None and refusal.refuses(value, data):
+        raise ValueError(refusal.reason)
