@@ -43,7 +43,8 @@ logger = logging.getLogger("jaxengine.server")
 
 
 def server_options(args: Any, engine: AsyncLLM | DPAsyncLLM) -> ServerOptions:
-    """The handler options from parsed `serve` flags."""
+    """The handler options from parsed `serve` flags (and the engine's reasoning parser)."""
+    so = getattr(engine.config, "structured_outputs_config", None)
     return ServerOptions(
         served_model_names=tuple(engine.config.model_config.served_model_names),
         response_role=args.response_role,
@@ -54,6 +55,14 @@ def server_options(args: Any, engine: AsyncLLM | DPAsyncLLM) -> ServerOptions:
         enable_force_include_usage=args.enable_force_include_usage,
         enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        exclude_tools_when_tool_choice_none=getattr(
+            args, "exclude_tools_when_tool_choice_none", False
+        ),
+        tool_parser_plugin=getattr(args, "tool_parser_plugin", None),
+        reasoning_parser=getattr(so, "reasoning_parser_name", "") or "",
+        reasoning_parser_plugin=getattr(so, "reasoning_parser_plugin", "") or "",
     )
 
 

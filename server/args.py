@@ -94,6 +94,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="a usage chunk at the end of every stream",
     )
+    add(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto": the model decides to call tools, and '
+        "--tool-call-parser finds the calls in its text",
+    )
+    add(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls (hermes, llama3_json, mistral, pythonic, "
+        "qwen3_xml, or one registered by --tool-parser-plugin); needed by "
+        "--enable-auto-tool-choice",
+    )
+    add("--tool-parser-plugin", default=None, help="a Python file that registers tool parsers")
+    add(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='leave the tools out of the prompt of a request with tool_choice "none"',
+    )
     add("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
     add("--max-log-len", type=int, default=None, help="characters of prompt text to log")
     add("--disable-log-stats", action="store_true", help="no periodic stats lines")
@@ -110,6 +129,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL)
     return parser
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Frontend flags that cannot work (ValueError), checked before the engine loads:
+    auto tool choice without a parser, an unknown parser name, a broken plugin."""
+    from server.serving import tool_parser_class
+
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser to be set")
+    tool_parser_class(args.tool_call_parser, args.tool_parser_plugin)
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

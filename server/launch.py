@@ -133,10 +133,12 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import build_app
+    from server.args import check_server_args
 
     setup_logging(args.uvicorn_log_level)
     if getattr(args, "headless", False):  # no API server
         return run_headless(args)
+    check_server_args(args)
     engine, metrics, stats_logs = build_engine(args)
     try:
         app = build_app(engine, args, metrics=metrics, stats_logs=stats_logs)

@@ -43,6 +43,13 @@ class ServerOptions:
     enable_force_include_usage: bool = False
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    tool_parser_plugin: str | None = None
+    reasoning_parser: str = ""
+    """The engine's --reasoning-parser ("" = none)."""
+    reasoning_parser_plugin: str = ""
 
 
 class ServingContext:
@@ -56,6 +63,26 @@ class ServingContext:
         self.default_sampling = {
             k: gen[k] for k in GENERATION_CONFIG_DEFAULTS if gen.get(k) is not None
         }
+        self.structured_config = getattr(engine.config, "structured_outputs_config", None)
+        self._tool_parser_cls = tool_parser_class(
+            options.tool_call_parser, options.tool_parser_plugin
+        )
+        self._reasoning_parser_cls = reasoning_parser_class(options)
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        """Whether "auto" tool choice is on (a parser finds the calls in the text)."""
+        return self.options.enable_auto_tool_choice and self._tool_parser_cls is not None
+
+    def tool_parser(self) -> Any:
+        """A new tool parser for one request (None without --tool-call-parser)."""
+        cls = self._tool_parser_cls
+        return None if cls is None else cls(self.need_tokenizer())
+
+    def reasoning_parser(self) -> Any:
+        """A new reasoning parser for one request (None without --reasoning-parser)."""
+        cls = self._reasoning_parser_cls
+        return None if cls is None else cls(self.need_tokenizer())
 
     @property
     def model_name(self) -> str:
@@ -115,6 +142,29 @@ class ServingContext:
             for i, p in enumerate(prepared)
         ]
         return merge_async_iterators(iterators)
+
+
+def tool_parser_class(name: str | None, plugin: str | None = None) -> Any:
+    """The class of ``--tool-call-parser`` (after importing ``--tool-parser-plugin``),
+    or None; ValueError for an unknown name."""
+    if not name and not plugin:
+        return None
+    from server.tool_parsers import get_tool_parser, import_tool_parser_plugin
+
+    if plugin:
+        import_tool_parser_plugin(plugin)
+    return get_tool_parser(name) if name else None
+
+
+def reasoning_parser_class(options: ServerOptions) -> Any:
+    """The class of the engine's ``--reasoning-parser`` (after its plugin), or None."""
+    if not options.reasoning_parser:
+        return None
+    import jaxengine.reasoning as reasoning
+
+    if options.reasoning_parser_plugin:
+        reasoning.import_reasoning_parser_plugin(options.reasoning_parser_plugin)
+    return reasoning.get_reasoning_parser(options.reasoning_parser)
 
 
 async def merge_async_iterators(

@@ -3,19 +3,29 @@
 The stream sends, per choice, a first delta with the role, content deltas, and one
 last chunk carrying ``finish_reason``. ``echo`` repeats the final message's content
 when it has the response role (``continue_final_message``).
+
+Tools (`server/tool_calls.py`) and reasoning split the generated text into
+``reasoning_content``, ``content`` and ``tool_calls`` (`server/chat_output.py`);
+a "required" or named ``tool_choice`` constrains the output with structured outputs,
+as ``response_format`` does (`server/structured.py`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxengine.outputs import RequestOutput
+from jaxengine.sampling_params import StructuredOutputsParams
 from jaxengine.tokenizer import apply_chat_template, resolve_chat_template
 from server import responses as R
+from server.chat_output import ChatOutputParser
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.serving import ServingContext, sse, until_disconnected, usage_flags
+from server.structured import structured_outputs_params
+from server.tool_calls import NO_TOOLS, ToolChoice, forced_schema, resolve_tool_choice
 
 _PART_TYPES_TEXT = ("text", "input_text")
 
@@ -27,7 +37,11 @@ class ChatHandler:
         self.ctx = ctx
 
     def render(self, request: ChatCompletionRequest | Any) -> list[int]:
-        """The prompt token ids of a request's messages (also used by /tokenize)."""
+        """The prompt token ids of a request's messages (also used by /tokenize).
+
+        The template gets ``tools`` (left out for ``tool_choice: "none"`` with
+        --exclude-tools-when-tool-choice-none), ``documents`` and ``reasoning_effort``.
+        """
         ctx = self.ctx
         tokenizer = ctx.need_tokenizer()
         template = request.chat_template or ctx.options.chat_template
@@ -38,9 +52,12 @@ class ChatHandler:
         fmt = content_format(ctx.options.chat_template_content_format, template_text)
         messages = [normalize_message(m, fmt) for m in request.messages]
         kwargs = dict(request.chat_template_kwargs or {})
-        for name in ("tools", "documents"):
+        for name in ("tools", "documents", "reasoning_effort"):
             if getattr(request, name, None):
                 kwargs.setdefault(name, getattr(request, name))
+        excluded = ctx.options.exclude_tools_when_tool_choice_none
+        if excluded and getattr(request, "tool_choice", None) == "none":
+            kwargs.pop("tools", None)
         try:
             ids = apply_chat_template(
                 tokenizer,
@@ -63,18 +80,49 @@ class ChatHandler:
     async def create(self, request: ChatCompletionRequest, raw_request=None):
         ctx = self.ctx
         model = ctx.check_model(request.model)
+        choice = resolve_tool_choice(request, ctx.auto_tool_choice)
+        tool_parser = ctx.tool_parser() if choice.mode == "auto" else None
+        if tool_parser is not None:
+            request = tool_parser.adjust_request(request)
         ids = self.render(request)
         params = request.sampling_params(
-            request.wanted_max_tokens(), request.wanted_logprobs(), ctx.default_sampling
+            request.wanted_max_tokens(),
+            request.wanted_logprobs(),
+            ctx.default_sampling,
+            {"structured_outputs": self._constraint(request, choice)},
         )
         prepared = ctx.prepare([{"prompt_token_ids": ids}], params)
         request_id = request.request_id or R.random_id("chatcmpl")
         ctx.log_request(request_id, prepared)
         streams = ctx.streams(request_id, prepared, request.priority)
-        view = _ChatView(ctx, request, model, request_id, len(prepared[0].token_ids))
+        parser = ChatOutputParser(
+            request, choice, ctx.reasoning_parser(), tool_parser, _tool_call_id
+        )
+        view = _ChatView(ctx, request, model, request_id, len(prepared[0].token_ids), parser)
         if request.stream:
             return sse(view.stream(streams))
         return await until_disconnected(raw_request, view.collect(streams))
+
+    def _constraint(self, request, choice: ToolChoice) -> StructuredOutputsParams | None:
+        """The request's structured outputs, or the tool-call schema it forces."""
+        constraint = structured_outputs_params(request, self.ctx.structured_config)
+        if not choice.forced:
+            return constraint
+        if constraint is not None:
+            raise APIError(
+                f"tool_choice {request.tool_choice!r} constrains the output to tool calls; "
+                "it cannot be combined with response_format or structured outputs",
+                param="tool_choice",
+            )
+        parallel = request.parallel_tool_calls is not False
+        schema = forced_schema(request.tools, choice, parallel)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+def _tool_call_id() -> str:
+    from server.tool_parsers import make_tool_call_id
+
+    return make_tool_call_id()
 
 
 def content_format(option: str, template: str | None) -> str:
@@ -87,9 +135,16 @@ def content_format(option: str, template: str | None) -> str:
 
 
 def normalize_message(message: dict[str, Any], fmt: str) -> dict[str, Any]:
-    """A message whose content is a string (``fmt="string"``) or a list of text parts."""
+    """A message whose content is a string (``fmt="string"``) or a list of text parts.
+
+    An assistant message's ``tool_calls`` reach the template with their
+    ``function.arguments`` as a dict (decoded from OpenAI's JSON string), as Hugging
+    Face templates expect; its content may be null.
+    """
     if "role" not in message:
         raise APIError("each message needs a `role`", param="messages")
+    if message.get("tool_calls") is not None:
+        message = {**message, "tool_calls": _template_tool_calls(message["tool_calls"])}
     content = message.get("content")
     if content is None or isinstance(content, str):
         return {**message, "content": content or ""}
@@ -108,10 +163,41 @@ def normalize_message(message: dict[str, Any], fmt: str) -> dict[str, Any]:
     return {**message, "content": "\n".join(parts)}
 
 
+def _template_tool_calls(calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise APIError("a message's `tool_calls` must be a list", param="messages")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise APIError("each tool call needs a `function` object", param="messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise APIError(
+                    f"tool call arguments are not JSON: {arguments!r}", param="messages"
+                ) from None
+        out.append({**call, "function": {**function, "arguments": arguments or {}}})
+    return out
+
+
 class _ChatView:
-    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, model, rid, n_prompt):
+    """Builds one request's response (or chunks) from its engine outputs."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request: ChatCompletionRequest,
+        model: str,
+        rid: str,
+        n_prompt: int,
+        parser: ChatOutputParser | None = None,
+    ):
         self.ctx, self.request, self.model, self.id = ctx, request, model, rid
         self.n_prompt = n_prompt
+        self.parser = parser or ChatOutputParser(request, NO_TOOLS, None, None, _tool_call_id)
         self.created = R.now()
         self.role = ctx.options.response_role
         self.as_ids = bool(request.return_tokens_as_token_ids) or (
@@ -142,16 +228,18 @@ class _ChatView:
         async for _, out in streams:
             final = out
         assert final is not None
-        choices = [
-            {
-                "index": seq.index,
-                "message": {"role": self.role, "content": self.echo + seq.text},
-                "logprobs": self._logprobs(seq),
-                "finish_reason": seq.finish_reason,
-                "stop_reason": seq.stop_reason,
-            }
-            for seq in sorted(final.outputs, key=lambda s: s.index)
-        ]
+        choices = []
+        for seq in sorted(final.outputs, key=lambda s: s.index):
+            message, called = self.parser.message(seq.text, self.role, self.echo)
+            choices.append(
+                {
+                    "index": seq.index,
+                    "message": message,
+                    "logprobs": self._logprobs(seq),
+                    "finish_reason": _finish_reason(seq.finish_reason, called),
+                    "stop_reason": seq.stop_reason,
+                }
+            )
         completion = sum(len(s.token_ids) for s in final.outputs)
         return {
             "id": self.id,
@@ -173,17 +261,21 @@ class _ChatView:
             if continuous:
                 chunk["usage"] = self._usage(None, 0)
             yield chunk
+        parsers = [self.parser.stream() for _ in range(self.request.n)]
         async for _, out in streams:
             last = out
             for seq in out.outputs:
                 sent[seq.index] = sent.get(seq.index, 0) + len(seq.token_ids)
-                chunk = self._chunk(
-                    seq.index,
-                    {"content": seq.text},
-                    self._logprobs(seq),
-                    seq.finish_reason,
-                    seq.stop_reason,
-                )
+                parsed = parsers[seq.index]
+                delta = parsed.feed(seq.text)
+                if seq.finish_reason is not None:
+                    delta = delta.add(parsed.finish())
+                body = self.parser.delta_dict(delta)
+                logprobs = self._logprobs(seq)
+                if not body and logprobs is None and seq.finish_reason is None:
+                    continue  # the parsers hold this text back
+                finish = _finish_reason(seq.finish_reason, parsed.tools_called)
+                chunk = self._chunk(seq.index, body, logprobs, finish, seq.stop_reason)
                 if continuous:
                     chunk["usage"] = self._usage(out, sum(sent.values()))
                 yield chunk
@@ -211,3 +303,8 @@ class _ChatView:
         if stop_reason is not None:
             choice["stop_reason"] = stop_reason
         return self._base([choice])
+
+
+def _finish_reason(reason: str | None, tools_called: bool) -> str | None:
+    """``"tool_calls"`` for a generation that stopped by itself after calling tools."""
+    return "tool_calls" if reason == "stop" and tools_called else reason
