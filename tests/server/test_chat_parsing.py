@@ -513,3 +513,102 @@ def test_assistant_tool_calls_reach_the_template_as_dicts():
     assert message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # not mutated
     tool = {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "ok"}]}
     assert normalize_message(tool, "string") == {**tool, "content": "ok"}
+
+
+# ---------------------------------------------------------------------- the real parsers
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_deepseek_reasoning_then_hermes_calls(smollm2_tokenizer, size):
+    """The registered parsers in the pipeline: the stream joins to the whole reply."""
+    from jaxengine.reasoning import get_reasoning_parser
+    from server.tool_parsers import get_tool_parser
+
+    text = (
+        "Let me think.\n</think>\n\nChecking.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    request = chat(tools=TOOLS)
+    think_vocab = SimpleNamespace(get_vocab=lambda: {"<think>": 1, "</think>": 2})
+    reasoning = get_reasoning_parser("deepseek_r1")(think_vocab)
+    tools = get_tool_parser("hermes")(smollm2_tokenizer)
+    p = parser(request, ToolChoice("auto"), reasoning, tools)
+    message, called = p.message(text, "assistant")
+    assert called and message["reasoning_content"] == "Let me think."
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    stream = p.stream()
+    deltas = [p.delta_dict(stream.feed(piece)) for piece in _pieces(text, size)]
+    deltas.append(p.delta_dict(stream.finish()))
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me think."
+    assert (
+        "".join(d.get("content", "") for d in deltas).strip() == (message["content"] or "").strip()
+    )
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather"
+    args = "".join(c["function"]["arguments"] for c in calls)
+    assert json.loads(args) == {"city": "Paris"} and stream.tools_called
+
+
+# ---------------------------------------------------------------------- start-up checks
+
+
+def _args(**flags):
+    defaults = {"enable_auto_tool_choice": False, "tool_call_parser": None}
+    return SimpleNamespace(**{**defaults, "tool_parser_plugin": None, **flags})
+
+
+def test_auto_tool_choice_needs_a_parser():
+    from server.args import check_server_args
+
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        check_server_args(_args(enable_auto_tool_choice=True))
+    with pytest.raises(ValueError, match="hermes"):  # the known names
+        check_server_args(_args(enable_auto_tool_choice=True, tool_call_parser="nope"))
+    check_server_args(_args(enable_auto_tool_choice=True, tool_call_parser="hermes"))
+
+
+def test_parser_plugins(tmp_path):
+    from server.serving import ServerOptions, reasoning_parser_class, tool_parser_class
+
+    plugin = tmp_path / "my_parsers.py"
+    plugin.write_text(
+        "from server.tool_parsers import register_tool_parser\n"
+        "from server.tool_parsers.hermes import HermesToolParser\n"
+        "from jaxengine.reasoning import register_reasoning_parser\n"
+        "from jaxengine.reasoning.think import DeepSeekR1ReasoningParser\n"
+        "@register_tool_parser('my_tools')\n"
+        "class Mine(HermesToolParser): pass\n"
+        "@register_reasoning_parser('my_thoughts')\n"
+        "class Thoughts(DeepSeekR1ReasoningParser): pass\n"
+    )
+    assert tool_parser_class("my_tools", str(plugin)).__name__ == "Mine"
+    options = ServerOptions(
+        ("m",), reasoning_parser="my_thoughts", reasoning_parser_plugin=str(plugin)
+    )
+    assert reasoning_parser_class(options).__name__ == "Thoughts"
+    assert tool_parser_class(None) is None
+    assert reasoning_parser_class(ServerOptions(("m",))) is None
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_tools_in_the_prompt(smollm2_tokenizer, exclude):
+    """Tools are rendered for every choice, except "none" with the exclude flag."""
+    from pathlib import Path
+
+    template = str(Path(__file__).with_name("tool_chat_template.jinja"))
+    options = SimpleNamespace(
+        chat_template=template,
+        chat_template_content_format="auto",
+        exclude_tools_when_tool_choice_none=exclude,
+    )
+    ctx = SimpleNamespace(options=options, need_tokenizer=lambda: smollm2_tokenizer)
+    handler = ChatHandler(ctx)
+    for choice in ("none", "required", None):
+        ids = handler.render(chat(tools=TOOLS, tool_choice=choice))
+        rendered = "<tools>" in smollm2_tokenizer.decode(ids)
+        assert rendered == (not (exclude and choice == "none")), choice
