@@ -21,6 +21,7 @@ Pure Python: no jax.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,6 +136,22 @@ def build_extracted(pieces: list[str | ToolCall]) -> ExtractedToolCalls:
     if calls:
         segments = [s for s in segments if s.strip()]
     return ExtractedToolCalls(bool(calls), calls, "".join(segments) or None)
+
+
+def extract_tagged(
+    text: str, pattern: re.Pattern, calls_in: Callable[[str], list[ToolCall]]
+) -> ExtractedToolCalls:
+    """Calls written in tagged blocks (`pattern`'s group 1 is a block's body): each
+    block's calls (`calls_in(body)`), or the block kept as content when it has none."""
+    pieces: list[str | ToolCall] = []
+    pos = 0
+    for m in pattern.finditer(text):
+        pieces.append(text[pos : m.start()])
+        calls = calls_in(m.group(1))
+        pieces.extend(calls if calls else [m.group(0)])
+        pos = m.end()
+    pieces.append(text[pos:])
+    return build_extracted(pieces)
 
 
 def content_only(text: str) -> ExtractedToolCalls:

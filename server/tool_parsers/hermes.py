@@ -18,9 +18,9 @@ from server.tool_parsers.base import (
     ExtractedToolCalls,
     ToolCall,
     ToolParser,
-    build_extracted,
     call_from_object,
     content_only,
+    extract_tagged,
     register_tool_parser,
 )
 from server.tool_parsers.json_stream import (
@@ -99,15 +99,12 @@ class HermesToolParser(ToolParser):
     def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCalls:
         if START not in model_output:
             return content_only(model_output)
-        pieces: list[str | ToolCall] = []
-        pos = 0
-        for m in _CALL.finditer(model_output):
-            pieces.append(model_output[pos : m.start()])
-            call = call_from_object(first_json_value(m.group(1)), self.make_id)
-            pieces.append(call if call is not None else m.group(0))
-            pos = m.end()
-        pieces.append(model_output[pos:])
-        return build_extracted(pieces)
+
+        def calls_in(body: str) -> list[ToolCall]:
+            call = call_from_object(first_json_value(body), self.make_id)
+            return [] if call is None else [call]
+
+        return extract_tagged(model_output, _CALL, calls_in)
 
     def stream(self, request: Any = None) -> MarkedJsonStream:
         return MarkedJsonStream(self.make_id)

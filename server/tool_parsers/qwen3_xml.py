@@ -34,8 +34,8 @@ from server.tool_parsers.base import (
     ExtractedToolCalls,
     ToolCall,
     ToolParser,
-    build_extracted,
     content_only,
+    extract_tagged,
     register_tool_parser,
 )
 from server.tool_parsers.stream import ToolCallStream
@@ -238,15 +238,9 @@ class Qwen3XmlToolParser(ToolParser):
     def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCalls:
         if START not in model_output:
             return content_only(model_output)
-        pieces: list[str | ToolCall] = []
-        pos = 0
-        for m in _CALL.finditer(model_output):
-            pieces.append(model_output[pos : m.start()])
-            calls = calls_in_block(m.group(1), request, self.make_id)
-            pieces.extend(calls if calls else [m.group(0)])
-            pos = m.end()
-        pieces.append(model_output[pos:])
-        return build_extracted(pieces)
+        return extract_tagged(
+            model_output, _CALL, lambda body: calls_in_block(body, request, self.make_id)
+        )
 
     def stream(self, request: Any = None) -> Qwen3XmlStream:
         return Qwen3XmlStream(self.make_id, request)
