@@ -203,3 +203,20 @@ def test_close_objects_closes_every_object_schema_once():
     assert "additionalProperties" not in out["properties"]["type"]
     assert out["enum"] == [{"type": "object"}]  # values, not schemas
     assert "additionalProperties" not in schema  # a copy
+
+
+def test_config_checks_the_json_options():
+    from jaxengine.config import StructuredOutputsConfig
+    from jaxengine.engine_args import EngineArgs
+
+    assert StructuredOutputsConfig().backend == "guidance"  # auto
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['bakend'\]"):
+        StructuredOutputsConfig(structured_outputs_config={"bakend": "guidance"})
+    with pytest.raises(ValueError, match="backend 'lmfe' is not one of"):
+        StructuredOutputsConfig(structured_outputs_config={"backend": "lmfe"})
+    with pytest.raises(ValueError, match="disagree"):
+        StructuredOutputsConfig({"reasoning_parser": "qwen3"}, reasoning_parser="deepseek_r1")
+    config = StructuredOutputsConfig({"reasoning_parser": "qwen3"})
+    assert config.reasoning_parser_name == "qwen3"
+    with pytest.raises(NotImplementedError, match="backend xgrammar is not supported yet"):
+        EngineArgs(structured_outputs_config={"backend": "xgrammar"}).create_engine_config()
