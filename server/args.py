@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from jaxengine.config.arg_utils import parse_json
 from jaxengine.engine_args import EngineArgs
@@ -37,7 +38,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the model to serve (overrides --model; default: the demo SmolLM2-135M-Instruct)",
     )
     g = parser.add_argument_group("Frontend", "the OpenAI-compatible HTTP server")
-    add = g.add_argument
+    _add_http_args(g.add_argument)
+    _add_api_args(g.add_argument)
+    _add_tool_args(g.add_argument)
+    _add_logging_args(g.add_argument)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL)
+    return parser
+
+
+def _add_http_args(add: Any) -> None:
+    """Binding, CORS, TLS, auth and middleware."""
     add("--host", default=None, help="host name to bind (default: all interfaces)")
     add("--port", type=int, default=8000, help="port to bind (default: 8000)")
     add("--uds", default=None, help="Unix domain socket path; if set, host and port are ignored")
@@ -60,7 +71,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="message content as a string, or as OpenAI's list of parts; auto detects "
         "it from the template",
     )
-    add("--response-role", default="assistant", help="the role of chat replies")
     add("--ssl-keyfile", default=None, help="TLS key file")
     add("--ssl-certfile", default=None, help="TLS certificate file")
     add("--ssl-ca-certs", default=None, help="CA certificates file")
@@ -73,6 +83,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="extra middleware, as module.attribute (an ASGI class or an async http "
         "function); may be repeated",
     )
+    add("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
+
+
+def _add_api_args(add: Any) -> None:
+    """How the OpenAI endpoints answer."""
+    add("--response-role", default="assistant", help="the role of chat replies")
     add(
         "--return-tokens-as-token-ids",
         action="store_true",
@@ -94,6 +110,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="a usage chunk at the end of every stream",
     )
+
+
+def _add_tool_args(add: Any) -> None:
+    """Tool calling (vLLM's flags)."""
     add(
         "--enable-auto-tool-choice",
         action="store_true",
@@ -113,7 +133,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help='leave the tools out of the prompt of a request with tool_choice "none"',
     )
-    add("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
+
+
+def _add_logging_args(add: Any) -> None:
+    """Logs, stats and headless nodes."""
     add("--max-log-len", type=int, default=None, help="characters of prompt text to log")
     add("--disable-log-stats", action="store_true", help="no periodic stats lines")
     add("--enable-log-requests", action="store_true", help="log each request's prompt and params")
@@ -126,9 +149,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--data-parallel-size-local) that serve the head node's requests; either stops "
         "when the head stops",
     )
-    EngineArgs.add_cli_args(parser)
-    parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL)
-    return parser
 
 
 def check_server_args(args: argparse.Namespace) -> None:

@@ -180,16 +180,7 @@ class ModelRunner:
             )
             for r, s in zip(order, states, strict=True)
         ]
-        rows = () if out.grammar_bitmask is None else out.grammar_bitmask
-        masks = dict(zip(out.structured_output_req_ids, rows, strict=True))
-        sampling = [
-            None
-            if r in out.partial_req_ids
-            else SamplingRow(
-                s.params, s.output_ids, s.token_ids[: s.num_prompt], s.seed, None, masks.get(r)
-            )
-            for r, s in zip(order, states, strict=True)
-        ]
+        sampling = self._sampling_rows(out, order, states)
         groups = self.micro_batches([len(c.token_ids) for c in chunks])
         # dispatch every micro-batch's forward and sampling before reading any result,
         # so pipeline stages work on different micro-batches at once
@@ -229,6 +220,21 @@ class ModelRunner:
             logprobs=logprobs if any(x is not None for x in logprobs) else None,
             prompt_logprobs=prompt_lps if any(x is not None for x in prompt_lps) else None,
         )
+
+    @staticmethod
+    def _sampling_rows(out: SchedulerOutput, order: list[str], states: list) -> list:
+        """Each scheduled request's `SamplingRow` (with its grammar bitmask row, if
+        any), or None for a request mid-prefill (it samples nothing)."""
+        rows = () if out.grammar_bitmask is None else out.grammar_bitmask
+        masks = dict(zip(out.structured_output_req_ids, rows, strict=True))
+        return [
+            None
+            if r in out.partial_req_ids
+            else SamplingRow(
+                s.params, s.output_ids, s.token_ids[: s.num_prompt], s.seed, None, masks.get(r)
+            )
+            for r, s in zip(order, states, strict=True)
+        ]
 
     def micro_batches(self, num_tokens: list[int]) -> list[list[int]]:
         """The step's requests (by index) in the groups that run as separate batches:
