@@ -122,7 +122,15 @@ async def _log_stats(stats_logs: Sequence[Any], interval: float) -> None:
 
 
 def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> None:
-    completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
+    chat = ChatHandler(ctx)
+    _add_generation_routes(app, ctx, chat)
+    _add_token_routes(app, ctx, chat)
+    _add_status_routes(app, ctx, metrics, args)
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:
+    """The OpenAI endpoints: completions, chat completions, models."""
+    completions = CompletionHandler(ctx)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
@@ -151,6 +159,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> N
             ],
         }
 
+
+def _add_token_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:
+    """vLLM's /tokenize (a prompt, or chat messages through the template) and /detokenize."""
+
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
         ctx.check_model(request.model)
@@ -177,6 +189,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> N
                 param="tokens",
             )
         return {"prompt": ctx.need_tokenizer().decode(request.tokens)}
+
+
+def _add_status_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> None:
+    """/health, /version, /metrics and (with --enable-server-load-tracking) /load."""
 
     @app.get("/health")
     async def health():
