@@ -166,3 +166,36 @@ def test_bad_constraints_are_refused_before_queueing(small_llm, constraint, name
     with pytest.raises(ValueError, match=re.escape(named)):
         small_llm.generate(["hello"], params, use_tqdm=False)
     assert not small_llm.engine.has_unfinished_requests()
+
+
+class _EndsAtToken:
+    """A reasoning parser whose reasoning ends at one token (SmolLM2 has no think
+    markers): the engine must leave the output free until then, then constrain it."""
+
+    def __init__(self, end: int) -> None:
+        self.end = end
+
+    def is_reasoning_end(self, ids) -> bool:
+        return self.end in ids
+
+    def content_token_ids(self, ids) -> list[int]:
+        ids = list(ids)
+        return ids[ids.index(self.end) + 1 :] if self.end in ids else []
+
+
+def test_constraint_starts_after_reasoning(small_llm, monkeypatch):
+    tokenizer = small_llm.get_tokenizer()
+    (end,) = tokenizer.encode(".", add_special_tokens=False)
+    monkeypatch.setattr(small_llm.engine.structured_outputs, "reasoner", _EndsAtToken(end))
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=60,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"),
+    )
+    # no "." in the prompt: a prompt that closes the reasoning would constrain at once
+    (out,) = small_llm.chat(chat("Describe the sea in one sentence"), params, use_tqdm=False)
+    seq = out.outputs[0]
+    reasoning, _, answer = tokenizer.decode(seq.token_ids).partition(".")
+    assert reasoning and not reasoning.isdigit()  # free text first
+    assert re.fullmatch(r"[0-9]{3}(<\|im_end\|>)?", answer), seq.text
+    assert seq.finish_reason == "stop"
