@@ -220,3 +220,35 @@ def test_config_checks_the_json_options():
     assert config.reasoning_parser_name == "qwen3"
     with pytest.raises(NotImplementedError, match="backend xgrammar is not supported yet"):
         EngineArgs(structured_outputs_config={"backend": "xgrammar"}).create_engine_config()
+
+
+@pytest.mark.parametrize("host_blocks", [0, 64], ids=["recompute", "swap"])
+def test_grammars_follow_every_token_through_preemption(host_blocks):
+    """Under preemption (recompute or swap) every sampled token reaches its grammar
+    exactly once, and a bitmask row is sent for exactly the steps that sample."""
+    backend = FakeBackend()
+    backend.compile = lambda key: FakeGrammar(length=1000)
+    manager = StructuredOutputManager(backend, 1000)
+    fed: dict[str, list[int]] = {}
+    free = manager.free
+
+    def record(rid):
+        state = manager._states.get(rid)
+        if state is not None and state.grammar is not None:
+            fed[rid] = list(state.grammar.tokens)
+        free(rid)
+
+    manager.free = record
+    lim = make_limits(num_blocks=17, max_model_len=64, num_host_blocks=host_blocks)
+    sched = Scheduler(lim, manager)
+    for i in range(6):
+        req = so_req(f"r{i}", prompt=9 + 3 * i, max_tokens=24)
+        req.arrival_time = i
+        sched.add_request(req)
+    time.sleep(0.05)  # compiles finish off the loop
+    tokens, reasons, outs = run(sched)
+    assert sched.num_preemptions > 0
+    assert fed == tokens  # each request's grammar saw exactly its output tokens
+    for so in outs:
+        sampling = {r for r in so.num_scheduled_tokens if r not in so.partial_req_ids}
+        assert set(so.structured_output_req_ids) == sampling
