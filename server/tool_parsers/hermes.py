@@ -25,7 +25,6 @@ from server.tool_parsers.base import (
 )
 from server.tool_parsers.json_stream import (
     JsonFollower,
-    arguments_value,
     first_json_value,
 )
 from server.tool_parsers.stream import ToolCallStream
@@ -69,13 +68,7 @@ class MarkedJsonStream(ToolCallStream):
         self._body += chunk
         follower = self._follower
         follower.feed(chunk)
-        if not self._in_call:
-            name = follower.settled.get("name") if isinstance(follower.settled, dict) else None
-            if isinstance(name, str) and name:
-                self._begin_call(name)
-        if self._in_call:
-            args = arguments_value(follower.growing)
-            self._send_args_upto(follower.stable_arguments(args))
+        self._follow_json_call(follower)
 
     def _close(self, closed: bool) -> None:
         assert self._body is not None

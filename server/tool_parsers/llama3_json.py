@@ -22,7 +22,7 @@ from server.tool_parsers.base import (
     call_from_object,
     register_tool_parser,
 )
-from server.tool_parsers.json_stream import JsonFollower, arguments_value
+from server.tool_parsers.json_stream import JsonFollower
 from server.tool_parsers.stream import ToolCallStream
 
 TAG = "<|python_tag|>"
@@ -86,13 +86,7 @@ class Llama3JsonStream(ToolCallStream):
     def _object(self, final: bool) -> bool:
         follower = self._follower
         self._buf = follower.feed(self._buf)
-        if not self._in_call:
-            name = follower.settled.get("name") if isinstance(follower.settled, dict) else None
-            if isinstance(name, str) and name:
-                self._begin_call(name)
-        if self._in_call:
-            args = arguments_value(follower.growing)
-            self._send_args_upto(follower.stable_arguments(args))
+        self._follow_json_call(follower)
         if follower.scanner.end is None and not follower.scanner.bad and not final:
             return False
         call = call_from_object(follower.value(), self._make_id)

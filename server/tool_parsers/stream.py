@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from jaxengine.reasoning.base import partial_marker_len
 from server.tool_parsers.base import DeltaMessage, DeltaToolCall, make_tool_call_id
+from server.tool_parsers.json_stream import JsonFollower, arguments_value
 
 
 class ToolCallStream:
@@ -93,6 +94,18 @@ class ToolCallStream:
         self._held, self._stretch_live = "", False  # the stretch before the call ended
         self._in_call, self._sent_args = True, ""
         self.tool_calls_sent = True
+
+    def _follow_json_call(self, follower: JsonFollower) -> None:
+        """A call written as a JSON object that `follower` reads as it grows: the call
+        begins once its "name" has settled, then its arguments' stable prefix goes out."""
+        if not self._in_call:
+            settled = follower.settled
+            name = settled.get("name") if isinstance(settled, dict) else None
+            if isinstance(name, str) and name:
+                self._begin_call(name)
+        if self._in_call:
+            args = arguments_value(follower.growing)
+            self._send_args_upto(follower.stable_arguments(args))
 
     def _send_args_upto(self, stable: str) -> None:
         """Sends what `stable` (a prefix of the final arguments) adds to the sent text."""
