@@ -68,6 +68,8 @@ class ServingContext:
             options.tool_call_parser, options.tool_parser_plugin
         )
         self._reasoning_parser_cls = reasoning_parser_class(options)
+        self._tool_parser: Any = None
+        self._reasoning_parser: Any = None
 
     @property
     def auto_tool_choice(self) -> bool:
@@ -75,14 +77,18 @@ class ServingContext:
         return self.options.enable_auto_tool_choice and self._tool_parser_cls is not None
 
     def tool_parser(self) -> Any:
-        """A new tool parser for one request (None without --tool-call-parser)."""
-        cls = self._tool_parser_cls
-        return None if cls is None else cls(self.need_tokenizer())
+        """The tool parser (None without --tool-call-parser). Built once: parsers hold
+        no per-request state (that lives in the streams they make)."""
+        if self._tool_parser is None and self._tool_parser_cls is not None:
+            self._tool_parser = self._tool_parser_cls(self.need_tokenizer())
+        return self._tool_parser
 
     def reasoning_parser(self) -> Any:
-        """A new reasoning parser for one request (None without --reasoning-parser)."""
-        cls = self._reasoning_parser_cls
-        return None if cls is None else cls(self.need_tokenizer())
+        """The reasoning parser (None without --reasoning-parser), built once: its
+        marker ids come from a vocabulary lookup that need not run per request."""
+        if self._reasoning_parser is None and self._reasoning_parser_cls is not None:
+            self._reasoning_parser = self._reasoning_parser_cls(self.need_tokenizer())
+        return self._reasoning_parser
 
     @property
     def model_name(self) -> str:
