@@ -2,36 +2,23 @@
 
 For a folder the config is ``config.json``; for a GGUF file it is what transformers'
 own GGUF support derives from the metadata (``AutoConfig.from_pretrained(folder,
-gguf_file=...)``). That derivation parses the whole file header with
-``gguf.GGUFReader`` and takes 5 s for SmolLM2 and 20 s for Gemma 3 (its 262k-token
-vocabulary), so its result is kept in a sidecar cache (`gguf_sidecar`), keyed by the
-file's path, size, modification time and the transformers version; later loads read
-a ``config.json`` from there in milliseconds. The tokenizer uses the same cache, and
-a cold config build fills the tokenizer's entry too, sharing one parse of the header
-(`shared_gguf_reader`) where transformers would otherwise make three.
+gguf_file=...)``). That derivation parses the whole file header (seconds for a large
+vocabulary), so its result is kept in the GGUF sidecar cache (`gguf_sidecar`); later
+loads read a ``config.json`` from there in milliseconds. Reading a config builds
+nothing else: the tokenizer (`jaxengine.tokenizer`) keeps its own sidecar entry.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import logging
 import os
-import shutil
-import tempfile
-import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from jaxengine.loader.demo import models_cache_dir
 from jaxengine.loader.errors import CheckpointError
+from jaxengine.loader.gguf_sidecar import gguf_sidecar
 from jaxengine.loader.sources import ModelSource, resolve_model
-
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # Generation defaults a server may apply (vLLM's `--generation-config auto`).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -73,7 +60,7 @@ def load_hf_config(
             config = gguf_sidecar(
                 src.gguf_file,
                 "config",
-                build=lambda: _build_gguf_config(src),
+                build=lambda: AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file.name),
                 save=lambda cfg, folder: cfg.save_pretrained(folder),
                 load=lambda folder: AutoConfig.from_pretrained(folder),
             )
@@ -86,59 +73,6 @@ def load_hf_config(
     if hf_overrides:
         apply_overrides(config, hf_overrides)
     return config
-
-
-def _build_gguf_config(src: ModelSource) -> Any:
-    """transformers' config for a GGUF file; fills the tokenizer's sidecar on the way."""
-    from transformers import AutoConfig
-
-    with shared_gguf_reader():
-        config = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file.name)
-        if _sidecar_enabled() and not sidecar_folder(src.gguf_file, "tokenizer").is_dir():
-            try:  # the engine asks for the tokenizer next: build it on the same parse
-                from jaxengine.tokenizer.loader import get_tokenizer
-
-                get_tokenizer(src)
-            except Exception as e:  # best effort: get_tokenizer reports it when called
-                logger.debug("could not pre-build the tokenizer of %s: %s", src.gguf_file, e)
-    return config
-
-
-_READER_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def shared_gguf_reader() -> Iterator[None]:
-    """Within the block, ``gguf.GGUFReader(path)`` parses each file once.
-
-    transformers creates a fresh ``gguf.GGUFReader`` for a GGUF model's config, again
-    to pick its tokenizer class, and again for its tensors; each parse of Gemma 3's
-    header takes some 20 s. Readers are read-only, so one per path is shared. The
-    module attribute is patched for the block only (restored on exit), under a lock;
-    nested blocks share the outer one. Parsed readers are dropped on exit.
-    """
-    import gguf
-
-    with _READER_LOCK:
-        original = gguf.GGUFReader
-        if getattr(original, "_jaxengine_shared", False):
-            yield
-            return
-        readers: dict[tuple[str, str], Any] = {}
-
-        def reader(path: Any, mode: str = "r") -> Any:
-            key = (os.path.realpath(os.fspath(path)), mode)
-            if key not in readers:
-                readers[key] = original(path, mode)
-            return readers[key]
-
-        reader._jaxengine_shared = True  # type: ignore[attr-defined]
-        gguf.GGUFReader = reader
-        try:
-            yield
-        finally:
-            gguf.GGUFReader = original
-            readers.clear()
 
 
 def apply_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
@@ -205,58 +139,3 @@ def _gguf_generation_config(gguf_file: Path) -> dict[str, Any]:
         if key in md:
             out[field] = md[key]
     return out
-
-
-def gguf_sidecar(
-    gguf_file: Path,
-    what: str,
-    *,
-    build: Callable[[], T],
-    save: Callable[[T, Path], None],
-    load: Callable[[Path], T],
-) -> T:
-    """``build()``'s result for ``gguf_file``, cached as files in a sidecar folder.
-
-    A hit calls ``load(folder)``; a miss calls ``build()`` and ``save(obj, tmp)`` into
-    a temporary folder renamed into place, so a half-written entry is never read.
-    Caching is skipped (with a debug log) if the cache cannot be written, and off
-    when ``JAXENGINE_GGUF_SIDECAR=0``.
-    """
-    if not _sidecar_enabled():
-        return build()
-    folder = sidecar_folder(gguf_file, what)
-    if folder.is_dir():
-        try:
-            return load(folder)
-        except (OSError, ValueError) as e:
-            logger.warning("ignoring unreadable GGUF sidecar cache %s: %s", folder, e)
-            shutil.rmtree(folder, ignore_errors=True)
-    obj = build()
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{what}-", dir=folder.parent))
-        try:
-            save(obj, tmp)
-            tmp.rename(folder)
-        except OSError:  # another process won the race, or a full disk
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
-        logger.debug("not caching GGUF %s of %s: %s", what, gguf_file, e)
-    return obj
-
-
-def _sidecar_enabled() -> bool:
-    return os.environ.get("JAXENGINE_GGUF_SIDECAR", "1") != "0"
-
-
-def sidecar_folder(gguf_file: Path, what: str) -> Path:
-    """Where `gguf_sidecar` keeps ``what`` for ``gguf_file`` (it may not exist yet)."""
-    return models_cache_dir() / ".gguf-sidecar" / _sidecar_key(gguf_file) / what
-
-
-def _sidecar_key(gguf_file: Path) -> str:
-    import transformers
-
-    stat = gguf_file.stat()
-    ident = f"{gguf_file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    return f"{gguf_file.stem[:60]}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"

@@ -4,7 +4,8 @@ A GGUF file carries its vocabulary, merges and chat template in its metadata;
 transformers turns them into a fast tokenizer (``AutoTokenizer.from_pretrained(folder,
 gguf_file=...)``). That conversion is slow for large vocabularies (25 s for Gemma 3's
 262k tokens), so its result is saved once in the GGUF sidecar cache
-(`jaxengine.loader.hf_config.gguf_sidecar`) and reloaded from there afterwards.
+(`jaxengine.loader.gguf_sidecar`) and reloaded from there afterwards. The model's
+config keeps its own entry there; neither builds the other.
 """
 
 from __future__ import annotations
@@ -63,20 +64,15 @@ def get_tokenizer(
 def _load(src: ModelSource, kwargs: dict[str, Any]) -> Any:
     from transformers import AutoTokenizer
 
-    from jaxengine.loader.hf_config import gguf_sidecar, shared_gguf_reader
+    from jaxengine.loader.gguf_sidecar import gguf_sidecar
 
     if src.gguf_file is None:
         return AutoTokenizer.from_pretrained(src.path, **kwargs)
     gguf_file = src.gguf_file
-
-    def build() -> Any:
-        with shared_gguf_reader():
-            return AutoTokenizer.from_pretrained(src.path, gguf_file=gguf_file.name, **kwargs)
-
     return gguf_sidecar(
         gguf_file,
         "tokenizer" if "use_fast" not in kwargs else "tokenizer-slow",
-        build=build,
+        build=lambda: AutoTokenizer.from_pretrained(src.path, gguf_file=gguf_file.name, **kwargs),
         save=lambda tok, folder: tok.save_pretrained(folder),
         load=lambda folder: AutoTokenizer.from_pretrained(folder, **kwargs),
     )

@@ -16,15 +16,13 @@ Pure Python: no jax.
 from __future__ import annotations
 
 from server.tool_parsers import hermes, llama3_json, mistral, pythonic, qwen3_xml
-from server.tool_parsers.base import (
-    REGISTRY,
+from server.tool_parsers.base import REGISTRY, ToolParser, register_tool_parser
+from server.tool_parsers.calls import (
     DeltaMessage,
     DeltaToolCall,
     ExtractedToolCalls,
     ToolCall,
-    ToolParser,
     make_tool_call_id,
-    register_tool_parser,
 )
 from server.tool_parsers.stream import ToolCallStream
 

@@ -22,73 +22,16 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxengine.reasoning.registry import ParserRegistry
-
-if TYPE_CHECKING:
-    from server.tool_parsers.stream import ToolCallStream
+from server.tool_parsers.calls import ExtractedToolCalls, ToolCall, make_tool_call_id
+from server.tool_parsers.stream import ToolCallStream
 
 REGISTRY: ParserRegistry = ParserRegistry("tool parser", "--tool-parser-plugin")
 register_tool_parser = REGISTRY.register
 """Class decorator: `@register_tool_parser("name")`."""
-
-
-def make_tool_call_id() -> str:
-    """A fresh OpenAI-style call id: "chatcmpl-tool-" + 32 hex digits."""
-    return f"chatcmpl-tool-{secrets.token_hex(16)}"
-
-
-@dataclass
-class ToolCall:
-    """One complete call; `arguments` is a JSON text (an object)."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=make_tool_call_id)
-
-
-@dataclass
-class ExtractedToolCalls:
-    """What `extract_tool_calls` found; `content` is None when empty."""
-
-    tools_called: bool
-    tool_calls: list[ToolCall]
-    content: str | None
-
-
-@dataclass
-class DeltaToolCall:
-    """One streamed fragment of call `index`; id and name only on its first fragment."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-    def to_openai(self) -> dict[str, Any]:
-        """OpenAI's `choices[].delta.tool_calls[]` item."""
-        function: dict[str, Any] = {}
-        if self.name is not None:
-            function["name"] = self.name
-        function["arguments"] = self.arguments
-        out: dict[str, Any] = {"index": self.index}
-        if self.id is not None:
-            out["id"] = self.id
-            out["type"] = "function"
-        out["function"] = function
-        return out
-
-
-@dataclass
-class DeltaMessage:
-    """What one `feed` produced: a content delta and call fragments (either may be empty)."""
-
-    content: str = ""
-    tool_calls: list[DeltaToolCall] = field(default_factory=list)
 
 
 def arguments_json(value: Any) -> str | None:

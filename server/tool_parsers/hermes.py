@@ -15,14 +15,13 @@ from typing import Any
 
 from jaxengine.reasoning.base import partial_marker_len
 from server.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolCall,
     ToolParser,
     call_from_object,
     content_only,
     extract_tagged,
     register_tool_parser,
 )
+from server.tool_parsers.calls import ExtractedToolCalls, ToolCall
 from server.tool_parsers.json_stream import (
     JsonFollower,
     first_json_value,

@@ -15,13 +15,12 @@ import re
 from typing import Any
 
 from server.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolCall,
     ToolParser,
     build_extracted,
     call_from_object,
     register_tool_parser,
 )
+from server.tool_parsers.calls import ExtractedToolCalls, ToolCall
 from server.tool_parsers.json_stream import JsonFollower
 from server.tool_parsers.stream import ToolCallStream
 

@@ -22,8 +22,6 @@ from typing import Any
 
 from jaxengine.reasoning.base import partial_marker_len
 from server.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolCall,
     ToolParser,
     arguments_json,
     build_extracted,
@@ -31,6 +29,7 @@ from server.tool_parsers.base import (
     content_only,
     register_tool_parser,
 )
+from server.tool_parsers.calls import ExtractedToolCalls, ToolCall
 from server.tool_parsers.json_stream import JsonFollower, arguments_value
 from server.tool_parsers.stream import ToolCallStream
 

@@ -20,13 +20,12 @@ import re
 from typing import Any
 
 from server.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolCall,
     ToolParser,
     build_extracted,
     content_only,
     register_tool_parser,
 )
+from server.tool_parsers.calls import ExtractedToolCalls, ToolCall
 from server.tool_parsers.stream import ToolCallStream
 
 PY_START, PY_END = "<|python_start|>", "<|python_end|>"

@@ -31,13 +31,12 @@ from typing import Any
 
 from jaxengine.reasoning.base import partial_marker_len
 from server.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolCall,
     ToolParser,
     content_only,
     extract_tagged,
     register_tool_parser,
 )
+from server.tool_parsers.calls import ExtractedToolCalls, ToolCall
 from server.tool_parsers.stream import ToolCallStream
 
 START, END = "<tool_call>", "</tool_call>"

@@ -3,7 +3,7 @@
 A parser's stream subclass implements `_step(final)`, which consumes `self._buf` (the
 text fed and not yet classified) with these building blocks:
 
-* `_content(text)`: content, through the whitespace rule of `base` (a stretch of
+* `_content(text)`: content, through the whitespace rule of `base`'s docstring (a stretch of
   content that is only whitespace is held; a call starting drops it, anything else
   flushes it);
 * `_take_content_until(markers, final)`: content up to the first marker, holding back a
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from jaxengine.reasoning.base import partial_marker_len
-from server.tool_parsers.base import DeltaMessage, DeltaToolCall, make_tool_call_id
+from server.tool_parsers.calls import DeltaMessage, DeltaToolCall, make_tool_call_id
 from server.tool_parsers.json_stream import JsonFollower, arguments_value
 
 

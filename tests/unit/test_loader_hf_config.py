@@ -10,13 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxengine.loader.hf_config import (
-    apply_overrides,
-    gguf_sidecar,
-    load_generation_config,
-    load_hf_config,
-    shared_gguf_reader,
-)
+from jaxengine.loader.gguf_sidecar import gguf_sidecar, sidecar_folder
+from jaxengine.loader.hf_config import apply_overrides, load_generation_config, load_hf_config
 
 
 @pytest.fixture
@@ -121,17 +116,20 @@ def test_unreadable_sidecar_is_rebuilt(tmp_path, monkeypatch):
     assert gguf_sidecar(model, "cfg", build=lambda: 2, load=broken, **kwargs) == 2
 
 
-def test_shared_gguf_reader_parses_each_file_once(tmp_path, monkeypatch):
-    parsed = []
+@pytest.mark.slow
+def test_gguf_config_builds_no_tokenizer(smollm2_gguf, tmp_path, monkeypatch):
+    """Reading a GGUF model's config fills the config's sidecar entry only."""
+    import transformers
 
-    class Reader:
-        def __init__(self, path, mode="r"):
-            parsed.append(path)
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path))
 
-    monkeypatch.setattr(gguf, "GGUFReader", Reader)
-    with shared_gguf_reader():
-        first = gguf.GGUFReader(tmp_path / "a.gguf")
-        with shared_gguf_reader():
-            assert gguf.GGUFReader(str(tmp_path / "a.gguf")) is first
-        gguf.GGUFReader(tmp_path / "b.gguf")
-    assert gguf.GGUFReader is Reader and len(parsed) == 2
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("reading a config built a tokenizer")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
+    config = load_hf_config(smollm2_gguf)
+    assert config.model_type == "llama"
+    assert sidecar_folder(smollm2_gguf, "config").is_dir()
+    assert not sidecar_folder(smollm2_gguf, "tokenizer").exists()
+    again = load_hf_config(smollm2_gguf)  # read back from the sidecar
+    assert again.num_hidden_layers == config.num_hidden_layers == 30
