@@ -39,8 +39,10 @@ class CacheConfig:
     swap_space: float = spec(4, ge=0)
     """Size of the CPU swap space per device, in GiB."""
     kv_cache_dtype: CacheDType = "auto"
-    """Data type of the KV cache storage. "auto" uses the model's dtype. The fp8
-    variants (fp8, fp8_e4m3, fp8_e5m2, fp8_inc) are not supported yet."""
+    """Data type for KV cache storage. If "auto", the model's data type (the dtype its
+    weights are loaded in, see --dtype) is used; "bfloat16", "float16" and "float32"
+    store the cache in that type whatever the model's. The fp8 variants (fp8,
+    fp8_e4m3, fp8_e5m2, fp8_inc) are not supported yet."""
     enable_prefix_caching: bool | None = None
     """Whether to enable prefix caching. Unset (None) means enabled."""
     prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"
@@ -53,6 +55,14 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+
+    def cache_dtype(self, model_dtype: str) -> str:
+        """The concrete dtype name the KV cache is stored in.
+
+        "auto" -> `model_dtype` (e.g. "bfloat16"); any other value is returned as
+        given. The fp8 names never get here: `unsupported.py` refuses them first.
+        """
+        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def prefix_caching(self) -> bool:

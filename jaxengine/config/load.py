@@ -38,8 +38,11 @@ class LoadConfig:
     """Directory to download and load the weights into. Defaults to the Hugging Face
     cache directory."""
     ignore_patterns: list[str] = spec(default_factory=lambda: ["original/**/*"])
-    """The list of file patterns to ignore when loading the model. Defaults to
-    "original/**/*" to avoid loading Llama's original checkpoints twice."""
+    """The list of patterns to ignore when loading the model. Defaults to
+    "original/**/*" to avoid repeated loading of llama's checkpoints. Each is a glob
+    matched as the Hugging Face hub client does (fnmatch on a file's path inside the
+    model folder; "*" also matches "/"): matching files are not downloaded from the
+    hub, nor picked as weight files (.safetensors, .gguf)."""
 
     def __post_init__(self) -> None:
         validate_config(self)

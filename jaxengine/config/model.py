@@ -45,7 +45,9 @@ class ModelConfig:
     If unspecified, the default version is used."""
     code_revision: str | None = None
     """The specific revision to use for the model code on the Hugging Face Hub: a
-    branch name, a tag name, or a commit id."""
+    branch name, a tag name, or a commit id. If unspecified, the default version is
+    used. jaxengine runs no model code from the hub, so any other value is not
+    supported yet."""
     tokenizer_revision: str | None = None
     """The specific revision to use for the tokenizer on the Hugging Face Hub: a
     branch name, a tag name, or a commit id."""
@@ -96,8 +98,10 @@ class ModelConfig:
     """The chat template to use: a file path or the template itself as a string. If
     unspecified, the tokenizer's (or GGUF file's) template is used."""
     disable_sliding_window: bool = False
-    """Whether to disable sliding window attention. If True, the model's sliding
-    window is disabled and the context is capped at the sliding window size."""
+    """Whether to disable sliding window. If True, max_model_len is capped at the
+    model's sliding window size, so that no sequence outgrows the window and every
+    layer attends to the whole context. If the model has no sliding window, this
+    argument is ignored."""
     logprobs_mode: LogprobsMode = "raw_logprobs"
     """What logprobs and prompt_logprobs return. "raw" is before any logits
     processing (temperature, penalties, top-k/top-p); "processed" is after all of

@@ -51,8 +51,11 @@ class ParallelConfig:
     `--data-parallel-address`:port, the headless nodes connect to it (default
     29550, as vLLM). The channel is authenticated with `$JAXENGINE_DP_AUTHKEY`."""
     max_parallel_loading_workers: int | None = spec(None, ge=1)
-    """Maximum number of parallel loading workers when loading the model in
-    multiple batches, to avoid running out of host RAM with large models."""
+    """Maximum number of parallel loading workers when loading the model
+    sequentially in multiple batches, to avoid RAM OOM with large models. When set,
+    that many threads read the safetensors shards ahead of the transfer to the
+    devices, holding at most that many shards in host memory at once. Unset (None):
+    shards are memory-mapped and read as each tensor goes to the devices."""
     nnodes: int = spec(1, ge=1, aliases=("-n",))
     """Number of nodes (one JAX process each) that one engine spans with the "mp"
     backend. Every node runs the same command; node 0 serves, the others with

@@ -52,6 +52,14 @@ UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool
         lambda c: c.load_config.load_format,
         lambda v: v not in SUPPORTED_LOAD_FORMATS,
     ),
+    # No model code is run from the hub, so there is no code revision to pick.
+    ("--code-revision", lambda c: c.model_config.code_revision, lambda v: v is not None),
+    # Lookahead slots hold speculative tokens: speculative decoding is not there yet.
+    (
+        "--num-lookahead-slots",
+        lambda c: c.scheduler_config.num_lookahead_slots,
+        lambda v: v != 0,
+    ),
 ]
 
 

@@ -2,11 +2,13 @@
 
 `load_model(model_config, load_config)` is the one entry point the engine uses:
 
-1. `sources.resolve_model` finds the files (local folder, .gguf, demo package, hub);
+1. `sources.resolve_model` finds the files (local folder, .gguf, demo package, hub),
+   skipping those that match ``--ignore-patterns``;
 2. `hf_config.load_hf_config` reads the Hugging Face config (or GGUF metadata);
 3. `jaxengine.models.get_model` picks the family and builds the Linen module;
 4. `params` fills the parameter tree from safetensors or GGUF tensors, or randomly
-   for ``--load-format dummy``.
+   for ``--load-format dummy``. Safetensors shards are read by
+   ``--max-parallel-loading-workers`` threads when that is set.
 """
 
 from __future__ import annotations
@@ -66,15 +68,23 @@ def load_model(
     model_config: ModelConfig,
     load_config: LoadConfig,
     placement: Callable[[Any, Any, Any], Any] | None = None,
+    *,
+    max_parallel_loading_workers: int | None = None,
 ) -> LoadedModel:
     """Resolves, reads and builds the model that ``model_config`` names.
 
     ``placement(config, logical_axes, abstract_params)`` gives a `NamedSharding` per
     parameter (`sharding/`); each tensor then goes straight into its shards. Without
-    it the parameters land on the default device.
+    it the parameters land on the default device. ``max_parallel_loading_workers``
+    is `ParallelConfig.max_parallel_loading_workers` (None: shards are memory-mapped).
     """
     from jaxengine.loader.hf_config import load_hf_config
-    from jaxengine.loader.params import abstract_params, dummy_params, logical_axes
+    from jaxengine.loader.params import (
+        abstract_params,
+        dummy_params,
+        logical_axes,
+        params_from_tensors,
+    )
     from jaxengine.models import get_model
 
     start = time.perf_counter()
@@ -82,12 +92,14 @@ def load_model(
         model_config.model,
         revision=model_config.revision,
         download_dir=load_config.download_dir,
+        ignore_patterns=load_config.ignore_patterns,
     )
     hf_config = load_hf_config(
         source,
         hf_overrides=model_config.hf_overrides,
         trust_remote_code=model_config.trust_remote_code,
     )
+    check_quantization(model_config.quantization, source, hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
     module, config = get_model(hf_config, dtype)
     abstract = abstract_params(module, config)
@@ -96,9 +108,9 @@ def load_model(
     if load_config.load_format == "dummy":
         params = dummy_params(module, config, model_config.seed, shardings)
     else:
-        params = _params_from_checkpoint(
-            module, config, source, load_config.load_format, abstract, shardings
-        )
+        tensors = _checkpoint_tensors(source, load_config, max_parallel_loading_workers)
+        where = str(source.gguf_file or source.path)
+        params = params_from_tensors(module, config, tensors, where, abstract, shardings)
     logger.info(
         "loaded %s (%s, %s) in %.1fs",
         model_config.model,
@@ -109,21 +121,33 @@ def load_model(
     return LoadedModel(module, config, params, hf_config, source, axes)
 
 
-def _params_from_checkpoint(
-    module, config, source: ModelSource, load_format: str, abstract, shardings=None
-):
+def check_quantization(requested: str | None, source: ModelSource, hf_config: Any) -> None:
+    """Refuses a ``--quantization`` the checkpoint does not match, and quantized
+    safetensors checkpoints (their ``quantization_config``), which do not run yet."""
+    if requested == "gguf" and source.gguf_file is None:
+        raise CheckpointError(f"{source.path}: --quantization gguf needs a .gguf model")
+    quant = getattr(hf_config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    method = method or getattr(quant, "quant_method", None)
+    if source.gguf_file is None and method is not None:
+        raise NotImplementedError(
+            f"--quantization {method} is not supported yet (the quantization_config of "
+            f"{source.path})"
+        )
+
+
+def _checkpoint_tensors(source: ModelSource, load_config: LoadConfig, max_workers: int | None):
+    """The checkpoint's ``(hf_name, array)`` pairs, GGUF or safetensors."""
     from jaxengine.loader.gguf_io import iter_gguf
-    from jaxengine.loader.params import params_from_tensors
     from jaxengine.loader.safetensors_io import iter_safetensors
 
+    load_format = load_config.load_format
     if source.gguf_file is not None:
         if load_format not in ("auto", "gguf"):
             raise CheckpointError(f"{source.gguf_file}: a GGUF file needs --load-format gguf")
-        return params_from_tensors(
-            module, config, iter_gguf(source.gguf_file), str(source.gguf_file), abstract, shardings
-        )
+        return iter_gguf(source.gguf_file)
     if load_format == "gguf":
         raise CheckpointError(f"{source.path}: --load-format gguf but no .gguf file found")
-    return params_from_tensors(
-        module, config, iter_safetensors(source.path), str(source.path), abstract, shardings
+    return iter_safetensors(
+        source.path, ignore_patterns=load_config.ignore_patterns, max_workers=max_workers
     )

@@ -8,6 +8,11 @@ memory map, typed with ``ml_dtypes`` for bfloat16 and float8, so nothing is copi
 converted on the host until the caller moves a tensor to the device. Every header is
 checked before the first tensor is yielded, so a truncated file or a shard missing
 from ``model.safetensors.index.json`` fails at once, naming the file.
+
+With ``max_workers`` (``--max-parallel-loading-workers``) the shards are instead read
+into host memory by a pool of that many threads, ahead of the caller: at most
+``max_workers`` shards are held at once, which bounds the host RAM a large model
+takes while it goes to the devices.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxengine.loader.errors import CheckpointError
+from jaxengine.loader.sources import is_ignored
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit on the JSON header
@@ -45,11 +53,13 @@ class TensorEntry:
     end: int
 
 
-def safetensors_files(path: str | os.PathLike) -> list[Path]:
+def safetensors_files(path: str | os.PathLike, ignore_patterns: Sequence[str] = ()) -> list[Path]:
     """The shard files of a checkpoint folder (or ``[path]`` for one file), in order.
 
     With ``model.safetensors.index.json`` the shards are the files its weight map
-    names, each of which must exist; without it, every ``*.safetensors`` in the folder.
+    names, each of which must exist (and must not match ``ignore_patterns``: the
+    checkpoint would be incomplete); without it, every ``*.safetensors`` in the folder
+    that does not match ``ignore_patterns`` (`sources.is_ignored`).
     """
     path = Path(path)
     if path.is_file():
@@ -62,12 +72,17 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
-        shards = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [s.name for s in shards if not s.is_file()]
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise CheckpointError(f"{index}: lists shards that do not exist: {', '.join(missing)}")
-        return shards
-    files = sorted(path.glob("*.safetensors"))
+        skipped = [n for n in names if is_ignored(n, ignore_patterns)]
+        if skipped:
+            raise CheckpointError(
+                f"{index}: lists shards that --ignore-patterns skips: {', '.join(skipped)}"
+            )
+        return [path / n for n in names]
+    files = sorted(f for f in path.glob("*.safetensors") if not is_ignored(f.name, ignore_patterns))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files")
     return files
@@ -121,25 +136,80 @@ def _entry(file: Path, base: int, size: int, name: str, info: dict) -> TensorEnt
     return TensorEntry(name, dtype, shape, base + begin, base + end)
 
 
-def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
+def iter_safetensors(
+    path: str | os.PathLike,
+    *,
+    ignore_patterns: Sequence[str] = (),
+    max_workers: int | None = None,
+) -> Iterator[tuple[str, np.ndarray]]:
     """Yields ``(name, array)`` for every tensor of a checkpoint folder or file.
 
-    Arrays keep the stored dtype (``ml_dtypes.bfloat16`` for BF16) and are read-only
-    views of a memory map: pages are read when the caller touches them. All headers
-    are validated before the first tensor is yielded.
+    Arrays keep the stored dtype (``ml_dtypes.bfloat16`` for BF16) and are read-only.
+    All headers are validated before the first tensor is yielded. Shards matching
+    ``ignore_patterns`` are skipped (`safetensors_files`). With ``max_workers`` None
+    the arrays are views of a memory map, read when the caller touches them; with
+    ``max_workers`` N, N threads read whole shards into memory ahead of the caller
+    (`_read_ahead`). Either way the tensors come in the same order.
     """
-    files = safetensors_files(path)
-    headers = [(f, read_safetensors_header(f)[0]) for f in files]
-    for file, entries in headers:
-        if not entries:
-            continue
-        try:
-            data = np.memmap(file, dtype=np.uint8, mode="r")
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{file}: cannot map: {e}") from e
-        for e in entries:
-            raw = data[e.start : e.end]
-            if raw.size != e.end - e.start:  # the file shrank after the header check
-                raise CheckpointError(f"{file}: truncated while reading tensor {e.name!r}")
-            yield e.name, raw.view(e.dtype).reshape(e.shape).view(np.ndarray)
-        del data
+    files = safetensors_files(path, ignore_patterns)
+    shards = [(f, entries) for f in files if (entries := read_safetensors_header(f)[0])]
+    if max_workers is None:
+        for file, entries in shards:
+            yield from _mapped_tensors(file, entries)
+    else:
+        yield from _read_ahead(shards, max_workers)
+
+
+def _mapped_tensors(file: Path, entries: list[TensorEntry]) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors of one shard as views of a memory map of the file."""
+    try:
+        data = np.memmap(file, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: cannot map: {e}") from e
+    for e in entries:
+        raw = data[e.start : e.end]
+        if raw.size != e.end - e.start:  # the file shrank after the header check
+            raise CheckpointError(f"{file}: truncated while reading tensor {e.name!r}")
+        yield e.name, raw.view(e.dtype).reshape(e.shape).view(np.ndarray)
+    del data
+
+
+def _read_shard(file: Path, entries: list[TensorEntry]) -> list[tuple[str, np.ndarray]]:
+    """The tensors of one shard, read into one host buffer (one read of its data)."""
+    start, end = entries[0].start, max(e.end for e in entries)
+    buf = np.empty(end - start, np.uint8)
+    try:
+        with file.open("rb") as f:
+            f.seek(start)
+            got = f.readinto(memoryview(buf))
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read: {e}") from e
+    if got != buf.size:  # the file shrank after the header check
+        raise CheckpointError(f"{file}: truncated while reading its tensors")
+    buf.flags.writeable = False
+    return [
+        (e.name, buf[e.start - start : e.end - start].view(e.dtype).reshape(e.shape))
+        for e in entries
+    ]
+
+
+def _read_ahead(
+    shards: Iterable[tuple[Path, list[TensorEntry]]], max_workers: int
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The shards' tensors in order, read by ``max_workers`` threads ahead of the caller.
+
+    A shard is submitted only while fewer than ``max_workers`` are read or held, so
+    at most ``max_workers`` shards are in host memory at once (the one being yielded
+    and those being read). Closing the iterator early cancels the reads not started.
+    """
+    pending: deque[Future] = deque()
+    pool = ThreadPoolExecutor(max_workers, thread_name_prefix="safetensors-load")
+    try:
+        for file, entries in shards:
+            pending.append(pool.submit(_read_shard, file, entries))
+            if len(pending) == max_workers:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -16,12 +16,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import re
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -56,24 +58,45 @@ class ModelSource:
         return self.gguf_file is not None
 
 
+def is_ignored(relative_path: str | os.PathLike, ignore_patterns: Sequence[str]) -> bool:
+    """Whether a file, by its path inside the model folder, matches ``--ignore-patterns``.
+
+    The patterns are globs matched as the hub client (and so vLLM) matches them:
+    `fnmatch.fnmatchcase` on the whole path, where ``*`` also matches ``/`` (vLLM's
+    default ``original/**/*`` covers what lies in sub-folders of ``original/``), and
+    a pattern ending in ``/`` means everything under that folder.
+    """
+    path = Path(relative_path).as_posix()
+    for pattern in ignore_patterns:
+        if pattern.endswith("/"):
+            pattern += "*"
+        if fnmatch.fnmatchcase(path, pattern):
+            return True
+    return False
+
+
 def resolve_model(
     model: str | os.PathLike,
     *,
     revision: str | None = None,
     download_dir: str | os.PathLike | None = None,
     allow_download: bool = True,
+    ignore_patterns: Sequence[str] = (),
 ) -> ModelSource:
     """Finds the files of ``model`` (see the module docstring for the order).
 
     ``revision`` applies to hub ids; ``download_dir`` is the cache for hub and demo
-    downloads. Raises `ModelNotFoundError` (`HubUnreachableError` when the hub cannot
-    be reached) with a message that says what to do instead, or `CheckpointError` for
-    a local path whose contents are not a model.
+    downloads. Files matching ``ignore_patterns`` (`is_ignored`) are not downloaded
+    from the hub, and a folder's ``.gguf`` and ``.safetensors`` files that match them
+    do not count. Raises `ModelNotFoundError` (`HubUnreachableError` when the hub
+    cannot be reached) with a message that says what to do instead, or
+    `CheckpointError` for a local path whose contents are not a model.
     """
     name = os.fspath(model)
     path = Path(name).expanduser()
+    ignore = tuple(ignore_patterns)
     if path.exists():
-        return _local_source(path, name, kind=None)
+        return _local_source(path, name, None, ignore)
     if demo_models.find_demo(name) is not None:
         return _demo_source(name, download_dir, allow_download)
     if _looks_like_path(name) or not _HUB_ID.match(name):
@@ -81,7 +104,7 @@ def resolve_model(
             f"model {name!r}: no such file or folder, and not a demo model "
             f"({', '.join(demo_models.demo_names())}) or Hugging Face hub id"
         )
-    return _hub_source(name, revision, download_dir, allow_download)
+    return _hub_source(name, revision, download_dir, allow_download, ignore)
 
 
 def _looks_like_path(name: str) -> bool:
@@ -93,15 +116,17 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
-def _local_source(path: Path, name: str, kind: SourceKind | None) -> ModelSource:
+def _local_source(
+    path: Path, name: str, kind: SourceKind | None, ignore: tuple[str, ...] = ()
+) -> ModelSource:
     path = path.resolve()
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path}: a model file must be .gguf (or give its folder)")
         return ModelSource(path.parent, path, kind or "gguf", name)
-    ggufs = sorted(path.glob("*.gguf"))
+    ggufs = sorted(g for g in path.glob("*.gguf") if not is_ignored(g.name, ignore))
     has_config = (path / "config.json").is_file()
-    has_safetensors = any(path.glob("*.safetensors"))
+    has_safetensors = any(not is_ignored(f.name, ignore) for f in path.glob("*.safetensors"))
     if has_config and (has_safetensors or not ggufs):
         return ModelSource(path, None, kind or "hf_dir", name)
     if len(ggufs) == 1:
@@ -117,10 +142,12 @@ def _demo_source(name: str, download_dir, allow_download: bool) -> ModelSource:
     return ModelSource(gguf_file.parent, gguf_file, "demo", name)
 
 
-def _hub_source(repo_id: str, revision, download_dir, allow_download: bool) -> ModelSource:
-    cached = _hub_snapshot(repo_id, revision, download_dir, local_only=True)
+def _hub_source(
+    repo_id: str, revision, download_dir, allow_download: bool, ignore: tuple[str, ...]
+) -> ModelSource:
+    cached = _hub_snapshot(repo_id, revision, download_dir, ignore, local_only=True)
     if cached is not None:
-        return _local_source(cached, repo_id, kind="hub")
+        return _local_source(cached, repo_id, "hub", ignore)
     problem = None
     if not allow_download:
         problem = "downloads are disabled"
@@ -129,8 +156,8 @@ def _hub_source(repo_id: str, revision, download_dir, allow_download: bool) -> M
     elif not hub_reachable():
         problem = f"the Hugging Face hub ({_hub_endpoint()}) is unreachable"
     if problem is None:
-        folder = _hub_snapshot(repo_id, revision, download_dir, local_only=False)
-        return _local_source(folder, repo_id, kind="hub")
+        folder = _hub_snapshot(repo_id, revision, download_dir, ignore, local_only=False)
+        return _local_source(folder, repo_id, "hub", ignore)
     stand_in = demo_models.find_demo_for_hub_id(repo_id)
     if stand_in is not None:
         logger.warning(
@@ -147,7 +174,9 @@ def _hub_source(repo_id: str, revision, download_dir, allow_download: bool) -> M
     )
 
 
-def _hub_snapshot(repo_id: str, revision, download_dir, *, local_only: bool) -> Path | None:
+def _hub_snapshot(
+    repo_id: str, revision, download_dir, ignore: tuple[str, ...], *, local_only: bool
+) -> Path | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -157,6 +186,7 @@ def _hub_snapshot(repo_id: str, revision, download_dir, *, local_only: bool) -> 
             revision=revision,
             cache_dir=download_dir,
             allow_patterns=_HUB_PATTERNS,
+            ignore_patterns=list(ignore) or None,
             local_files_only=local_only,
         )
     except LocalEntryNotFoundError:

@@ -220,3 +220,17 @@ def test_data_parallel_over_nodes():
 def test_replace_revalidates():
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         dataclasses.replace(CacheConfig(), gpu_memory_utilization=2.0)
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype, model_dtype, expected",
+    [
+        ("auto", "bfloat16", "bfloat16"),
+        ("auto", "float32", "float32"),
+        ("float16", "bfloat16", "float16"),
+        ("float32", "bfloat16", "float32"),
+        ("bfloat16", "float32", "bfloat16"),
+    ],
+)
+def test_cache_dtype_is_the_model_dtype_unless_set(kv_cache_dtype, model_dtype, expected):
+    assert CacheConfig(kv_cache_dtype=kv_cache_dtype).cache_dtype(model_dtype) == expected

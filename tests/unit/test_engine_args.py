@@ -31,7 +31,6 @@ VALID_FLAGS = [
     (["--tokenizer-mode", "slow"], "tokenizer_mode", "slow"),
     (["--trust-remote-code"], "trust_remote_code", True),
     (["--revision", "main"], "revision", "main"),
-    (["--code-revision", "v1"], "code_revision", "v1"),
     (["--tokenizer-revision", "v2"], "tokenizer_revision", "v2"),
     (["--dtype", "bfloat16"], "dtype", "bfloat16"),
     (["--max-model-len", "2K"], "max_model_len", 2048),
@@ -95,7 +94,6 @@ VALID_FLAGS = [
     (["--max-long-partial-prefills", "1"], "max_long_partial_prefills", 1),
     (["--long-prefill-token-threshold", "128"], "long_prefill_token_threshold", 128),
     (["--scheduling-policy", "priority"], "scheduling_policy", "priority"),
-    (["--num-lookahead-slots", "4"], "num_lookahead_slots", 4),
     (["--compile-token-buckets", "16", "64"], "compile_token_buckets", [16, 64]),
     (["--compilation-cache-dir", "/tmp/xla"], "compilation_cache_dir", "/tmp/xla"),
     (["--no-enable-compilation-cache"], "enable_compilation_cache", False),
@@ -139,6 +137,7 @@ def test_cli_defaults_equal_python_defaults():
 def test_create_engine_config_resolves_defaults():
     config = EngineArgs().create_engine_config()
     assert config.cache_config.block_size == 16
+    assert type(EngineArgs(block_size=32).create_engine_config().cache_config.block_size) is int
     assert config.cache_config.enable_prefix_caching is True
     assert config.scheduler_config.enable_chunked_prefill is True
     assert config.scheduler_config.max_num_seqs == 256
@@ -196,6 +195,8 @@ NOT_SUPPORTED_YET = [
     ({"load_format": "bitsandbytes"}, "--load-format bitsandbytes is not supported yet"),
     ({"tokenizer_mode": "custom"}, "--tokenizer-mode custom is not supported yet"),
     ({"cpu_offload_gb": 4}, "--cpu-offload-gb 4 is not supported yet"),
+    ({"code_revision": "v1"}, "--code-revision v1 is not supported yet"),
+    ({"num_lookahead_slots": 4}, "--num-lookahead-slots 4 is not supported yet"),
 ]
 
 

@@ -119,3 +119,119 @@ def test_transformers_checkpoint_round_trip(tmp_path: Path):
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / INDEX_FILE).is_file()
     _check(dict(iter_safetensors(tmp_path)), model.state_dict())
+
+
+def _write_shards(folder: Path, count: int) -> dict[str, torch.Tensor]:
+    """`count` unindexed shards, each holding `_tensors(i)` under shard-prefixed names."""
+    everything = {}
+    for i in range(count):
+        shard = {f"s{i}.{name}": t for name, t in _tensors(i).items()}
+        save_file(shard, folder / f"part-{i}.safetensors")
+        everything.update(shard)
+    return everything
+
+
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_parallel_workers_yield_the_same_tensors_in_order(tmp_path: Path, workers: int):
+    tensors = _write_shards(tmp_path, 4)
+    mapped = list(iter_safetensors(tmp_path))
+    read = list(iter_safetensors(tmp_path, max_workers=workers))
+    assert [n for n, _ in read] == [n for n, _ in mapped]
+    _check(dict(read), tensors)
+    assert all(not a.flags.writeable for _, a in read)
+
+
+def test_parallel_workers_hold_at_most_that_many_shards(tmp_path: Path, monkeypatch):
+    from jaxengine.loader import safetensors_io
+
+    _write_shards(tmp_path, 6)
+    reads, consumed = [], []
+    real = safetensors_io._read_shard
+
+    def counting(file, entries):
+        reads.append(file.name)
+        return real(file, entries)
+
+    monkeypatch.setattr(safetensors_io, "_read_shard", counting)
+    per_shard = len(_tensors())
+    for i, _ in enumerate(iter_safetensors(tmp_path, max_workers=2)):
+        if i % per_shard == 0:  # the first tensor of a shard
+            consumed.append(i // per_shard)
+            # read so far: the shards yielded, plus at most 2 - 1 ahead of this one
+            assert len(reads) <= len(consumed) + 1
+    assert len(reads) == 6
+
+
+def test_parallel_workers_report_a_truncated_shard(tmp_path: Path):
+    from jaxengine.loader.safetensors_io import _read_shard, read_safetensors_header
+
+    _write_shards(tmp_path, 1)
+    path = tmp_path / "part-0.safetensors"
+    entries = read_safetensors_header(path)[0]
+    path.write_bytes(path.read_bytes()[:-7])  # shrinks after the header check
+    with pytest.raises(CheckpointError, match="part-0.safetensors: truncated"):
+        _read_shard(path, entries)
+
+
+def test_closing_the_parallel_reader_early(tmp_path: Path):
+    _write_shards(tmp_path, 5)
+    iterator = iter_safetensors(tmp_path, max_workers=2)
+    assert next(iterator)[0].startswith("s0.")
+    iterator.close()  # cancels the reads not started; does not hang
+
+
+def test_ignore_patterns_skip_weight_files(tmp_path: Path):
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    save_file({"other": torch.ones(2)}, tmp_path / "consolidated.safetensors")
+    assert len(safetensors_files(tmp_path)) == 2
+    files = safetensors_files(tmp_path, ["consolidated*"])
+    assert [f.name for f in files] == ["model.safetensors"]
+    _check(dict(iter_safetensors(tmp_path, ignore_patterns=["consolidated*"])), tensors)
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        safetensors_files(tmp_path, ["*.safetensors"])
+
+
+def test_ignore_patterns_may_not_drop_an_indexed_shard(tmp_path: Path):
+    _write_sharded(tmp_path, _tensors())
+    assert len(safetensors_files(tmp_path, ["original/**/*"])) == 2
+    with pytest.raises(CheckpointError, match="--ignore-patterns skips: model-00002"):
+        safetensors_files(tmp_path, ["model-00002*"])
+
+
+def _tiny_llama_folder(folder: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="20KB")
+
+
+def test_load_model_with_parallel_workers_loads_the_same_params(tmp_path: Path):
+    import jax
+
+    from jaxengine.config import LoadConfig, ModelConfig
+    from jaxengine.loader import load_model
+
+    _tiny_llama_folder(tmp_path)
+    assert len(safetensors_files(tmp_path)) > 2
+    model_config = ModelConfig(model=str(tmp_path), dtype="float32")
+    plain = load_model(model_config, LoadConfig()).params
+    parallel = load_model(model_config, LoadConfig(), max_parallel_loading_workers=3).params
+    flat_plain = jax.tree_util.tree_leaves_with_path(plain)
+    flat_parallel = jax.tree_util.tree_leaves_with_path(parallel)
+    assert [p for p, _ in flat_plain] == [p for p, _ in flat_parallel]
+    for (path, a), (_, b) in zip(flat_plain, flat_parallel, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+def test_load_model_refuses_a_gguf_quantization_of_safetensors(tmp_path: Path):
+    from jaxengine.config import LoadConfig, ModelConfig
+    from jaxengine.loader import load_model
+
+    _tiny_llama_folder(tmp_path)
+    with pytest.raises(CheckpointError, match="--quantization gguf needs a .gguf model"):
+        load_model(ModelConfig(model=str(tmp_path), quantization="gguf"), LoadConfig())

@@ -7,6 +7,7 @@ import socket
 import time
 from pathlib import Path
 
+import huggingface_hub
 import huggingface_hub.constants
 import pytest
 
@@ -113,3 +114,45 @@ def test_demo_names_resolve_to_the_cached_file(smollm2_gguf):
     for name in ("SmolLM2-135M-Instruct", "smollm2"):
         src = resolve_model(name)
         assert (src.kind, src.gguf_file, src.path) == ("demo", smollm2_gguf, smollm2_gguf.parent)
+
+
+def test_is_ignored_matches_like_the_hub_client():
+    from huggingface_hub.utils import filter_repo_objects
+
+    from jaxengine.loader.sources import is_ignored
+
+    paths = [
+        "model.safetensors", "original/consolidated.00.pth", "original/sub/params.json",
+        "model-Q8_0.gguf", "sub/model.safetensors", "README.md",
+    ]  # fmt: skip
+    for patterns in (["original/**/*"], ["original/"], ["*Q8*", "*.md"], ["*.safetensors"], []):
+        kept = list(filter_repo_objects(paths, ignore_patterns=patterns))
+        assert [p for p in paths if not is_ignored(p, patterns)] == kept, patterns
+    assert is_ignored("original/sub/params.json", ["original/**/*"])
+    assert is_ignored("original/x.bin", ["original/"])  # a folder: everything in it
+
+
+def test_ignore_patterns_pick_among_local_files(tmp_path):
+    folder = tmp_path / "g"
+    folder.mkdir()
+    for name in ("model.Q4_0.gguf", "model.Q8_0.gguf"):
+        (folder / name).write_bytes(b"")
+    src = resolve_model(folder, ignore_patterns=["*Q8_0*"])
+    assert src.gguf_file == folder / "model.Q4_0.gguf"
+    hf = _hf_folder(tmp_path / "m")
+    (hf / "extra.gguf").write_bytes(b"")
+    src = resolve_model(hf, ignore_patterns=["*.safetensors"])  # then the gguf is the model
+    assert src.gguf_file == hf / "extra.gguf"
+
+
+def test_ignore_patterns_reach_the_hub_download(tmp_path, monkeypatch):
+    calls = []
+
+    def snapshot_download(repo_id, **kwargs):
+        calls.append(kwargs)
+        return str(_hf_folder(tmp_path / "snap"))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    src = resolve_model("org/model", ignore_patterns=["original/**/*", "*.pth"])
+    assert src.kind == "hub"
+    assert calls[0]["ignore_patterns"] == ["original/**/*", "*.pth"]
