@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
         enable_prefix_caching=False,
     )
     try:
-        runner = llm.engine.runner
+        runner = llm.engine.executor.runner
         weights = total_bytes(runner.params)
         prompt = [1 + i % 100 for i in range(args.prompt_len)]
         decode_seconds(llm, prompt, 2, 1)  # first call: any lazy work

@@ -116,7 +116,7 @@ def measure_engine(tp: int, layers: int | None, dtype: str, kv_blocks: int) -> d
         swap_space=0,
         enable_compilation_cache=False,
     )
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     params, kv = bytes_per_device(runner.params), bytes_per_device(runner.kv_caches)
     llm.shutdown()
     return {"params": sorted(set(params.values())), "kv": sorted(set(kv.values()))}

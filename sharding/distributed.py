@@ -6,8 +6,8 @@ first), so the engine's mesh (`sharding.mesh`) spans them all and every compiled
 function runs on all processes at once, each feeding and computing its own shards.
 That is JAX's multi-controller model: the same program, in the same order, on every
 process. The engine keeps it by running its scheduler on process 0 only and sending
-each step's `SchedulerOutput` to the others (`jaxengine.engine.multihost`,
-`jaxengine.engine.ray_executor`).
+each step's `SchedulerOutput` to the others (`jaxengine.executor.multihost`,
+`jaxengine.executor.ray`).
 
 `initialize` must run before any other JAX call of the process (JAX refuses to join
 a cluster once a backend is up). On CPU the collectives between processes go through

@@ -7,9 +7,10 @@ function per stage: the first maps token ids to hidden states, the middle ones
 hidden states to hidden states, the last ends with the logits. A step runs the
 stages in order and hands the ``[T, H]`` activations from one tensor group to the
 next (`jax.device_put`, device to device). Sampling and prompt logprobs run on the
-last stage.
+last stage. `PipelineStages` is the pipeline's `StageProgram` (`jaxengine.runner.program`):
+the runner drives it exactly as it drives a single stage.
 
-The runner splits a step's requests into up to one micro-batch per stage
+The program splits a step's requests into up to one micro-batch per stage
 (`split_balanced`) and dispatches every micro-batch's stages and sampling before
 reading any result. Each stage is an ordinary jitted function on its own devices and
 JAX dispatches asynchronously, so stage ``s`` runs micro-batch ``m + 1`` while stage
@@ -22,10 +23,14 @@ from typing import Any
 
 import jax
 
-from jaxengine.runner.compiled import CompiledFunctions
-from jaxengine.runner.model_runner import ModelRunner
-from jaxengine.runner.step import step_inputs
+import numpy as np
+
+from jaxengine.runner.attention_backend import AttentionBackend
+from jaxengine.runner.batch import PackedBatch
+from jaxengine.runner.program import zero_caches
+from jaxengine.runner.step import make_prompt_logprobs, make_swap_fns, step_inputs
 from jaxengine.runner.transfer import unpack_tree
+from sharding.placement import Placement
 
 
 def make_stage(module: Any, layers: range, first: bool, last: bool, logits_sharding: Any):
@@ -100,81 +105,77 @@ def split_balanced(sizes: list[int], parts: int) -> list[list[int]]:
     return groups
 
 
-class PipelineCompiled(CompiledFunctions):
-    """`CompiledFunctions` whose step runs the stages in turn; params and caches are
-    per-stage lists."""
+class PipelineStages:
+    """The `StageProgram` of a pipeline: one compiled function per stage, each on its
+    own tensor group; parameters and caches are per-stage lists."""
 
-    def __init__(self, runner: PipelineRunner) -> None:
-        super().__init__(runner)
-        placement, last = runner.placement, len(runner.stage_modules) - 1
-        self._stages = [
-            make_stage(module, layers, s == 0, s == last, self.logits_sharding)
-            for s, (module, layers) in enumerate(
-                zip(runner.stage_modules, placement.layer_ranges, strict=True)
-            )
-        ]
-
-    def step(self, params, kv_caches, batch):
-        buffers, spec = step_inputs(batch)
-        plans = self.runner.placement.plans
-        x, new_caches = None, []
-        for s, fn in enumerate(self._stages):
-            if s:
-                x = jax.device_put(x, plans[s].replicated)
-            x, caches = fn(params[s], kv_caches[s], x, buffers, spec=spec)
-            new_caches.append(caches)
-        logits, hidden = x
-        return logits, hidden, new_caches
-
-    def prompt_logprobs(self, params, hidden, targets):
-        return super().prompt_logprobs(params[-1], hidden, targets)
-
-    def gather_pages(self, kv_caches, ids):
-        gather = super().gather_pages
-        return [page for caches in kv_caches for page in gather(caches, ids)]
-
-    def scatter_pages(self, kv_caches, ids, pages):
-        out, start = [], 0
-        for caches in kv_caches:
-            out.append(super().scatter_pages(caches, ids, pages[start : start + len(caches)]))
-            start += len(caches)
-        return out
-
-
-class PipelineRunner(ModelRunner):
-    """A `ModelRunner` whose layers, caches and parameters are split into stages."""
-
-    def __init__(self, loaded: Any, settings: Any, placement: Any, backend: Any) -> None:
+    def __init__(
+        self,
+        module: Any,
+        placement: Placement,
+        backend: AttentionBackend,
+        k: int,
+        logical_axes: Any,
+        tie_word_embeddings: bool,
+    ) -> None:
         self.placement = placement
-        self.stage_modules = [
-            loaded.module.clone(
+        self._logical_axes = logical_axes
+        self._tied = tie_word_embeddings
+        self.plans = placement.plans
+        last = len(self.plans) - 1
+        self._logits_sharding = self.plans[last].replicated
+        modules = [
+            module.clone(
                 attention_kwargs=plan.attention_kwargs(backend.module_kwargs()),
                 moe_kwargs=plan.moe_kwargs(),
             )
-            for plan in placement.plans
+            for plan in self.plans
         ]
-        super().__init__(loaded, settings, placement.plans[-1])
-        self.params = stage_params(
-            loaded.params, loaded.logical_axes, placement, loaded.config.tie_word_embeddings
-        )
+        self._stages = [
+            make_stage(m, layers, s == 0, s == last, self._logits_sharding)
+            for s, (m, layers) in enumerate(zip(modules, placement.layer_ranges, strict=True))
+        ]
+        self._prompt_lp = make_prompt_logprobs(modules[last], k)
+        self._gather, self._scatter = make_swap_fns()
+
+    @property
+    def logits_sharding(self) -> Any:
+        return self._logits_sharding
+
+    def place_params(self, params: Any) -> list:
+        return stage_params(params, self._logical_axes, self.placement, self._tied)
+
+    def allocate_caches(self, shape: tuple, dtype: Any) -> list:
+        return [
+            zero_caches(shape, dtype, len(layers), plan.kv_cache_sharding)
+            for plan, layers in zip(self.plans, self.placement.layer_ranges, strict=True)
+        ]
+
+    def step(self, params: list, caches: list, batch: PackedBatch) -> tuple[Any, Any, list]:
+        buffers, spec = step_inputs(batch)
+        x, new_caches = None, []
+        for s, fn in enumerate(self._stages):
+            if s:
+                x = jax.device_put(x, self.plans[s].replicated)
+            x, stage_caches = fn(params[s], caches[s], x, buffers, spec=spec)
+            new_caches.append(stage_caches)
+        logits, hidden = x
+        return logits, hidden, new_caches
+
+    def prompt_logprobs(self, params: list, hidden: Any, targets: np.ndarray) -> Any:
+        return self._prompt_lp(params[-1], hidden, targets)
+
+    def gather(self, caches: list, ids: np.ndarray) -> list[np.ndarray]:
+        return [page for stage in caches for page in jax.device_get(self._gather(stage, ids))]
+
+    def scatter(self, caches: list, ids: np.ndarray, pages: list[np.ndarray]) -> list:
+        out, start = [], 0
+        for stage in caches:
+            out.append(self._scatter(stage, ids, tuple(pages[start : start + len(stage)])))
+            start += len(stage)
+        return out
 
     def micro_batches(self, num_tokens: list[int]) -> list[list[int]]:
         """Up to one micro-batch per stage: contiguous runs of requests with about equal
         token counts, so stage ``s`` can run micro-batch ``m + 1`` while ``s + 1`` runs ``m``."""
         return split_balanced(num_tokens, self.placement.num_stages)
-
-    def _allocate_kv_caches(self, shape: tuple, dtype: Any, num_layers: int) -> Any:
-        def zeros(count: int, sharding: Any):
-            make = jax.jit(
-                lambda: tuple(jax.numpy.zeros(shape, dtype) for _ in range(count)),
-                out_shardings=(sharding,) * count,
-            )
-            return make()
-
-        return [
-            zeros(len(layers), plan.kv_cache_sharding)
-            for plan, layers in zip(self.placement.plans, self.placement.layer_ranges, strict=True)
-        ]
-
-    def _compiled_functions(self) -> CompiledFunctions:
-        return PipelineCompiled(self)

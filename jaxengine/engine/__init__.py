@@ -1,1 +1,1 @@
-"""The engine: scheduler + runner + output processing, stepped by its caller."""
+"""The engine: scheduler + executor + output processing, stepped by its caller."""

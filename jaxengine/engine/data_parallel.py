@@ -42,12 +42,8 @@ class DataParallelEngine:
         groups = replica_devices(local_parallel(config.parallel_config), devices)
         self.replicas = [LLMEngine(config, warmup=False, devices=group) for group in groups]
         if warmup and not config.model_config.enforce_eager:
-            # every compile guard hears every compilation in the process: arm them
-            # only once all replicas have compiled
             for replica in self.replicas:
-                replica.runner.warmup(arm=False)
-            for replica in self.replicas:
-                replica.runner.guard.arm()
+                replica.executor.warmup()
         first = self.replicas[0]
         self.config = first.config  # max_model_len resolved
         self.tokenizer = first.tokenizer
@@ -56,7 +52,7 @@ class DataParallelEngine:
         self.vocab_size = first.vocab_size
         self.eos_token_id = first.eos_token_id
         self.balancer = DPBalancer(
-            len(self.replicas), block_size=self.config.cache_config.block_size or 16
+            len(self.replicas), block_size=self.config.cache_config.block_size
         )
         self._owner: dict[str, int] = {}  # request id -> replica index
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -152,6 +148,7 @@ class DataParallelEngine:
         return SchedulerStats(**total)
 
     def shutdown(self) -> None:
+        """Shuts every replica down (idempotent)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

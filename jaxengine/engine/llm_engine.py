@@ -2,8 +2,8 @@
 
 Construction loads the model and tokenizer, sizes the KV cache, builds the scheduler
 and the runner, and compiles every bucket (unless ``--enforce-eager``). Each `step()`
-is ``schedule -> runner.execute -> scheduler.update -> outputs`` (DESIGN §2). The
-offline `LLM` and the async server engine both drive this class.
+is ``schedule -> executor.execute -> scheduler.update -> outputs``. The offline `LLM`
+and the async server engine both drive this class; `shutdown()` ends its lifetime.
 """
 
 from __future__ import annotations
@@ -44,29 +44,30 @@ class LLMEngine:
     ) -> None:
         """``devices``: this engine's (pipeline x tensor parallel size of them); by
         default the first ones. Data-parallel replicas each get their own. Across
-        hosts (``--nnodes``, ``--distributed-executor-backend ray``) the runner drives
-        the other hosts too (`engine.setup.build_engine_parts`)."""
-        from jaxengine.engine.setup import build_engine_parts
+        hosts (``--nnodes``, ``--distributed-executor-backend ray``) the executor
+        drives the other hosts too (`jaxengine.executor.create_executor`)."""
+        from jaxengine.executor import create_executor
 
-        parts = build_engine_parts(config, devices)
-        self.config = parts.config
-        self.loaded = parts.loaded
-        self.tokenizer = parts.tokenizer
-        self.generation_config = parts.generation_config
-        self.max_model_len = parts.config.model_config.max_model_len
-        self.vocab_size = parts.loaded.config.vocab_size
-        self.eos_token_id = parts.eos_token_id
+        self.executor, host = create_executor(config, devices)
+        self.config = host.config
+        self.tokenizer = host.tokenizer
+        self.generation_config = host.generation_config
+        self.model_config = host.model
+        self.max_model_len = host.config.model_config.max_model_len
+        self.vocab_size = host.vocab_size
+        self.eos_token_id = host.eos_token_id
+        self.kv_cache_size = host.kv_size
         self.structured_outputs = make_manager(
             self.config.structured_outputs_config,
             self.tokenizer,
             self.vocab_size,
             self.eos_token_id,
         )
-        self.scheduler = Scheduler(parts.limits, self.structured_outputs)
-        self.runner = parts.runner
+        self.scheduler = Scheduler(host.limits, self.structured_outputs)
         self.outputs = OutputProcessor(self.tokenizer)
+        self._shut_down = False
         if warmup and not self.config.model_config.enforce_eager:
-            self.runner.warmup()
+            self.executor.warmup()
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
@@ -183,7 +184,7 @@ class LLMEngine:
             self.outputs.mark_scheduled(
                 (r.req_id for r in sched_out.scheduled_new_reqs), time.time()
             )
-        runner_out = self.runner.execute(sched_out)
+        runner_out = self.executor.execute(sched_out)
         core_outputs = self.scheduler.update(sched_out, runner_out)
         outputs, stops = self.outputs.process(core_outputs)
         for child, stop in stops:
@@ -199,6 +200,12 @@ class LLMEngine:
         return self.outputs.take_stats()
 
     def shutdown(self) -> None:
-        self.runner.close()
+        """Aborts what is in flight, stops the executor's workers and releases its
+        device buffers (parameters, KV cache). Idempotent."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self.abort_request(list(self.outputs.requests))
+        self.executor.shutdown()
         if self.structured_outputs is not None:
             self.structured_outputs.close()

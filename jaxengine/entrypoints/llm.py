@@ -8,11 +8,16 @@ order. Every prompt is validated before any is queued, so one bad prompt raises 
 With ``data_parallel_size=N`` the engine is a `DataParallelEngine`: N replicas, each
 on its own devices; requests are spread over them by load and prefix affinity, and
 every step steps all busy replicas at once.
+
+An engine's lifetime is explicit: ``llm.shutdown()``, ``with LLM(...) as llm:``, or
+garbage collection releases its device memory, so a notebook can build engine after
+engine in one process.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,13 +55,23 @@ class LLM:
         # an LLMEngine, or N of them behind the same interface with data_parallel_size=N
         self.engine = build_engine(args.create_engine_config(platform=jax.default_backend()))
         self._ids = itertools.count()
+        # garbage collection shuts the engine down too (a notebook's `del llm`)
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Releases the engine's (or every replica's) resources."""
-        self.engine.shutdown()
+        """Ends the engine's lifetime: stops its threads, disarms its compile guard and
+        releases its device buffers (parameters, KV cache; every replica's).
+        Idempotent; the `LLM` cannot generate after it."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

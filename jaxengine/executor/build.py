@@ -1,7 +1,11 @@
-"""Building an engine's parts from its config: model, tokenizer, KV cache, runner.
+"""Building one process's share of an engine: the model runner and the host parts.
 
-Resolves what only the model can tell: ``max_model_len`` (the model's context unless
-the user asks for less), the EOS token, the generation config, and the KV cache size.
+`build_worker(config, devices)` loads the model onto ``devices`` (placed by the
+parallel layout), resolves what only the model can tell (``max_model_len``, the EOS
+token, the generation config), sizes the KV cache, and builds the `ModelRunner`
+from its parts: a stage program (one tensor group, or pipeline stages), the sampler
+and the runner's settings. Every executor builds its runners here: locally, on each
+host of a multi-host engine, in each Ray worker.
 """
 
 from __future__ import annotations
@@ -12,30 +16,42 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.limits import SchedulerLimits
 from jaxengine.loader import LoadedModel, load_model
 from jaxengine.loader.hf_config import load_generation_config
-from jaxengine.runner.attention_backend import select_attention_backend
+from jaxengine.models.config import TransformerConfig
+from jaxengine.models.layers.attention import kv_cache_shape
+from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
 from jaxengine.runner.buckets import default_token_buckets
 from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, plan_kv_cache
 from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
+from jaxengine.runner.program import SingleStage, StageProgram
+from jaxengine.runner.sampler_functions import SamplerFunctions
+from jaxengine.runner.sampling_metadata import logprobs_bucket
+from sharding.placement import Placement
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineParts:
-    config: EngineConfig
-    loaded: LoadedModel
-    tokenizer: Any
+class HostParts:
+    """What the engine's host side needs of a built model: no device buffers."""
+
+    config: EngineConfig  # max_model_len resolved
+    model: TransformerConfig
+    hf_config: Any  # transformers' PretrainedConfig of the checkpoint
+    tokenizer: Any  # a transformers tokenizer, or None with --skip-tokenizer-init
     generation_config: dict
     eos_token_id: int | None
     kv_size: KVCacheSize
     limits: SchedulerLimits
-    runner: ModelRunner  # or, across hosts, DriverRunner / RayExecutor (same calls)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
 
 
 def model_max_len(hf_config: Any) -> int:
@@ -47,14 +63,28 @@ def model_max_len(hf_config: Any) -> int:
     return 2048
 
 
-def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
-    limit = model_max_len(hf_config)
+def sliding_window(model: TransformerConfig) -> int | None:
+    """The smallest sliding window of the model's layers, or None if none slides."""
+    windows = [layer.sliding_window for layer in model.layers if layer.sliding_window]
+    return min(windows) if windows else None
+
+
+def resolve_max_model_len(
+    requested: int | None,
+    hf_config: Any,
+    model: TransformerConfig | None = None,
+    disable_sliding_window: bool = False,
+) -> int:
+    """``--max-model-len``, or the model's context; with ``--disable-sliding-window``
+    at most the model's sliding window (so no layer's window ever binds)."""
+    limit, what = model_max_len(hf_config), "the model's maximum context length"
+    window = sliding_window(model) if disable_sliding_window and model is not None else None
+    if window is not None and window < limit:
+        limit, what = window, "the sliding window (--disable-sliding-window)"
     if requested is None:
         return limit
     if requested > limit:
-        raise ValueError(
-            f"--max-model-len {requested} exceeds the model's maximum context length {limit}"
-        )
+        raise ValueError(f"--max-model-len {requested} exceeds {what} {limit}")
     return requested
 
 
@@ -79,19 +109,21 @@ def setup_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def build_components(config: EngineConfig, devices: Sequence[Any] | None = None) -> EngineParts:
-    """Loads and sizes everything an `LLMEngine` needs, on ``devices`` (one replica's:
-    pipeline x tensor of them; the first ones by default)."""
-    from jaxengine.tokenizer import get_tokenizer
+def _load(config: EngineConfig, devices: Sequence[Any] | None):
+    """(placement, loaded model, attention backend) on this replica's devices."""
     from sharding.mesh import replica_devices
-    from sharding.placement import Placement
 
     setup_compilation_cache(config)
-    mc, parallel = config.model_config, config.parallel_config
+    parallel = config.parallel_config
     if devices is None:
         devices = replica_devices(parallel)[0]
     placement = Placement(parallel, devices)
-    loaded = load_model(mc, config.load_config, placement)
+    loaded = load_model(
+        config.model_config,
+        config.load_config,
+        placement,
+        max_parallel_loading_workers=parallel.max_parallel_loading_workers,
+    )
     requested = config.attention_config.attention_backend
     backend = select_attention_backend(requested)
     logger.info(
@@ -100,13 +132,6 @@ def build_components(config: EngineConfig, devices: Sequence[Any] | None = None)
         requested,
         jax.default_backend(),
     )
-    if placement.num_stages == 1:
-        plan = placement.plans[0]
-        module = loaded.module.clone(
-            attention_kwargs=plan.attention_kwargs(backend.module_kwargs()),
-            moe_kwargs=plan.moe_kwargs(),
-        )
-        loaded = dataclasses.replace(loaded, module=module)
     logger.info(
         "devices: %d (tensor %d x pipeline %d): %s",
         len(placement.devices),
@@ -114,7 +139,17 @@ def build_components(config: EngineConfig, devices: Sequence[Any] | None = None)
         parallel.pipeline_parallel_size,
         ", ".join(str(d) for d in placement.devices),
     )
-    max_model_len = resolve_max_model_len(mc.max_model_len, loaded.hf_config)
+    return placement, loaded, backend
+
+
+def _host_side(config: EngineConfig, loaded: LoadedModel) -> tuple[EngineConfig, Any, dict]:
+    """(config with max_model_len resolved, tokenizer or None, generation config)."""
+    from jaxengine.tokenizer import get_tokenizer
+
+    mc = config.model_config
+    max_model_len = resolve_max_model_len(
+        mc.max_model_len, loaded.hf_config, loaded.config, mc.disable_sliding_window
+    )
     config = config.with_max_model_len(max_model_len)
     tokenizer = None
     if not mc.skip_tokenizer_init:
@@ -131,20 +166,24 @@ def build_components(config: EngineConfig, devices: Sequence[Any] | None = None)
     elif mc.generation_config != "vllm":
         generation_config = load_generation_config(mc.generation_config)
     generation_config = {**generation_config, **(mc.override_generation_config or {})}
-    eos = _eos(generation_config, tokenizer, loaded.hf_config)
+    return config, tokenizer, generation_config
 
-    cc, sc, tc = config.cache_config, config.scheduler_config, loaded.config
-    block_size = cc.block_size or 16
+
+def _size_cache(config: EngineConfig, placement: Placement, model: TransformerConfig):
+    """(KV-cache size, scheduler limits, cache dtype name) for this replica."""
+    cc, sc = config.cache_config, config.scheduler_config
+    dtype = jnp.dtype(cc.cache_dtype(jnp.dtype(model.dtype).name))
     per_block = bytes_per_block(  # on one device: its stage's layers, its KV heads
         max(len(r) for r in placement.layer_ranges),
-        block_size,
+        cc.block_size,
         placement.plans[0].kv_heads_per_device,
-        tc.head_dim,
-        np.dtype(tc.dtype).itemsize,
+        model.head_dim,
+        dtype.itemsize,
     )
+    max_model_len = config.model_config.max_model_len
     kv_size = plan_kv_cache(
         per_block=per_block,
-        block_size=block_size,
+        block_size=cc.block_size,
         max_model_len=max_model_len,
         max_num_seqs=sc.max_num_seqs,
         num_gpu_blocks_override=cc.num_gpu_blocks_override,
@@ -152,57 +191,86 @@ def build_components(config: EngineConfig, devices: Sequence[Any] | None = None)
         gpu_memory_utilization=cc.gpu_memory_utilization,
         device=placement.devices[0] if jax.default_backend() != "cpu" else None,
     )
-    logger.info(kv_size.describe(max_model_len))
+    logger.info("%s, %s", kv_size.describe(max_model_len), dtype.name)
     limits = SchedulerLimits.from_configs(
         sc, cc, kv_size.num_blocks, max_model_len, bytes_per_block=per_block
     )
+    return kv_size, limits, dtype
 
-    buckets = config.compilation_config.compile_token_buckets or default_token_buckets(
-        sc.max_num_batched_tokens
-    )
-    if buckets[-1] < sc.max_num_batched_tokens:
+
+def token_buckets(config: EngineConfig) -> tuple[int, ...]:
+    """The step sizes to compile: ``--compile-token-buckets`` or the defaults."""
+    budget = config.scheduler_config.max_num_batched_tokens
+    buckets = config.compilation_config.compile_token_buckets or default_token_buckets(budget)
+    if buckets[-1] < budget:
         raise ValueError(
             f"--compile-token-buckets: the largest bucket {buckets[-1]} is smaller than "
-            f"--max-num-batched-tokens {sc.max_num_batched_tokens}"
+            f"--max-num-batched-tokens {budget}"
         )
+    return tuple(buckets)
+
+
+def stage_program(
+    loaded: LoadedModel, placement: Placement, backend: AttentionBackend, k: int
+) -> StageProgram:
+    """One tensor group's program, or the pipeline's stages."""
+    if placement.num_stages > 1:
+        from sharding.pipeline import PipelineStages
+
+        return PipelineStages(
+            loaded.module,
+            placement,
+            backend,
+            k,
+            loaded.logical_axes,
+            loaded.config.tie_word_embeddings,
+        )
+    plan = placement.plans[0]
+    module = loaded.module.clone(
+        attention_kwargs=plan.attention_kwargs(backend.module_kwargs()),
+        moe_kwargs=plan.moe_kwargs(),
+    )
+    return SingleStage(module, len(loaded.config.layers), plan, k)
+
+
+def build_worker(
+    config: EngineConfig, devices: Sequence[Any] | None = None
+) -> tuple[ModelRunner, HostParts]:
+    """This process's runner on ``devices`` (one replica's: pipeline x tensor of them;
+    the first ones by default), and the host parts."""
+    placement, loaded, backend = _load(config, devices)
+    config, tokenizer, generation_config = _host_side(config, loaded)
+    eos = _eos(generation_config, tokenizer, loaded.hf_config)
+    model, mc, sc = loaded.config, config.model_config, config.scheduler_config
+    kv_size, limits, dtype = _size_cache(config, placement, model)
+    heads = placement.plans[0].kv_cache_heads
     settings = RunnerSettings(
-        block_size=block_size,
+        block_size=kv_size.block_size,
         num_blocks=kv_size.num_blocks,
-        max_model_len=max_model_len,
+        max_model_len=mc.max_model_len,
         max_num_seqs=sc.max_num_seqs,
-        token_buckets=tuple(buckets),
+        token_buckets=token_buckets(config),
+        vocab_size=model.vocab_size,
+        cache_page_shape=kv_cache_shape(model, 1, kv_size.block_size, heads)[1:],
+        cache_dtype=dtype,
+        num_layers=len(model.layers),
         num_host_blocks=limits.num_host_blocks,
         max_logprobs=mc.max_logprobs,
         logprobs_mode=mc.logprobs_mode,
         seed=mc.seed,
         eos_token_id=eos,
     )
-    if placement.num_stages == 1:
-        runner = ModelRunner(loaded, settings, placement.plans[0])
-    else:
-        from sharding.pipeline import PipelineRunner
-
-        runner = PipelineRunner(loaded, settings, placement, backend)
-    return EngineParts(config, loaded, tokenizer, generation_config, eos, kv_size, limits, runner)
-
-
-def build_engine_parts(config: EngineConfig, devices: Sequence[Any] | None = None) -> EngineParts:
-    """`build_components` here, or across hosts: with ``--nnodes`` > 1 this process is
-    the driver of a multi-host engine (`engine.multihost`); with
-    ``--distributed-executor-backend ray`` the runner is a set of Ray workers
-    (`engine.ray_executor`) and this process loads no parameters."""
-    parallel = config.parallel_config
-    if parallel.distributed_executor_backend == "ray":
-        from jaxengine.engine.ray_executor import start_ray
-
-        return start_ray(config)
-    if parallel.nnodes > 1:
-        if parallel.node_rank != 0:
-            raise ValueError(
-                f"--node-rank {parallel.node_rank} is a follower: start it with "
-                "`jaxengine serve --headless`"
-            )
-        from jaxengine.engine.multihost import start_driver
-
-        return start_driver(config)
-    return build_components(config, devices)
+    k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
+    program = stage_program(loaded, placement, backend, k)
+    sampler = SamplerFunctions(
+        model.vocab_size,
+        max_logprobs=mc.max_logprobs,
+        logprobs_mode=mc.logprobs_mode,
+        max_model_len=mc.max_model_len,
+        logits_sharding=program.logits_sharding,
+    )
+    runner = ModelRunner(program, loaded.params, settings, sampler)
+    host = HostParts(
+        config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits
+    )
+    return runner, host

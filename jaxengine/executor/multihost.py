@@ -8,14 +8,16 @@ shards of the parameters and KV cache. Each step the driver sends its
 `SchedulerOutput` to the followers before running it itself; everyone runs the same
 `ModelRunner.execute` (host packing is deterministic given the same sequence of
 `SchedulerOutput`s), the compiled step's collectives meet across hosts, and only the
-driver's `RunnerOutput` is used (the sampled ids are replicated, so all agree).
+driver's `RunnerOutput` is used (the sampled ids are replicated, so all agree). The
+driver's side is `DriverExecutor`, an `Executor`.
 
 The control channel is a `multiprocessing.connection` socket from each follower to
 the driver, authenticated with a random key; the driver publishes its address and the
 key in the JAX coordinator's key-value store, so the only port to agree on is
-``--master-port``. Messages are pickled (cloudpickle when a request's
-``logits_processors`` need it): ``("warmup", progress)``, ``("execute", out)``,
-``("close",)``.
+``--master-port``. Messages are the typed dataclasses of `jaxengine.messages`: the
+follower says `FollowerHello` (with its protocol version; a mismatch is refused with
+both versions named), the driver answers `DriverWelcome` with its config, then sends
+`Warmup`, `ExecuteStep` and finally `Shutdown`.
 
 Startup order, driver: join the cluster, accept every follower and send it the
 config, build. Follower: join, connect, receive the config, build, then follow.
@@ -26,31 +28,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
 
 from jaxengine.config import EngineConfig
-from jaxengine.engine.setup import EngineParts, build_components
+from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
+from jaxengine.executor.build import HostParts, build_worker
+from jaxengine.messages import (
+    DriverWelcome,
+    ExecuteStep,
+    FollowerHello,
+    Refused,
+    Shutdown,
+    Warmup,
+    check_version,
+    dumps,
+    loads,
+)
+from jaxengine.engine_args import EngineArgs
+from jaxengine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 DRIVER_KEY = "jaxengine/driver"  # "host:port:authkey-hex" in the coordinator's store
-
-
-def dumps(message: Any) -> bytes:
-    """Pickles a control message; host callables (logits processors) need cloudpickle."""
-    try:
-        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        try:
-            import cloudpickle
-        except ImportError:
-            raise ValueError(
-                f"a step could not be sent to the other nodes ({exc}); multi-node "
-                "engines need picklable logits_processors (or `pip install cloudpickle`)"
-            ) from exc
-        return cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def check_spans_all_devices(config: EngineConfig) -> None:
@@ -100,15 +99,25 @@ class FollowerLinks:
         self.conns: list[Connection] = []
         try:
             for _ in range(parallel.nnodes - 1):
-                conn = listener.accept()
-                rank = conn.recv()
-                conn.send(config)
-                self.conns.append(conn)
-                logger.info("follower node %d connected", rank)
+                self._accept(listener.accept(), config)
         finally:
             listener.close()
 
-    def send(self, message: Any) -> None:
+    def _accept(self, conn: Connection, config: EngineConfig) -> None:
+        hello = loads(conn.recv_bytes())
+        if not isinstance(hello, FollowerHello):
+            raise ValueError(f"a follower opened with {type(hello).__name__}, not FollowerHello")
+        try:
+            check_version(hello.version, f"follower node {hello.node_rank}")
+        except RuntimeError as e:
+            conn.send_bytes(dumps(Refused(str(e))))
+            conn.close()
+            raise
+        conn.send_bytes(dumps(DriverWelcome(config)))
+        self.conns.append(conn)
+        logger.info("follower node %d connected", hello.node_rank)
+
+    def send(self, message: object) -> None:
         data = dumps(message)
         for conn in self.conns:
             conn.send_bytes(data)
@@ -116,50 +125,56 @@ class FollowerLinks:
     def close(self) -> None:
         for conn in self.conns:
             try:
-                conn.send_bytes(dumps(("close",)))
+                conn.send_bytes(dumps(Shutdown()))
             except OSError:
                 pass
             conn.close()
         self.conns = []
 
 
-class DriverRunner:
-    """The driver's runner: each call reaches the followers first, then runs here.
+class DriverExecutor:
+    """Node 0's `Executor`: each call reaches the followers first, then runs here."""
 
-    Other attributes (``guard``, ``params``, ``kv_caches``) are the local runner's.
-    """
-
-    def __init__(self, runner: Any, links: FollowerLinks) -> None:
+    def __init__(self, runner: ModelRunner, host: HostParts, links: FollowerLinks) -> None:
         self.runner = runner
+        self.host = host
         self.links = links
+        self._closed = False
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> DriverExecutor:
+        """Joins the cluster (unless joined), waits for every follower, builds."""
+        from sharding.distributed import initialize_for
+
+        initialize_for(config.parallel_config)
+        check_spans_all_devices(config)
+        config = without_host_swap(config)
+        links = FollowerLinks(config)
+        runner, host = build_worker(config)
+        return cls(runner, host, links)
 
     def warmup(self, progress: bool = True) -> None:
-        self.links.send(("warmup", False))
+        self.links.send(Warmup(False))
         self.runner.warmup(progress)
 
-    def execute(self, out: Any) -> Any:
-        self.links.send(("execute", out))
-        return self.runner.execute(out)
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self.links.send(ExecuteStep(scheduler_output))
+        return self.runner.execute(scheduler_output)
 
-    def close(self) -> None:
+    def check_health(self) -> None:
+        if self._closed:
+            raise RuntimeError("the executor is shut down")
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.runner.compiles_after_warmup
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self.links.close()
-        self.runner.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)
-
-
-def start_driver(config: EngineConfig) -> EngineParts:
-    """Node 0's engine parts: joins the cluster (unless joined), waits for every
-    follower, builds; the runner forwards each step to the followers."""
-    from sharding.distributed import initialize_for
-
-    initialize_for(config.parallel_config)
-    check_spans_all_devices(config)
-    config = without_host_swap(config)
-    links = FollowerLinks(config)
-    parts = build_components(config)
-    return dataclasses.replace(parts, runner=DriverRunner(parts.runner, links))
+        self.runner.release()
 
 
 def connect_to_driver(node_rank: int) -> tuple[Connection, EngineConfig]:
@@ -168,32 +183,35 @@ def connect_to_driver(node_rank: int) -> tuple[Connection, EngineConfig]:
 
     host, port, key = lookup(DRIVER_KEY).rsplit(":", 2)
     conn = Client((host, int(port)), authkey=bytes.fromhex(key))
-    conn.send(node_rank)
-    return conn, conn.recv()
+    conn.send_bytes(dumps(FollowerHello(node_rank)))
+    answer = loads(conn.recv_bytes())
+    if isinstance(answer, Refused):
+        conn.close()
+        raise RuntimeError(f"the driver refused node {node_rank}: {answer.reason}")
+    return conn, answer.config
 
 
-def follow(runner: Any, conn: Connection) -> None:
-    """Runs the driver's calls on ``runner`` until it says close (or goes away)."""
+def follow(runner: ModelRunner, conn: Connection) -> None:
+    """Runs the driver's calls on ``runner`` until it says shut down (or goes away)."""
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            message = loads(conn.recv_bytes())
         except EOFError:
             logger.warning("the driver closed the connection; stopping")
             break
-        kind = message[0]
-        if kind == "execute":
-            runner.execute(message[1])
-        elif kind == "warmup":
-            runner.warmup(progress=message[1])
-        elif kind == "close":
+        if isinstance(message, ExecuteStep):
+            runner.execute(message.scheduler_output)
+        elif isinstance(message, Warmup):
+            runner.warmup(progress=message.progress)
+        elif isinstance(message, Shutdown):
             break
         else:
-            raise ValueError(f"unknown message from the driver: {kind!r}")
-    runner.close()
+            raise ValueError(f"unknown message from the driver: {type(message).__name__}")
+    runner.release()
     conn.close()
 
 
-def run_follower(engine_args: Any) -> int:
+def run_follower(engine_args: EngineArgs) -> int:
     """`jaxengine serve --headless`: joins as node ``node_rank`` > 0 and follows the
     driver's steps until it shuts down. Opens no HTTP port."""
     import jax
@@ -207,6 +225,6 @@ def run_follower(engine_args: Any) -> int:
     conn, config = connect_to_driver(engine_args.node_rank)
     check_spans_all_devices(config)
     logger.info("node %d following the driver", engine_args.node_rank)
-    parts = build_components(config)
-    follow(parts.runner, conn)
+    runner, _ = build_worker(config)
+    follow(runner, conn)
     return 0

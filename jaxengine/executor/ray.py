@@ -5,9 +5,10 @@ The driver (this process: scheduler, tokenizer, API) connects to a Ray cluster
 local one, as ``ray.init()`` decides) and starts one `RayWorker` actor per host
 slice. The actors join one JAX cluster among themselves (`sharding.distributed`, the
 coordinator on worker 0), and each builds the runner from the driver's config: worker
-0 also returns the host-side parts (resolved config, tokenizer, KV-cache size,
-scheduler limits), so the driver never loads the parameters. Each step the driver
-sends the `SchedulerOutput` to every worker and keeps worker 0's `RunnerOutput`.
+0 also returns the host parts (resolved config, tokenizer, KV-cache size, scheduler
+limits), so the driver never loads the parameters. Each step the driver sends the
+`SchedulerOutput` to every worker and keeps worker 0's `RunnerOutput`. The driver's
+side is `RayExecutor`, an `Executor`.
 
 How many workers: ``world_size / devices_per_worker``, where devices per worker is
 ``$JAXENGINE_RAY_DEVICES_PER_WORKER`` if set, else the GPU (or TPU) count of a Ray
@@ -18,14 +19,15 @@ TPU workers for that many ``TPU`` resources, CPU workers for one CPU.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
-from typing import Any
 
 from jaxengine.config import EngineConfig
-from jaxengine.engine.setup import EngineParts
+from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
+from jaxengine.executor.build import HostParts, build_worker
+from jaxengine.executor.multihost import check_spans_all_devices, without_host_swap
+from jaxengine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class RayWorker:
         self.rank = rank
         self.num_workers = num_workers
         self.cpu_devices = cpu_devices
-        self.runner: Any = None
+        self.runner: ModelRunner | None = None
 
     def coordinator_address(self) -> str:
         """This node's address and a free port, for the JAX coordinator (worker 0)."""
@@ -55,32 +57,29 @@ class RayWorker:
 
         initialize(coordinator, self.num_workers, self.rank, local_device_count=self.cpu_devices)
 
-    def build(self, config: EngineConfig) -> EngineParts | None:
-        """Builds the runner; worker 0 returns the host-side parts for the driver."""
-        from jaxengine.engine.multihost import check_spans_all_devices
-        from jaxengine.engine.setup import build_components
-
+    def build(self, config: EngineConfig) -> HostParts | None:
+        """Builds the runner; worker 0 returns the host parts for the driver."""
         check_spans_all_devices(config)
-        parts = build_components(config)
-        self.runner = parts.runner
-        if self.rank != 0:
-            return None
-        loaded = dataclasses.replace(parts.loaded, module=None, params=None, logical_axes=None)
-        return dataclasses.replace(parts, loaded=loaded, runner=None)
+        self.runner, host = build_worker(config)
+        return host if self.rank == 0 else None
 
     def warmup(self, progress: bool) -> None:
         self.runner.warmup(progress=progress and self.rank == 0)
 
-    def execute(self, out: Any) -> Any:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput | None:
         result = self.runner.execute(out)
         return result if self.rank == 0 else None
 
     def compiles_after_warmup(self) -> int:
-        return self.runner.guard.compiles_after_warmup
+        return self.runner.compiles_after_warmup
+
+    def ping(self) -> bool:
+        return self.runner is not None
 
     def close(self) -> None:
         if self.runner is not None:
-            self.runner.close()
+            self.runner.release()
+            self.runner = None
 
 
 def worker_layout(world_size: int, nodes: list[dict]) -> tuple[int, dict, int | None]:
@@ -105,7 +104,7 @@ def worker_layout(world_size: int, nodes: list[dict]) -> tuple[int, dict, int | 
 
 
 class RayExecutor:
-    """The driver's runner: the same calls as `ModelRunner`, run by every worker."""
+    """The driver's `Executor`: every call runs on every worker."""
 
     def __init__(self, config: EngineConfig) -> None:
         try:
@@ -115,6 +114,9 @@ class RayExecutor:
                 "--distributed-executor-backend ray needs Ray: pip install 'jaxengine[ray]'"
             ) from exc
 
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("--distributed-executor-backend ray does not combine with -dp > 1 yet")
+        config = without_host_swap(config)
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:  # $RAY_ADDRESS, else a running local cluster, else a new one
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
@@ -127,9 +129,9 @@ class RayExecutor:
         self.workers = [actor.remote(rank, num, cpu_devices) for rank in range(num)]
         coordinator = ray.get(self.workers[0].coordinator_address.remote())
         ray.get([w.join.remote(coordinator) for w in self.workers])
-        self.host_parts: EngineParts = ray.get([w.build.remote(config) for w in self.workers])[0]
+        self.host: HostParts = ray.get([w.build.remote(config) for w in self.workers])[0]
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def _all(self, method: str, *args: object) -> list:
         import ray
 
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])
@@ -137,17 +139,23 @@ class RayExecutor:
     def warmup(self, progress: bool = True) -> None:
         self._all("warmup", progress)
 
-    def execute(self, out: Any) -> Any:
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         import ray
 
-        return self._all("execute", ray.put(out))[0]
+        return self._all("execute", ray.put(scheduler_output))[0]
+
+    def check_health(self) -> None:
+        """Raises when a worker has died (Ray raises for a dead actor)."""
+        if not self.workers:
+            raise RuntimeError("the executor is shut down")
+        self._all("ping")
 
     @property
     def compiles_after_warmup(self) -> int:
         """The most compilations any worker saw after warm-up (0 when none did)."""
         return max(self._all("compiles_after_warmup"))
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         import ray
 
         if not self.workers:
@@ -160,13 +168,3 @@ class RayExecutor:
             self.workers = []
             if self._owns_ray:
                 ray.shutdown()
-
-
-def start_ray(config: EngineConfig) -> EngineParts:
-    """The driver's engine parts: host-side ones from worker 0, the executor as runner."""
-    if config.parallel_config.data_parallel_size > 1:
-        raise ValueError("--distributed-executor-backend ray does not combine with -dp > 1 yet")
-    from jaxengine.engine.multihost import without_host_swap
-
-    executor = RayExecutor(without_host_swap(config))
-    return dataclasses.replace(executor.host_parts, runner=executor)

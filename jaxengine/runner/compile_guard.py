@@ -1,50 +1,74 @@
 """Counting XLA compilations, to prove that none happens after warm-up.
 
-JAX reports every backend compilation through `jax.monitoring`; the guard listens
-once per process and counts. The runner arms it when warm-up ends; a compilation
-after that is logged as a warning and counted in ``compiles_after_warmup`` (the
-recompile test asserts it does not grow under varied traffic). The events carry no
-owner, so every guard hears every compilation in the process: one engine's warm-up
-counts in another, already armed, engine's guard.
+JAX reports every backend compilation through `jax.monitoring`, on the thread that
+compiles; one listener per process hands each event to the guard watching that
+thread. A runner watches while it warms up and while it runs a step
+(``with guard.watching():``), so its guard counts its own engine's compilations and
+nobody else's: a second engine built in the same process, or a data-parallel replica
+stepping on another thread, never shows up in this one's count.
+
+The runner arms the guard when warm-up ends; a compilation after that is logged as a
+warning and counted in ``compiles_after_warmup`` (the recompile test asserts it does
+not grow under varied traffic). ``close()`` disarms it for good.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 
 import jax
 
 logger = logging.getLogger(__name__)
 
 _BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"
+_watching = threading.local()  # .guard: the CompileGuard this thread compiles for
+_install_lock = threading.Lock()
+_installed = False
+
+
+def _on_event(event: str, duration: float, **kwargs: object) -> None:
+    if event != _BACKEND_EVENT:
+        return
+    guard = getattr(_watching, "guard", None)
+    if guard is not None:
+        guard.count(duration)
+
+
+def _install_listener() -> None:
+    global _installed
+    with _install_lock:
+        if not _installed:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _installed = True
 
 
 class CompileGuard:
-    """Counts backend compilations; ``arm()`` starts the after-warm-up count."""
-
-    _listening = False
-    _lock = threading.Lock()
-    _guards: list[CompileGuard] = []
+    """Counts the backend compilations of one engine; ``arm()`` starts the
+    after-warm-up count."""
 
     def __init__(self) -> None:
         self.total = 0
         self.armed = False
+        self.closed = False
         self.compiles_after_warmup = 0
-        with CompileGuard._lock:
-            CompileGuard._guards.append(self)
-            if not CompileGuard._listening:
-                jax.monitoring.register_event_duration_secs_listener(CompileGuard._on_event)
-                CompileGuard._listening = True
+        _install_listener()
 
-    @staticmethod
-    def _on_event(event: str, duration: float, **kwargs) -> None:
-        if event != _BACKEND_EVENT:
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Attributes this thread's compilations to this guard until the block ends."""
+        previous = getattr(_watching, "guard", None)
+        _watching.guard = self
+        try:
+            yield
+        finally:
+            _watching.guard = previous
+
+    def count(self, duration: float) -> None:
+        if self.closed:
             return
-        for guard in list(CompileGuard._guards):
-            guard._count(duration)
-
-    def _count(self, duration: float) -> None:
         self.total += 1
         if self.armed:
             self.compiles_after_warmup += 1
@@ -53,9 +77,9 @@ class CompileGuard:
             )
 
     def arm(self) -> None:
-        self.armed = True
+        self.armed = not self.closed
 
     def close(self) -> None:
-        with CompileGuard._lock:
-            if self in CompileGuard._guards:
-                CompileGuard._guards.remove(self)
+        """Disarms the guard for good (its engine is shut down)."""
+        self.closed = True
+        self.armed = False

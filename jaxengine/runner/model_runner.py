@@ -1,11 +1,16 @@
-"""The device side of one engine: a host wrapper around the compiled step functions.
+"""The device side of one engine: host batch state, a stage program and the sampler.
 
 `ModelRunner.execute(SchedulerOutput) -> RunnerOutput` (the contract in
-`jaxengine.core.sched_output`): it updates its per-request state, copies swapped
-pages, packs the scheduled tokens into the smallest bucket (`runner.batch`,
-`runner.buckets`), runs the compiled model step (forward, KV write, last-token logits)
-and the compiled sampler variant that covers the batch, and returns only sampled ids
-and requested logprobs to the host.
+`jaxengine.core.sched_output`): it updates its persistent request table
+(`runner.request_table`), copies swapped pages (`runner.swap`), packs the scheduled
+tokens into the smallest bucket (`runner.batch`, `runner.buckets`), runs the stage
+program's compiled step (forward, KV write, last-token logits: `runner.program`)
+and the compiled sampler variant that covers the batch (`runner.sampler_functions`),
+and returns only sampled ids and requested logprobs to the host.
+
+The runner is composed of those parts; none of them refers back to it. It owns the
+device buffers (parameters and KV caches): every compiled call takes them and
+returns the updated caches. `release()` deletes them.
 
 The model step and the sampler are two compiled functions, not one: fusing them would
 multiply the compile count by the number of sampler variants. Logits stay on device
@@ -21,38 +26,24 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
-from jaxengine.models.layers.attention import kv_cache_shape
-from jaxengine.runner.batch import SeqChunk, pack_batch
+from jaxengine.runner.batch import PackedBatch, SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
-from jaxengine.runner.compiled import CompiledFunctions
+from jaxengine.runner.program import Caches, Params, StageProgram
+from jaxengine.runner.request_table import RequestState, RequestTable
+from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import (
     SamplingBatch,
     SamplingRow,
     apply_logits_processors,
     pick_variant,
-    request_seed,
 )
+from jaxengine.runner.swap import HostSwapSpace
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _RequestState:
-    """What the runner keeps of a request between steps."""
-
-    token_ids: list[int]  # prompt + outputs so far
-    num_prompt: int
-    block_ids: list[int]
-    params: Any
-    seed: int
-    num_computed: int = 0
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,144 +55,140 @@ class RunnerSettings:
     max_model_len: int
     max_num_seqs: int
     token_buckets: tuple[int, ...]
+    vocab_size: int
+    cache_page_shape: tuple[int, ...]  # one layer's page: (block_size, 2 * Hkv, D)
+    cache_dtype: np.dtype
+    num_layers: int
     num_host_blocks: int = 0
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     seed: int = 0
     eos_token_id: int | None = None
 
+    @property
+    def pages_per_req(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclasses.dataclass
+class _Launched:
+    """One dispatched micro-batch: its requests (by index), bucket, packed inputs,
+    hidden states and sampled (token ids, logprobs) on device."""
+
+    group: list[int]
+    bucket: Bucket
+    batch: PackedBatch
+    hidden: Any
+    result: Any
+
 
 class ModelRunner:
-    """Owns the KV cache and the compiled functions of one model."""
+    """Runs scheduled steps of one model on its devices."""
 
-    def __init__(self, loaded: Any, settings: RunnerSettings, plan: Any = None) -> None:
-        self.loaded = loaded
+    def __init__(
+        self, program: StageProgram, params: Params, settings: RunnerSettings, sampler: SamplerFunctions
+    ) -> None:
+        self.program = program
         self.settings = settings
-        self.plan = plan  # sharding.plan.ShardingPlan, or None for the default device
-        self.params = loaded.params
-        config = loaded.config
-        self.vocab_size = config.vocab_size
-        self.pages_per_req = -(-settings.max_model_len // settings.block_size)
+        self.sampler = sampler
+        self.params = program.place_params(params)
         self.buckets = BucketSet(list(settings.token_buckets), settings.max_num_seqs)
-        heads = plan.kv_cache_heads if plan is not None else None
-        shape = kv_cache_shape(config, settings.num_blocks, settings.block_size, heads)
-        self.kv_caches = self._allocate_kv_caches(shape, config.dtype, len(config.layers))
-        self.host_pages = None
+        shape = (settings.num_blocks, *settings.cache_page_shape)
+        self.kv_caches: Caches = program.allocate_caches(shape, settings.cache_dtype)
+        self.swap = None
         if settings.num_host_blocks:
-            host_shape = (settings.num_host_blocks, *shape[1:])
-            self.host_pages = [np.zeros(host_shape, config.dtype) for _ in config.layers]
+            self.swap = HostSwapSpace(
+                settings.cache_page_shape,
+                settings.cache_dtype,
+                settings.num_layers,
+                settings.num_host_blocks,
+                chunk=settings.pages_per_req,
+                num_device_blocks=settings.num_blocks,
+            )
+        self.table = RequestTable(settings.pages_per_req, settings.seed)
         self.guard = CompileGuard()
-        self.compiled = self._compiled_functions()
-        self.requests: dict[str, _RequestState] = {}
-        self._request_counter = 0
 
-    def _allocate_kv_caches(self, shape: tuple, dtype: Any, num_layers: int) -> Any:
-        """Zeroed per-layer caches, placed by the plan (split by KV heads)."""
-        plan = self.plan
-        placed = None if plan is None else (plan.kv_cache_sharding,) * num_layers
-        zeros = jax.jit(
-            lambda: tuple(jax.numpy.zeros(shape, dtype) for _ in range(num_layers)),
-            out_shardings=placed,
-        )
-        return zeros()
-
-    def _compiled_functions(self) -> CompiledFunctions:
-        return CompiledFunctions(self)
+    @property
+    def pages_per_req(self) -> int:
+        return self.settings.pages_per_req
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, progress: bool = True, arm: bool = True) -> None:
-        """Compiles every bucket's step, prompt-logprobs and sampler variants, then arms
-        the compile guard (``arm=False`` leaves that to a caller warming several
-        engines in one process, whose compilations every guard hears)."""
-        self.compiled.compile_all(progress)
-        if arm:
-            self.guard.arm()
+    def warmup(self, progress: bool = True) -> None:
+        """Compiles every bucket's step and prompt-logprobs function, every sampler
+        variant at every request count and the swap copies, by running them on
+        padding (which fills jit's own cache, so later steps take its fast C++
+        dispatch path); then arms the compile guard."""
+        jobs = [lambda b=b: self._warm_bucket(b) for b in self.buckets.buckets]
+        jobs += [
+            lambda n=n, f=f: self.sampler.warm(n, f)
+            for n in self.buckets.request_sizes
+            for f in self.sampler.variants
+        ]
+        if self.swap is not None:
+            jobs.append(self._warm_swap)
+        with self.guard.watching():
+            for job in tqdm(jobs, desc="Compiling buckets", disable=not progress, unit="fn"):
+                job()
+        self.guard.arm()
+        logger.info(
+            "compiled %d buckets %s (requests %s), %d sampler variants",
+            len(self.buckets.buckets),
+            self.buckets.token_buckets,
+            self.buckets.request_sizes,
+            len(self.sampler.variants),
+        )
 
-    # ------------------------------------------------------------------ state
+    def _warm_bucket(self, bucket: Bucket) -> None:
+        batch = self._pack([], bucket)
+        _, hidden, self.kv_caches = self.program.step(self.params, self.kv_caches, batch)
+        targets = np.zeros(bucket.num_tokens, np.int32)
+        jax.block_until_ready(self.program.prompt_logprobs(self.params, hidden, targets))
 
-    def _register(self, out: SchedulerOutput) -> None:
-        for req_id in out.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for new in out.scheduled_new_reqs:
-            params = new.sampling_params
-            seed = request_seed(params, self.settings.seed, self._request_counter)
-            self._request_counter += 1
-            self.requests[new.req_id] = _RequestState(
-                token_ids=list(new.prompt_token_ids),
-                num_prompt=len(new.prompt_token_ids),
-                block_ids=list(new.block_ids),
-                params=params,
-                seed=seed,
-                num_computed=new.num_computed_tokens,
-            )
-        for cached in out.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
-            else:
-                state.block_ids.extend(cached.new_block_ids)
-            state.num_computed = cached.num_computed_tokens
-            end = cached.num_computed_tokens + len(cached.new_token_ids)
-            if end > len(state.token_ids):  # tokens the runner has not seen (defensive)
-                state.token_ids[cached.num_computed_tokens :] = cached.new_token_ids
-
-    # ------------------------------------------------------------------ swap
-
-    def _swap(self, out: SchedulerOutput) -> None:
-        if out.blocks_to_swap_out:
-            dev = [d for d, _ in out.blocks_to_swap_out]
-            pages = self.compiled.gather_pages(self.kv_caches, dev)
-            for layer, host in enumerate(self.host_pages):
-                host[[h for _, h in out.blocks_to_swap_out]] = pages[layer]
-        if out.blocks_to_swap_in:
-            host_ids = [h for h, _ in out.blocks_to_swap_in]
-            pages = [host[host_ids] for host in self.host_pages]
-            dev = [d for _, d in out.blocks_to_swap_in]
-            self.kv_caches = self.compiled.scatter_pages(self.kv_caches, dev, pages)
+    def _warm_swap(self) -> None:
+        self.kv_caches = self.swap.warm(self.program, self.kv_caches)
 
     # ------------------------------------------------------------------ step
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Runs one scheduled step; returns one entry per scheduled request."""
-        self._register(out)
-        self._swap(out)
-        order = list(out.num_scheduled_tokens)
-        if not order:
-            return RunnerOutput(
-                req_ids=[], sampled_token_ids=[], logprobs=None, prompt_logprobs=None
-            )
-        states = [self.requests[r] for r in order]
-        chunks = [
-            SeqChunk(
-                s.token_ids[s.num_computed : s.num_computed + out.num_scheduled_tokens[r]],
-                s.num_computed,
-                s.block_ids,
-            )
-            for r, s in zip(order, states, strict=True)
-        ]
-        sampling = self._sampling_rows(out, order, states)
-        groups = self.micro_batches([len(c.token_ids) for c in chunks])
-        # dispatch every micro-batch's forward and sampling before reading any result,
-        # so pipeline stages work on different micro-batches at once
-        launched = [self._launch([chunks[i] for i in g], [sampling[i] for i in g]) for g in groups]
+        with self.guard.watching():
+            self.table.apply(out)
+            self._swap(out)
+            order = list(out.num_scheduled_tokens)
+            if not order:
+                return RunnerOutput(req_ids=[], sampled_token_ids=[])
+            states = [self.table[r] for r in order]
+            chunks = [
+                self.table.chunk(s, out.num_scheduled_tokens[r])
+                for r, s in zip(order, states, strict=True)
+            ]
+            sampling = self._sampling_rows(out, order, states)
+            groups = self.program.micro_batches([len(c.token_ids) for c in chunks])
+            # dispatch every micro-batch's forward and sampling before reading any
+            # result, so pipeline stages work on different micro-batches at once
+            launched = [self._launch(g, chunks, sampling) for g in groups]
+            return self._collect(out, order, states, chunks, launched, sampling)
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        if out.blocks_to_swap_out:
+            self.swap.swap_out(self.program, self.kv_caches, list(out.blocks_to_swap_out))
+        if out.blocks_to_swap_in:
+            pairs = list(out.blocks_to_swap_in)
+            self.kv_caches = self.swap.swap_in(self.program, self.kv_caches, pairs)
+
+    def _collect(self, out, order, states, chunks, launched, sampling) -> RunnerOutput:
+        """Reads every micro-batch's results back and updates the request states."""
         rows: list[tuple[Any, Any, int]] = [None] * len(order)  # (token ids, logprobs, row)
         prompt_lps: list = [None] * len(order)
-        for group, (bucket, batch, hidden, result) in zip(groups, launched, strict=True):
-            token_ids, lp = jax.device_get(result)
-            for row, i in enumerate(group):
-                rows[i] = (token_ids, lp, row)
+        for part in launched:
+            token_ids, lp = jax.device_get(part.result)
             group_lps = self._prompt_logprobs(
-                bucket,
-                batch,
-                hidden,
-                [order[i] for i in group],
-                [states[i] for i in group],
-                [chunks[i] for i in group],
+                part, [states[i] for i in part.group], [chunks[i] for i in part.group]
             )
-            for row, i in enumerate(group):
+            for row, i in enumerate(part.group):
+                rows[i] = (token_ids, lp, row)
                 prompt_lps[i] = group_lps[row] if group_lps else None
-
         sampled, logprobs = [], []
         for i, (req_id, state) in enumerate(zip(order, states, strict=True)):
             state.num_computed += out.num_scheduled_tokens[req_id]
@@ -236,57 +223,43 @@ class ModelRunner:
             for r, s in zip(order, states, strict=True)
         ]
 
-    def micro_batches(self, num_tokens: list[int]) -> list[list[int]]:
-        """The step's requests (by index) in the groups that run as separate batches:
-        one group here; pipeline parallelism splits them so stages overlap."""
-        return [list(range(len(num_tokens)))]
-
-    def _launch(self, chunks: list[SeqChunk], sampling: list):
-        """Packs, runs and samples one micro-batch without waiting for it:
-        ``(bucket, batch, hidden, (token ids, logprobs) on device)``."""
-        bucket = self.buckets.select(sum(len(c.token_ids) for c in chunks), len(chunks))
-        batch = pack_batch(
+    def _pack(self, chunks: list[SeqChunk], bucket: Bucket) -> PackedBatch:
+        return pack_batch(
             chunks,
             page_size=self.settings.block_size,
             num_tokens=bucket.num_tokens,
             num_reqs=bucket.num_reqs,
             pages_per_req=self.pages_per_req,
         )
-        logits, hidden = self._forward(bucket, batch)
-        return bucket, batch, hidden, self._sample(bucket, logits, sampling)
 
-    def _forward(self, bucket: Bucket, batch):
-        logits, hidden, self.kv_caches = self.compiled.step(self.params, self.kv_caches, batch)
-        return logits, hidden
+    def _launch(self, group: list[int], chunks: list[SeqChunk], sampling: list) -> _Launched:
+        """Packs, runs and samples one micro-batch without waiting for it."""
+        mine = [chunks[i] for i in group]
+        bucket = self.buckets.select(sum(len(c.token_ids) for c in mine), len(mine))
+        batch = self._pack(mine, bucket)
+        logits, hidden, self.kv_caches = self.program.step(self.params, self.kv_caches, batch)
+        result = self._sample(bucket, logits, [sampling[i] for i in group])
+        return _Launched(group, bucket, batch, hidden, result)
 
     def _sample(self, bucket: Bucket, logits, rows: list):
+        settings = self.settings
         batch = SamplingBatch(
-            rows, bucket.num_reqs, self.vocab_size, eos_token_id=self.settings.eos_token_id
+            rows, bucket.num_reqs, settings.vocab_size, eos_token_id=settings.eos_token_id
         )
-        needed = batch.required_flags(self.settings.logprobs_mode)
-        flags = pick_variant(needed, self.compiled.sampler_variants) or needed
+        needed = batch.required_flags(settings.logprobs_mode)
+        flags = pick_variant(needed, self.sampler.variants) or needed
         if batch.any_logits_processors:
             host = apply_logits_processors(np.asarray(logits), batch.rows)
-            logits = self.compiled.to_device(host)
-        result = self.compiled.sample(logits, batch.to_metadata(flags), flags)
+            logits = self.sampler.to_device(host)
+        result = self.sampler.sample(logits, batch.to_metadata(flags), flags)
         return result.token_ids, result.logprobs
 
-    def _prompt_logprobs(self, bucket, batch, hidden, order, states, chunks):
+    def _prompt_logprobs(self, part: _Launched, states: list[RequestState], chunks: list[SeqChunk]):
         wanted = [s.params.prompt_logprobs is not None for s in states]
         if not any(wanted):
             return None
-        targets = np.full(bucket.num_tokens, -1, np.int32)
-        start = 0
-        for state, chunk, want in zip(states, chunks, wanted, strict=True):
-            n = len(chunk.token_ids)
-            if want:
-                pos = np.arange(chunk.num_computed, chunk.num_computed + n) + 1
-                inside = pos < state.num_prompt
-                targets[start : start + n] = np.where(
-                    inside, np.take(state.token_ids, np.minimum(pos, len(state.token_ids) - 1)), -1
-                )
-            start += n
-        out = jax.device_get(self.compiled.prompt_logprobs(self.params, hidden, targets))
+        targets = _prompt_targets(part.bucket.num_tokens, states, chunks, wanted)
+        out = jax.device_get(self.program.prompt_logprobs(self.params, part.hidden, targets))
         result, start = [], 0
         for state, chunk, want in zip(states, chunks, wanted, strict=True):
             n = len(chunk.token_ids)
@@ -304,8 +277,38 @@ class ModelRunner:
             start += n
         return result
 
-    def close(self) -> None:
+    # ------------------------------------------------------------------ lifetime
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.guard.compiles_after_warmup
+
+    def release(self) -> None:
+        """Disarms the compile guard and deletes the device buffers (parameters and KV
+        caches); the runner cannot run after this."""
         self.guard.close()
+        self.table.clear()
+        for leaf in jax.tree_util.tree_leaves((self.params, self.kv_caches)):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+        self.params = self.kv_caches = None
+        self.swap = None
+
+
+def _prompt_targets(num_tokens: int, states, chunks, wanted) -> np.ndarray:
+    """Per packed token: the next prompt token (whose logprob is wanted), else -1."""
+    targets = np.full(num_tokens, -1, np.int32)
+    start = 0
+    for state, chunk, want in zip(states, chunks, wanted, strict=True):
+        n = len(chunk.token_ids)
+        if want:
+            pos = np.arange(chunk.num_computed, chunk.num_computed + n) + 1
+            inside = pos < state.num_prompt
+            targets[start : start + n] = np.where(
+                inside, np.take(state.token_ids, np.minimum(pos, len(state.token_ids) - 1)), -1
+            )
+        start += n
+    return targets
 
 
 def _pick(lp, i: int, k: int | None):

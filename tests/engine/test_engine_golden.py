@@ -94,7 +94,7 @@ def test_greedy_matches_transformers(
 ):
     cache_dir = tmp_path_factory.getbasetemp() / "xla-cache"
     kwargs = {**BASE, **CONDITIONS[condition], "compilation_cache_dir": str(cache_dir)}
-    with caplog.at_level(logging.INFO, logger="jaxengine.engine.setup"):
+    with caplog.at_level(logging.INFO, logger="jaxengine.executor.build"):
         llm = LLM(model=str(smollm2_gguf), **kwargs)
     backend = "pallas-gpu-interpret" if condition == "pallas_kernels" else "reference"
     assert f"attention backend: {backend}" in caplog.text
@@ -107,6 +107,6 @@ def test_greedy_matches_transformers(
         assert stats.num_preemptions > 0
     if condition == "default":
         assert stats.prefix_cache_hits > 0
-    assert llm.engine.runner.guard.compiles_after_warmup == 0
+    assert llm.engine.executor.compiles_after_warmup == 0
     assert stats.kv_cache_usage == 0.0  # every page back
     llm.engine.shutdown()

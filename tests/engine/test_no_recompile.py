@@ -19,7 +19,7 @@ from jaxengine import SamplingParams, StructuredOutputsParams
 @pytest.mark.slow
 def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
     llm = small_llm
-    guard = llm.engine.runner.guard
+    guard = llm.engine.executor.runner.guard
     assert guard.armed
     before = guard.compiles_after_warmup
     lengths = [3, 70, 12, 45, 1, 90, 30, 8, 20, 5]

@@ -25,7 +25,7 @@ def runner_of(llm: LLM):
     """The (first replica's) runner."""
     engine = llm.engine
     replicas = getattr(engine, "replicas", None)
-    return (replicas[0] if replicas else engine).runner
+    return (replicas[0] if replicas else engine).executor.runner
 
 
 def prefill_logits(llm: LLM) -> np.ndarray:
@@ -48,7 +48,7 @@ def prefill_logits(llm: LLM) -> np.ndarray:
         num_reqs=bucket.num_reqs,
         pages_per_req=runner.pages_per_req,
     )
-    logits, _, runner.kv_caches = runner.compiled.step(runner.params, runner.kv_caches, batch)
+    logits, _, runner.kv_caches = runner.program.step(runner.params, runner.kv_caches, batch)
     return np.asarray(jax.device_get(logits))[: len(prompts)]
 
 

@@ -32,7 +32,7 @@ import pytest
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.config import ParallelConfig
-from jaxengine.engine.ray_executor import worker_layout
+from jaxengine.executor.ray import worker_layout
 from tests.processes import child_env, free_port, wait_healthy
 from tests.sharding.conftest import ENGINE_KWARGS, PROMPTS
 
@@ -139,8 +139,8 @@ params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 result = {
     "tokens": [list(o.outputs[0].token_ids) for o in outs],
-    "compiles_after_warmup": llm.engine.runner.compiles_after_warmup,
-    "workers": len(llm.engine.runner.workers),
+    "compiles_after_warmup": llm.engine.executor.compiles_after_warmup,
+    "workers": len(llm.engine.executor.workers),
 }
 llm.shutdown()
 print("RESULT " + json.dumps(result), flush=True)
@@ -199,7 +199,7 @@ def test_multi_node_flags_are_checked():
 
 def test_headless_needs_a_follower_rank():
     from jaxengine import EngineArgs
-    from jaxengine.engine.multihost import run_follower
+    from jaxengine.executor.multihost import run_follower
 
     with pytest.raises(ValueError, match="--headless"):
         run_follower(EngineArgs(nnodes=2, node_rank=0))

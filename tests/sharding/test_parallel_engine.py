@@ -58,7 +58,7 @@ def _reference(model: str) -> Reference:
             logits,
             _param_bytes(runner.params),
             caches[0].nbytes,
-            runner.loaded.config.num_kv_heads,
+            llm.engine.model_config.num_kv_heads,
             len(caches),
         )
     finally:
@@ -126,7 +126,7 @@ def test_layout_matches_one_device(llama_dir, llama_reference, layout):
 
         params = runner.params if pp > 1 else [runner.params]
         caches = runner.kv_caches if pp > 1 else [runner.kv_caches]
-        devices = runner.placement.stage_device_groups if pp > 1 else [runner.plan.devices]
+        devices = runner.program.placement.stage_device_groups if pp > 1 else [runner.program.plan.devices]
         assert len({d for group in devices for d in group}) == tp * pp
         for stage, group in enumerate(devices):
             held = bytes_per_device(params[stage])
@@ -189,12 +189,12 @@ def test_data_parallel_replicas(llama_dir, llama_reference):
         assert relative_error(prefill_logits(llm), llama_reference.logits) < TOLERANCE
         replicas = llm.engine.replicas
         assert len(replicas) == 2
-        devices = [set(r.runner.plan.devices) for r in replicas]
+        devices = [set(r.executor.runner.program.plan.devices) for r in replicas]
         assert not devices[0] & devices[1]
         for replica, group in zip(replicas, devices, strict=True):
-            held = bytes_per_device(replica.runner.params)
+            held = bytes_per_device(replica.executor.runner.params)
             assert set(held) == group
-            assert held[next(iter(group))] == total_bytes(replica.runner.params)
+            assert held[next(iter(group))] == total_bytes(replica.executor.runner.params)
     finally:
         llm.shutdown()
 
@@ -206,10 +206,10 @@ def test_tensor_and_data_parallel(llama_dir, llama_reference):
         assert greedy(llm) == llama_reference.outputs
         assert relative_error(prefill_logits(llm), llama_reference.logits) < TOLERANCE
         replicas = llm.engine.replicas
-        groups = [set(r.runner.plan.devices) for r in replicas]
+        groups = [set(r.executor.runner.program.plan.devices) for r in replicas]
         assert [len(g) for g in groups] == [2, 2] and not groups[0] & groups[1]
         for replica in replicas:
-            held = bytes_per_device(replica.runner.params)
+            held = bytes_per_device(replica.executor.runner.params)
             assert set(held.values()) == {expected_param_bytes(llama_reference, 2, 1, 0)}
     finally:
         llm.shutdown()
@@ -228,18 +228,18 @@ def test_pipeline_micro_batches_overlap_stages(llama_dir, llama_reference, monke
     """A step of 4 requests on 2 stages runs as 2 micro-batches, dispatched stage by
     stage before any result is read, with the one-device outputs and prompt logprobs."""
     from jaxengine import SamplingParams
-    from sharding.pipeline import PipelineCompiled
+    from sharding.pipeline import PipelineStages
 
     llm = build(llama_dir, pipeline_parallel_size=2)
     try:
         calls = []
-        step = PipelineCompiled.step
+        step = PipelineStages.step
 
         def counting(self, params, kv_caches, batch):
             calls.append(int(batch.num_seqs))
             return step(self, params, kv_caches, batch)
 
-        monkeypatch.setattr(PipelineCompiled, "step", counting)
+        monkeypatch.setattr(PipelineStages, "step", counting)
         assert greedy(llm) == llama_reference.outputs
         assert max(calls) < 4  # never the whole 4-request step in one batch
         params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, logprobs=2)

@@ -1,0 +1,38 @@
+"""`Executor`: how an engine runs its model, wherever the devices are.
+
+The engine core (scheduler, output processing) sees only this interface. An executor
+is created with its model loaded, its KV cache sized and allocated
+(`jaxengine.executor.create_executor`, which also returns the host parts: resolved
+config, tokenizer, cache size, scheduler limits). Then:
+
+- ``warmup(progress)`` compiles every step shape and arms the compile guards;
+- ``execute(scheduler_output)`` runs one scheduled step (including its page swaps)
+  and returns the sampled ids and logprobs (`RunnerOutput`);
+- ``check_health()`` raises when a worker is gone;
+- ``compiles_after_warmup`` counts compilations that escaped warm-up (0 when none);
+- ``shutdown()`` stops the workers and releases every device buffer. It is
+  idempotent; the executor cannot run after it.
+
+Implementations: `LocalExecutor` (this process's devices), `DriverExecutor` (this
+host drives follower hosts over sockets, ``--nnodes`` > 1) and `RayExecutor`
+(``--distributed-executor-backend ray``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    def warmup(self, progress: bool = True) -> None: ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+
+    def check_health(self) -> None: ...
+
+    @property
+    def compiles_after_warmup(self) -> int: ...
+
+    def shutdown(self) -> None: ...

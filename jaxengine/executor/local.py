@@ -1,0 +1,35 @@
+"""`LocalExecutor`: the engine's model on this process's devices."""
+
+from __future__ import annotations
+
+from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
+from jaxengine.runner.model_runner import ModelRunner
+
+
+class LocalExecutor:
+    """One `ModelRunner` in this process (one replica's devices)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._closed = False
+
+    def warmup(self, progress: bool = True) -> None:
+        self.runner.warmup(progress)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if self._closed:
+            raise RuntimeError("the executor is shut down")
+        return self.runner.execute(scheduler_output)
+
+    def check_health(self) -> None:
+        if self._closed:
+            raise RuntimeError("the executor is shut down")
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.runner.compiles_after_warmup
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.runner.release()

@@ -1,0 +1,109 @@
+"""A stage program: how one engine's model runs on its devices.
+
+`ModelRunner` does not know whether the model is one program on one tensor group or
+a pipeline of stages on several. It asks a `StageProgram` to place the parameters,
+allocate the KV caches, run a packed step, compute prompt logprobs, and copy pages
+for swapping. Every call takes its device inputs and returns its outputs explicitly
+(the caches included: they are donated and come back updated); a program holds
+compiled functions and placement, never parameters or caches.
+
+`SingleStage` is the program of one tensor group (one device, or a tensor-parallel
+mesh); `sharding.pipeline.PipelineStages` is the pipeline's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.runner.batch import PackedBatch
+from jaxengine.runner.step import make_prompt_logprobs, make_step, make_swap_fns, step_inputs
+
+if TYPE_CHECKING:
+    from jax.sharding import Sharding
+
+    from sharding.plan import ShardingPlan
+
+Params = Any  # a pytree of device arrays (one per stage in a pipeline)
+Caches = Any  # per-layer cache arrays (one tuple per stage in a pipeline)
+
+
+class StageProgram(Protocol):
+    """The device side of a model, as the runner drives it."""
+
+    @property
+    def logits_sharding(self) -> Sharding | None:
+        """Where the step leaves the logits (where host logits must go back to)."""
+        ...
+
+    def place_params(self, params: Params) -> Params: ...
+
+    def allocate_caches(self, shape: tuple, dtype: Any) -> Caches: ...
+
+    def step(self, params: Params, caches: Caches, batch: PackedBatch) -> tuple[Any, Any, Caches]:
+        """``(logits[R, V], hidden[T, H], caches)`` of a packed batch."""
+        ...
+
+    def prompt_logprobs(self, params: Params, hidden: Any, targets: np.ndarray) -> Any: ...
+
+    def gather(self, caches: Caches, ids: np.ndarray) -> list[np.ndarray]:
+        """Pages ``ids`` of every layer, on the host."""
+        ...
+
+    def scatter(self, caches: Caches, ids: np.ndarray, pages: list[np.ndarray]) -> Caches: ...
+
+    def micro_batches(self, num_tokens: list[int]) -> list[list[int]]:
+        """The step's requests (by index) in the groups that run as separate batches."""
+        ...
+
+
+def zero_caches(shape: tuple, dtype: Any, count: int, sharding: Any = None) -> tuple:
+    """``count`` zeroed cache arrays, created on device (placed by ``sharding``)."""
+    placed = None if sharding is None else (sharding,) * count
+    make = jax.jit(
+        lambda: tuple(jnp.zeros(shape, dtype) for _ in range(count)), out_shardings=placed
+    )
+    return make()
+
+
+class SingleStage:
+    """The whole model as one program on one tensor group (``plan``; None: the default
+    device)."""
+
+    def __init__(self, module: Any, num_layers: int, plan: ShardingPlan | None, k: int) -> None:
+        self.plan = plan
+        self.num_layers = num_layers
+        self._logits_sharding = plan.replicated if plan is not None else None
+        self._step = make_step(module, self._logits_sharding)
+        self._prompt_lp = make_prompt_logprobs(module, k)
+        self._gather, self._scatter = make_swap_fns()
+
+    @property
+    def logits_sharding(self) -> Sharding | None:
+        return self._logits_sharding
+
+    def place_params(self, params: Params) -> Params:
+        return params  # the loader placed them by the plan
+
+    def allocate_caches(self, shape: tuple, dtype: Any) -> Caches:
+        sharding = None if self.plan is None else self.plan.kv_cache_sharding
+        return zero_caches(shape, dtype, self.num_layers, sharding)
+
+    def step(self, params: Params, caches: Caches, batch: PackedBatch) -> tuple[Any, Any, Caches]:
+        buffers, spec = step_inputs(batch)
+        return self._step(params, caches, buffers, spec=spec)
+
+    def prompt_logprobs(self, params: Params, hidden: Any, targets: np.ndarray) -> Any:
+        return self._prompt_lp(params, hidden, targets)
+
+    def gather(self, caches: Caches, ids: np.ndarray) -> list[np.ndarray]:
+        return list(jax.device_get(self._gather(caches, ids)))
+
+    def scatter(self, caches: Caches, ids: np.ndarray, pages: list[np.ndarray]) -> Caches:
+        return self._scatter(caches, ids, tuple(pages))
+
+    def micro_batches(self, num_tokens: list[int]) -> list[list[int]]:
+        return [list(range(len(num_tokens)))]
