@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-
 import numpy as np
 
 from jaxengine.runner.attention_backend import AttentionBackend

@@ -32,6 +32,7 @@ from multiprocessing.connection import Client, Connection, Listener
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
+from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.build import HostParts, build_worker
 from jaxengine.messages import (
     DriverWelcome,
@@ -44,7 +45,6 @@ from jaxengine.messages import (
     dumps,
     loads,
 )
-from jaxengine.engine_args import EngineArgs
 from jaxengine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -86,7 +86,11 @@ class ModelRunner:
     """Runs scheduled steps of one model on its devices."""
 
     def __init__(
-        self, program: StageProgram, params: Params, settings: RunnerSettings, sampler: SamplerFunctions
+        self,
+        program: StageProgram,
+        params: Params,
+        settings: RunnerSettings,
+        sampler: SamplerFunctions,
     ) -> None:
         self.program = program
         self.settings = settings

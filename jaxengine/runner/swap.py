@@ -48,7 +48,9 @@ class HostSwapSpace:
             if host_ids:
                 host[host_ids] = np.concatenate([p[layer] for p in parts])[: len(host_ids)]
 
-    def swap_in(self, program: StageProgram, caches: Caches, pairs: list[tuple[int, int]]) -> Caches:
+    def swap_in(
+        self, program: StageProgram, caches: Caches, pairs: list[tuple[int, int]]
+    ) -> Caches:
         """Copies host pages into device pages, for each (host, device) pair."""
         host_ids = [h for h, _ in pairs]
         device_ids = self._padded([d for _, d in pairs])

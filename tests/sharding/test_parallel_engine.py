@@ -126,7 +126,11 @@ def test_layout_matches_one_device(llama_dir, llama_reference, layout):
 
         params = runner.params if pp > 1 else [runner.params]
         caches = runner.kv_caches if pp > 1 else [runner.kv_caches]
-        devices = runner.program.placement.stage_device_groups if pp > 1 else [runner.program.plan.devices]
+        devices = (
+            runner.program.placement.stage_device_groups
+            if pp > 1
+            else [runner.program.plan.devices]
+        )
         assert len({d for group in devices for d in group}) == tp * pp
         for stage, group in enumerate(devices):
             held = bytes_per_device(params[stage])
