@@ -1,9 +1,9 @@
 """The FastAPI app: OpenAI routes, tokenization, health, metrics, and middleware.
 
-`build_app(engine, args)` wires the handlers to an `AsyncLLM` (or a `DPAsyncLLM` with
-``--data-parallel-size`` > 1); `server/launch.py` serves it with uvicorn. Every error
-leaves the app in OpenAI's error shape (see `server/errors.py`); none of them stops the
-server.
+`build_app(engine, args)` wires the handlers to an `EngineClient` (an `AsyncLLM`, or
+a `DPAsyncLLM` with ``--data-parallel-size`` > 1); `server/launch.py` serves it with
+uvicorn. Every error leaves the app in OpenAI's error shape (see `server/errors.py`);
+none of them stops the server.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError
-from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
+from jaxengine.entrypoints.client import EngineClient, EngineDeadError
 from jaxengine.version import __version__
 from server.errors import APIError, error_response, validation_message
 from server.protocol import (
@@ -42,9 +41,9 @@ from server.serving_completion import CompletionHandler
 logger = logging.getLogger("jaxengine.server")
 
 
-def server_options(args: Any, engine: AsyncLLM | DPAsyncLLM) -> ServerOptions:
+def server_options(args: Any, engine: EngineClient) -> ServerOptions:
     """The handler options from parsed `serve` flags (and the engine's reasoning parser)."""
-    so = getattr(engine.config, "structured_outputs_config", None)
+    so = engine.config.structured_outputs_config
     return ServerOptions(
         served_model_names=tuple(engine.config.model_config.served_model_names),
         response_role=args.response_role,
@@ -61,13 +60,13 @@ def server_options(args: Any, engine: AsyncLLM | DPAsyncLLM) -> ServerOptions:
             args, "exclude_tools_when_tool_choice_none", False
         ),
         tool_parser_plugin=getattr(args, "tool_parser_plugin", None),
-        reasoning_parser=getattr(so, "reasoning_parser_name", "") or "",
-        reasoning_parser_plugin=getattr(so, "reasoning_parser_plugin", "") or "",
+        reasoning_parser=so.reasoning_parser_name or "",
+        reasoning_parser_plugin=so.reasoning_parser_plugin or "",
     )
 
 
 def build_app(
-    engine: AsyncLLM | DPAsyncLLM,
+    engine: EngineClient,
     args: Any,
     metrics: Any = None,
     stats_logs: Sequence[Any] = (),

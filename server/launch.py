@@ -10,6 +10,10 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxengine.entrypoints.client import EngineClient
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -25,15 +29,16 @@ def setup_logging(level: str = "info") -> None:
     root.propagate = False
 
 
-def build_engine(args: argparse.Namespace):
-    """(engine, prometheus stat logger, log stat loggers) from the flags.
+def build_engine(args: argparse.Namespace) -> tuple[EngineClient, Any, list[Any]]:
+    """(engine client, prometheus stat logger, log stat loggers) from the flags.
 
     The engine is an `AsyncLLM`, or with ``--data-parallel-size N`` > 1 a `DPAsyncLLM`
     over N replicas, each reporting its metrics as ``engine="i"`` and logging its own
     stats line. The log stat loggers are empty with ``--disable-log-stats``. With
     ``--data-parallel-size-local L`` < N this is the head: it listens on
     ``--data-parallel-address``/``--data-parallel-rpc-port`` before building its L
-    replicas, then waits for the ``--headless`` nodes to register the other ranks.
+    replicas, then waits for the ``--headless`` nodes to register the other ranks
+    (their streams go in one `StreamTable`, which the `DPAsyncLLM` then shares).
     """
     import jax
     import prometheus_client
@@ -96,7 +101,7 @@ def run_headless(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args)
     if engine_args.nnodes > 1:
-        from jaxengine.engine.multihost import run_follower
+        from jaxengine.executor.multihost import run_follower
 
         return run_follower(engine_args)
     if engine_args.data_parallel_address is not None:

@@ -18,8 +18,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from jaxengine.engine.llm_engine import PreparedPrompt
-from jaxengine.entrypoints.async_llm import AsyncLLM
-from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
+from jaxengine.entrypoints.client import EngineClient
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from server.errors import APIError, error_body
@@ -55,15 +54,15 @@ class ServerOptions:
 class ServingContext:
     """The engine (one, or several data-parallel replicas) and options behind every handler."""
 
-    def __init__(self, engine: AsyncLLM | DPAsyncLLM, options: ServerOptions) -> None:
+    def __init__(self, engine: EngineClient, options: ServerOptions) -> None:
         self.engine = engine
         self.options = options
         self.tokenizer = engine.tokenizer
-        gen = engine.engine.generation_config or {}
+        gen = engine.generation_config or {}
         self.default_sampling = {
             k: gen[k] for k in GENERATION_CONFIG_DEFAULTS if gen.get(k) is not None
         }
-        self.structured_config = getattr(engine.config, "structured_outputs_config", None)
+        self.structured_config = engine.config.structured_outputs_config
         self._tool_parser_cls = tool_parser_class(
             options.tool_call_parser, options.tool_parser_plugin
         )

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from jaxengine.engine_args import EngineArgs
-    from jaxengine.entrypoints.async_llm import AsyncLLM
+    from jaxengine.entrypoints.dp_async_llm import async_engine_from_args
     from server.app import server_options
     from server.run_batch import run_batch
     from server.serving import ServingContext
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"run-batch: cannot read {args.input_file}: {e}", file=sys.stderr)
         return 1
-    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = async_engine_from_args(EngineArgs.from_cli_args(args))
     try:
         ctx = ServingContext(engine, server_options(args, engine))
         count = sum(1 for line in lines if line.strip())

@@ -18,46 +18,41 @@ When a step raises, the engine is dead: every waiting stream receives an
 After each step the thread hands `SchedulerStats` and `IterationStats` to the stat
 loggers (`jaxengine.metrics`), which are thread-safe.
 
-With ``--data-parallel-size N`` the server runs one `AsyncLLM` per replica behind a
-`DPAsyncLLM` (`entrypoints.dp_async_llm`).
+Each request's stream lives in a `StreamTable` (`entrypoints.streams`), owned by this
+engine's ``rank``. With ``--data-parallel-size N`` the server runs one `AsyncLLM` per
+replica behind a `DPAsyncLLM` (`entrypoints.dp_async_llm`), all sharing its table.
+`dp_async_llm.async_engine` builds whichever of the two a config needs.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
+from jaxengine.entrypoints.client import EngineDeadError, StatLogger
+from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 
+__all__ = ["AsyncLLM", "EngineDeadError"]
+
 logger = logging.getLogger(__name__)
-
-StatLogger = Any
-"""An object with ``record(scheduler_stats, iteration_stats)``."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an error; the server must be restarted."""
-
-
-class Stream:
-    """Where one request's outputs go: a queue read on the caller's event loop
-    (filled from other threads with `call_soon` and `putter`)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
 
 class AsyncLLM:
-    """An `LLMEngine` stepped on a background thread, with async per-request streams."""
+    """An `LLMEngine` stepped on a background thread, with async per-request streams.
+
+    Implements `EngineClient`, and `ReplicaClient` as data-parallel rank ``rank``:
+    its streams are ``streams``'s with owner ``rank`` (a table of its own unless
+    given one to share, as `DPAsyncLLM` and a headless node do).
+    """
 
     def __init__(
         self,
@@ -66,30 +61,19 @@ class AsyncLLM:
         stat_loggers: Sequence[StatLogger] = (),
         engine: LLMEngine | None = None,
         thread_name: str = "jaxengine-engine",
+        rank: int = 0,
+        streams: StreamTable | None = None,
     ) -> None:
         self.engine = engine if engine is not None else LLMEngine(config)
         self.config = self.engine.config
         self.stat_loggers = list(stat_loggers)
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, Stream] = {}
-        self._lock = threading.Lock()  # guards _streams and _dead
+        self.rank = rank
+        self.streams = streams if streams is not None else StreamTable()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._dead: BaseException | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
-
-    @classmethod
-    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> Any:
-        """An `AsyncLLM`, or a `DPAsyncLLM` when ``data_parallel_size`` > 1 (both with
-        the interface the server uses)."""
-        import jax
-
-        config = engine_args.create_engine_config(platform=jax.default_backend())
-        if config.parallel_config.data_parallel_size > 1:
-            from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
-
-            return DPAsyncLLM(config, **kwargs)
-        return cls(config, **kwargs)
 
     # ------------------------------------------------------------------ properties
 
@@ -106,6 +90,10 @@ class AsyncLLM:
         return self.engine.vocab_size
 
     @property
+    def generation_config(self) -> dict[str, Any] | None:
+        return self.engine.generation_config
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
@@ -115,8 +103,7 @@ class AsyncLLM:
 
     def num_requests(self) -> int:
         """Requests in flight (queued or running), as the API server counts them."""
-        with self._lock:
-            return len(self._streams)
+        return self.streams.count(self.rank)
 
     async def check_health(self) -> None:
         """Raises `EngineDeadError` when the engine thread has stopped."""
@@ -148,51 +135,31 @@ class AsyncLLM:
         prepared = prompt if isinstance(prompt, PreparedPrompt) else None
         if prepared is None:
             prepared = self.prepare(prompt, sampling_params)
-        stream = self._open(request_id)
-        self._commands.put(("add", (request_id, prepared, priority, time.time())))
-        finished = False
+        stream = self.streams.open(request_id, self.rank)
+        self._commands.put(_Add(request_id, prepared, priority, time.time()))
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            while not stream.finished:
+                yield await stream.next()
         finally:
-            self._close(request_id)
-            if not finished:
-                self._commands.put(("abort", request_id))
+            self.streams.close(request_id)
+            if not stream.finished:
+                self._commands.put(_Abort(request_id))
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Aborts requests (any state); their pages are freed before the next step."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            self._close(rid)
-            self._commands.put(("abort", rid))
+            if self.streams.owner_of(rid) == self.rank:
+                self.streams.close(rid)
+            self._commands.put(_Abort(rid))
 
     def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:
         """Stops the engine thread and (unless told not to) releases the engine."""
         self._stopped.set()
-        self._commands.put(("stop", None))
+        self._commands.put(_Stop())
         self._thread.join(timeout)
         if shutdown_engine:
             self.engine.shutdown()
-
-    def _open(self, request_id: str) -> Stream:
-        with self._lock:
-            if self._dead is not None:
-                raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            stream = Stream(asyncio.get_running_loop())
-            self._streams[request_id] = stream
-        return stream
-
-    def _close(self, request_id: str) -> None:
-        with self._lock:
-            self._streams.pop(request_id, None)
 
     # ------------------------------------------------------------------ engine thread
 
@@ -207,7 +174,7 @@ class AsyncLLM:
                     self._record(engine.take_iteration_stats())  # aborts, if any
                     continue
                 outputs = engine.step()
-                self._deliver(outputs)
+                self.streams.deliver(((o.request_id, o) for o in outputs), self.rank)
                 self._record(engine.take_iteration_stats())
         except BaseException as e:  # noqa: BLE001 - reported to every client
             logger.exception("engine step failed; the engine is stopping")
@@ -220,40 +187,26 @@ class AsyncLLM:
         except queue.Empty:
             return True
         while True:
-            kind, payload = command
-            if kind == "stop":
+            if isinstance(command, _Stop):
                 return False
-            if kind == "add":
-                self._add(*payload)
-            elif kind == "abort":
-                self.engine.abort_request(payload)
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
 
-    def _add(self, request_id: str, prepared: PreparedPrompt, priority: int, arrival: float):
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is None:  # aborted before the engine saw it
+    def _add(self, add: _Add) -> None:
+        if self.streams.owner_of(add.request_id) != self.rank:  # aborted before now
             return
         try:
-            self.engine.add_prepared(request_id, prepared, arrival_time=arrival, priority=priority)
+            self.engine.add_prepared(
+                add.request_id, add.prepared, arrival_time=add.arrival, priority=add.priority
+            )
         except ValueError as e:
-            self._send(stream, e)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        with self._lock:
-            targets = [(self._streams.get(o.request_id), o) for o in outputs]
-        by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
-        for stream, out in targets:
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append(putter(stream.queue, out))
-        for loop, puts in by_loop.items():
-            call_soon(loop, lambda puts=puts: [put() for put in puts])
-
-    def _send(self, stream: Stream, item: RequestOutput | BaseException) -> None:
-        call_soon(stream.loop, putter(stream.queue, item))
+            self.streams.deliver([(add.request_id, e)], self.rank)
 
     def _record(self, iteration_stats: Any) -> None:
         if not self.stat_loggers:
@@ -268,20 +221,29 @@ class AsyncLLM:
     def _fail(self, error: BaseException) -> None:
         dead = EngineDeadError(f"the engine stopped after an error: {error!r}")
         dead.__cause__ = error
-        with self._lock:
-            self._dead = error
-            streams = list(self._streams.values())
-            self._streams.clear()
-        for stream in streams:
-            self._send(stream, dead)
+        self._dead = error
+        self.streams.fail_all(dead, self.rank)
 
 
-def putter(q: asyncio.Queue, item: Any) -> Callable[[], None]:
-    return lambda: q.put_nowait(item)
+# Commands from the event loop to the engine thread (they never leave this process).
 
 
-def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> None:
-    try:
-        loop.call_soon_threadsafe(callback)
-    except RuntimeError:  # the caller's loop is closed: nobody is listening
-        pass
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prepared: PreparedPrompt
+    priority: int
+    arrival: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop

@@ -12,28 +12,42 @@ Stat loggers are per replica: replica ``i`` reports to ``stat_loggers[i]`` (e.g.
 `PrometheusStatLogger.for_engine(i)`, so `/metrics` labels it ``engine="i"``).
 
 Replicas on other nodes (``--data-parallel-size-local`` < N) are `RemoteReplica`s
-(`entrypoints.dp_remote`) with the same interface, after the local ones in rank
-order; their stats come back over the wire to ``stat_loggers[rank]``. New requests
-avoid a dead replica while a live one is left (``/health`` still answers 503).
+(`entrypoints.dp_remote`), after the local ones in rank order; their stats come back
+over the wire to ``stat_loggers[rank]``. New requests avoid a dead replica while a
+live one is left (``/health`` still answers 503).
+
+Every replica, local or remote, is a `ReplicaClient` whose streams live in ONE
+`StreamTable` shared with this front (owner: the replica's rank): the balancer's
+loads are the table's counts per owner, and `abort` finds a request's replica as the
+table's ``owner_of``.
+
+`async_engine` (and `async_engine_from_args`) build the server's `EngineClient`: an
+`AsyncLLM`, or a `DPAsyncLLM` when ``data_parallel_size`` > 1. They live here, the
+one module that imports both.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.dp_balancer import DPBalancer
 from jaxengine.engine.data_parallel import DataParallelEngine
-from jaxengine.engine.llm_engine import PreparedPrompt
-from jaxengine.entrypoints.async_llm import AsyncLLM, StatLogger
+from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
+from jaxengine.entrypoints.async_llm import AsyncLLM
+from jaxengine.entrypoints.client import EngineClient, ReplicaClient, StatLogger
 from jaxengine.entrypoints.dp_remote import RemoteReplica
+from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from jaxengine.engine_args import EngineArgs
+
 
 class DPAsyncLLM:
-    """Several `AsyncLLM`s (one per data-parallel replica) used as one."""
+    """Several replicas (an `AsyncLLM` per local one) used as one `EngineClient`."""
 
     def __init__(
         self,
@@ -43,33 +57,31 @@ class DPAsyncLLM:
         engine: DataParallelEngine | None = None,
         remote: Sequence[RemoteReplica] = (),
     ) -> None:
-        """``remote``: the replicas of the other nodes, ranks after the local ones."""
+        """``remote``: the replicas of the other nodes, ranks after the local ones, all
+        on one `StreamTable` (`DPHead.wait`'s), which this front then shares."""
         self.engine = engine if engine is not None else DataParallelEngine(config)
         self.config = self.engine.config
-        local = self.engine.replicas
         size = config.parallel_config.data_parallel_size
-        ranks = list(range(len(local), size))
-        if [r.rank for r in remote] != ranks:
-            raise ValueError(
-                f"{len(local)} local replicas need remote ranks {ranks}, got "
-                f"{[r.rank for r in remote]}"
-            )
         if stat_loggers and len(stat_loggers) != size:
             raise ValueError(f"{len(stat_loggers)} stat logger lists for {size} replicas")
-        self.replicas: list[AsyncLLM | RemoteReplica] = [
+        self.streams = _shared_table(remote)
+        local = self.engine.replicas
+        _check_remote_ranks(len(local), size, remote)
+        self.replicas: list[ReplicaClient] = [
             AsyncLLM(
                 replica.config,
                 engine=replica,
                 stat_loggers=stat_loggers[i] if stat_loggers else (),
                 thread_name=f"jaxengine-engine-{i}",
+                rank=i,
+                streams=self.streams,
             )
             for i, replica in enumerate(local)
         ]
         for replica in remote:
             replica.stat_loggers = list(stat_loggers[replica.rank]) if stat_loggers else []
             self.replicas.append(replica)
-        self.balancer = DPBalancer(size, block_size=self.config.cache_config.block_size or 16)
-        self._owner: dict[str, int] = {}  # request id in flight -> replica index
+        self.balancer = DPBalancer(size, block_size=self.config.cache_config.block_size)
 
     # ------------------------------------------------------------------ properties
 
@@ -86,6 +98,10 @@ class DPAsyncLLM:
         return self.engine.vocab_size
 
     @property
+    def generation_config(self) -> dict[str, Any] | None:
+        return self.engine.generation_config
+
+    @property
     def is_running(self) -> bool:
         return all(r.is_running for r in self.replicas)
 
@@ -95,11 +111,12 @@ class DPAsyncLLM:
 
     def num_requests(self) -> int:
         """Requests in flight over every replica."""
-        return sum(self.loads())
+        return self.streams.count()
 
     def loads(self) -> list[int]:
         """Each replica's requests in flight (what the balancer weighs)."""
-        return [r.num_requests() for r in self.replicas]
+        counts = self.streams.counts()
+        return [counts.get(rank, 0) for rank in range(len(self.replicas))]
 
     def _routing_loads(self) -> list[int]:
         """`loads`, with a dead replica weighing more than any live one could."""
@@ -130,28 +147,24 @@ class DPAsyncLLM:
         prepared = prompt if isinstance(prompt, PreparedPrompt) else None
         if prepared is None:
             prepared = self.prepare(prompt, sampling_params)
-        if request_id in self._owner:
+        if self.streams.owner_of(request_id) is not None:
             raise ValueError(f"duplicate request id {request_id!r}")
-        index = self.balancer.choose(prepared.token_ids, self._routing_loads())
-        self._owner[request_id] = index
+        rank = self.balancer.choose(prepared.token_ids, self._routing_loads())
+        stream = self.replicas[rank].generate(
+            prepared, sampling_params, request_id, priority=priority
+        )
         try:
-            stream = self.replicas[index].generate(
-                prepared, sampling_params, request_id, priority=priority
-            )
-            try:
-                async for out in stream:
-                    yield out
-            finally:
-                await stream.aclose()  # aborts the request if it did not finish
+            async for out in stream:
+                yield out
         finally:
-            self._owner.pop(request_id, None)
+            await stream.aclose()  # aborts the request if it did not finish
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Aborts requests on the replicas that hold them (unknown ids: on every one)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            index = self._owner.get(rid)
-            targets = self.replicas if index is None else [self.replicas[index]]
+            rank = self.streams.owner_of(rid)
+            targets = self.replicas if rank is None else [self.replicas[rank]]
             for replica in targets:
                 await replica.abort(rid)
 
@@ -164,18 +177,48 @@ class DPAsyncLLM:
             self.engine.shutdown()
 
 
+def _shared_table(remote: Sequence[RemoteReplica]) -> StreamTable:
+    """The remote replicas' one table (a new table when there are none)."""
+    tables = {id(r.streams): r.streams for r in remote}
+    if len(tables) > 1:
+        raise ValueError("the remote replicas must share one StreamTable (DPHead.wait's)")
+    return next(iter(tables.values())) if tables else StreamTable()
+
+
+def _check_remote_ranks(num_local: int, size: int, remote: Sequence[RemoteReplica]) -> None:
+    ranks = list(range(num_local, size))
+    if [r.rank for r in remote] != ranks:
+        raise ValueError(
+            f"{num_local} local replicas need remote ranks {ranks}, got {[r.rank for r in remote]}"
+        )
+
+
 def async_engine(
     config: EngineConfig,
     *,
     stat_loggers: Sequence[Sequence[StatLogger]] = (),
-    engine: Any = None,
+    engine: LLMEngine | DataParallelEngine | None = None,
     remote: Sequence[RemoteReplica] = (),
-) -> AsyncLLM | DPAsyncLLM:
+) -> EngineClient:
     """An `AsyncLLM`, or a `DPAsyncLLM` when ``data_parallel_size`` > 1.
 
     ``stat_loggers[i]`` are replica ``i``'s (one list when there is one replica);
-    ``remote`` the replicas on other nodes.
+    ``remote`` the replicas on other nodes; ``engine`` the `LLMEngine` or
+    `DataParallelEngine` already built for ``config`` (built here when None).
     """
     if config.parallel_config.data_parallel_size > 1:
+        if isinstance(engine, LLMEngine):
+            raise TypeError("data_parallel_size > 1 needs a DataParallelEngine")
         return DPAsyncLLM(config, stat_loggers=stat_loggers, engine=engine, remote=remote)
+    if isinstance(engine, DataParallelEngine):
+        raise TypeError("data_parallel_size 1 needs an LLMEngine")
     return AsyncLLM(config, stat_loggers=stat_loggers[0] if stat_loggers else (), engine=engine)
+
+
+def async_engine_from_args(engine_args: EngineArgs, **kwargs: Any) -> EngineClient:
+    """`async_engine` for the config of ``engine_args`` (an `EngineArgs`) on this
+    platform; ``kwargs`` go to `async_engine`."""
+    import jax
+
+    config = engine_args.create_engine_config(platform=jax.default_backend())
+    return async_engine(config, **kwargs)

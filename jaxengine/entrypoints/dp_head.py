@@ -2,12 +2,14 @@
 
 The head opens the listener before it builds its own replicas, so the nodes (which
 build theirs at the same time) can register as soon as they are ready. A node sends
-its `NodeInfo`; ranks that are not the head's to give out (out of range, the head's
-own, or already taken) or a different ``--data-parallel-size`` are refused at once.
+`Register` (its `NodeInfo` and protocol version); another `PROTOCOL_VERSION`, ranks
+that are not the head's to give out (out of range, the head's own, or already taken)
+or a different ``--data-parallel-size`` are refused at once (`Refused` says why).
 `wait` then blocks until every remote rank has registered (at most
 ``$JAXENGINE_DP_WAIT_TIMEOUT`` seconds), checks that the nodes serve the same model
-limits as the head (``max_model_len``, vocabulary), answers "ready", and hands back a
-`RemoteNode` per node. Nodes that connect later are not taken: the listener closes.
+limits as the head (``max_model_len``, vocabulary), answers `Ready`, and hands back
+every node's `RemoteReplica`s, whose streams live in the table it is given. Nodes
+that connect later are not taken: the listener closes.
 """
 
 from __future__ import annotations
@@ -18,12 +20,10 @@ import threading
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
-from typing import Any
 
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.entrypoints.dp_remote import (
     WAIT_TIMEOUT_ENV,
-    NodeInfo,
     RemoteNode,
     RemoteReplica,
     authkey,
@@ -31,6 +31,8 @@ from jaxengine.entrypoints.dp_remote import (
     send,
     wait_timeout,
 )
+from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.messages import NodeInfo, Ready, Refused, Register, check_version
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +62,18 @@ class DPHead:
             "waiting for data parallel ranks %s at %s:%d", sorted(self.expected), *self.address
         )
 
-    def wait(self, max_model_len: int, vocab_size: int, timeout: float | None = None):
+    def wait(
+        self,
+        max_model_len: int,
+        vocab_size: int,
+        timeout: float | None = None,
+        *,
+        streams: StreamTable | None = None,
+    ) -> list[RemoteReplica]:
         """The remote replicas, by rank, once every remote rank has registered.
 
-        Raises `DPRegistrationError` after ``timeout`` seconds (default
+        Their streams live in ``streams`` (the `DPAsyncLLM`'s shared table; a new one
+        by default). Raises `DPRegistrationError` after ``timeout`` seconds (default
         ``$JAXENGINE_DP_WAIT_TIMEOUT``) or when a node's model limits differ.
         """
         timeout = wait_timeout() if timeout is None else timeout
@@ -78,6 +88,19 @@ class DPHead:
             for conn, _ in registered:
                 _refuse(conn, "the head gave up waiting for the other data parallel ranks")
             raise DPRegistrationError(missing)
+        self._check_models(registered, max_model_len, vocab_size)
+        streams = streams if streams is not None else StreamTable()
+        nodes = []
+        for conn, info in registered:
+            send(conn, Ready())
+            nodes.append(RemoteNode(conn, info, streams))
+        replicas = [r for node in nodes for r in node.replicas.values()]
+        return sorted(replicas, key=lambda r: r.rank)
+
+    def _check_models(
+        self, registered: list[tuple[Connection, NodeInfo]], max_model_len: int, vocab_size: int
+    ) -> None:
+        """Refuses every node and raises unless all serve the head's model limits."""
         problems = [
             f"ranks {list(info.ranks)} on {info.host} have max_model_len "
             f"{info.max_model_len} and vocabulary {info.vocab_size}"
@@ -92,12 +115,6 @@ class DPHead:
             for conn, _ in registered:
                 _refuse(conn, message)
             raise DPRegistrationError(message)
-        nodes = []
-        for conn, info in registered:
-            send(conn, ("ready",))
-            nodes.append(RemoteNode(conn, info))
-        replicas: list[RemoteReplica] = [r for node in nodes for r in node.replicas.values()]
-        return sorted(replicas, key=lambda r: r.rank)
 
     def close(self) -> None:
         """Stops listening; connections not yet handed out by `wait` are closed."""
@@ -150,12 +167,19 @@ class DPHead:
         try:
             if not conn.poll(REGISTER_TIMEOUT):
                 raise TimeoutError(f"nothing sent in {REGISTER_TIMEOUT:.0f}s")
-            kind, info = recv(conn)
-            if kind != "register" or not isinstance(info, NodeInfo):
-                raise ValueError(f"expected a registration, got {kind!r}")
+            message = recv(conn)
+            if not isinstance(message, Register):
+                raise ValueError(f"expected a registration, got {type(message).__name__}")
         except Exception as e:  # noqa: BLE001 - a bad peer must not stop the head
             logger.warning("a data parallel node failed to register: %r", e)
             conn.close()
+            return
+        info = message.info
+        try:
+            check_version(message.version, f"the data parallel node at {info.host}")
+        except RuntimeError as e:
+            logger.error("refused data parallel node %s: %s", info.host, e)
+            _refuse(conn, str(e))
             return
         with self._cond:
             problem = self._check(info)
@@ -184,9 +208,9 @@ class DPHead:
         return None
 
 
-def _refuse(conn: Connection, message: Any) -> None:
+def _refuse(conn: Connection, reason: str) -> None:
     try:
-        send(conn, ("refused", message))
+        send(conn, Refused(reason))
     except (OSError, ValueError):
         pass
     conn.close()

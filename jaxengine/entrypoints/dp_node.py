@@ -5,15 +5,17 @@
 
 `run_dp_node` builds this node's ``--data-parallel-size-local`` replicas (a
 `DataParallelEngine` over the local devices: ranks ``start .. start + local - 1``),
-each stepped by its own `AsyncLLM` thread, then connects to the head (retrying until
-it listens, at most ``$JAXENGINE_DP_WAIT_TIMEOUT`` seconds), registers its ranks and
-serves what the head sends (`entrypoints.dp_remote` has the protocol) until the head
-says close or goes away; then it exits 0.
+each stepped by its own `AsyncLLM` thread (all sharing one `StreamTable`, owner: the
+rank), then connects to the head (retrying until it listens, at most
+``$JAXENGINE_DP_WAIT_TIMEOUT`` seconds), registers its ranks (`Register`, with its
+`PROTOCOL_VERSION`) and serves what the head sends (`entrypoints.dp_remote` has the
+protocol) until the head says close or goes away; then it exits 0.
 
-Each request the head adds runs as an asyncio task iterating the replica's
-`AsyncLLM.generate`; its outputs, an error that ends it, and every step's stats go
-back through the `Outbox`, whose thread sends them in batches. An abort from the
-head cancels the task, which aborts the request in its engine.
+Each request the head adds (`AddRequest`) runs as an asyncio task iterating the
+replica's `AsyncLLM.generate`; its outputs, an error that ends it, and every step's
+stats go back through the `Outbox` (`Output`, `RequestError`, `Stats`, `Dead`),
+whose thread sends them in `Batch`es. An abort from the head cancels the task, which
+aborts the request in its engine.
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ from multiprocessing.connection import Client, Connection
 from typing import Any
 
 from jaxengine.entrypoints.async_llm import AsyncLLM
-from jaxengine.entrypoints.dp_remote import (
+from jaxengine.entrypoints.dp_remote import authkey, portable_error, recv, send, wait_timeout
+from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.messages import (
+    AbortRequests,
+    AddRequest,
+    Batch,
+    BatchItem,
+    Close,
+    Dead,
     NodeInfo,
-    authkey,
-    portable_error,
-    recv,
-    send,
-    wait_timeout,
+    Output,
+    Ready,
+    Refused,
+    Register,
+    RequestError,
+    Stats,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,11 +57,11 @@ class Outbox:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[BatchItem | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="jaxengine-dp-outbox", daemon=True)
         self._thread.start()
 
-    def put(self, item: tuple) -> None:
+    def put(self, item: BatchItem) -> None:
         self._queue.put(item)
 
     def stats_logger(self, rank: int) -> _StatsForwarder:
@@ -73,7 +84,7 @@ class Outbox:
             items = [item for item in batch if item is not None]
             if items:
                 try:
-                    send(self.conn, ("batch", items))
+                    send(self.conn, Batch(tuple(items)))
                 except OSError as e:
                     logger.warning("could not send to the head: %r", e)
                     return
@@ -87,7 +98,7 @@ class _StatsForwarder:
         self.rank = rank
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
-        self.outbox.put(("stats", self.rank, scheduler_stats, iteration_stats))
+        self.outbox.put(Stats(self.rank, scheduler_stats, iteration_stats))
 
 
 class NodeServer:
@@ -118,7 +129,7 @@ class NodeServer:
         try:
             while True:
                 message = recv(self.conn)
-                if message[0] == "close":
+                if isinstance(message, Close):
                     logger.info("the head closed; stopping")
                     break
                 loop.call_soon_threadsafe(self._handle, message)
@@ -126,23 +137,22 @@ class NodeServer:
             logger.warning("the head went away (%r); stopping", e)
         loop.call_soon_threadsafe(stop.set)
 
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "add":
-            _, rank, request_id, prepared, priority = message
-            if request_id in self._tasks:
-                error = ValueError(f"duplicate request id {request_id!r}")
-                self.outbox.put(("error", rank, request_id, error))
-                return
-            coro = self._generate(rank, request_id, prepared, priority)
-            self._tasks[request_id] = asyncio.get_running_loop().create_task(coro)
-        elif kind == "abort":
-            for request_id in message[2]:
-                task = self._tasks.pop(request_id, None)
-                if task is not None:
-                    task.cancel()  # leaving generate() aborts the request in its engine
-        else:
-            logger.error("unknown message from the head: %r", kind)
+    def _handle(self, message: object) -> None:
+        match message:
+            case AddRequest(rank=rank, request_id=request_id):
+                if request_id in self._tasks:
+                    error = ValueError(f"duplicate request id {request_id!r}")
+                    self.outbox.put(RequestError(rank, request_id, error))
+                    return
+                coro = self._generate(rank, request_id, message.prompt, message.priority)
+                self._tasks[request_id] = asyncio.get_running_loop().create_task(coro)
+            case AbortRequests(request_ids=request_ids):
+                for request_id in request_ids:
+                    task = self._tasks.pop(request_id, None)
+                    if task is not None:
+                        task.cancel()  # leaving generate() aborts the request in its engine
+            case _:
+                logger.error("unexpected message from the head: %r", message)
 
     async def _generate(self, rank: int, request_id: str, prepared: Any, priority: int) -> None:
         replica = self.replicas.get(rank)
@@ -151,14 +161,14 @@ class NodeServer:
                 raise ValueError(f"this node has no data parallel rank {rank}")
             stream = replica.generate(prepared, prepared.params, request_id, priority=priority)
             async for out in stream:
-                self.outbox.put(("out", rank, out))
+                self.outbox.put(Output(rank, out))
         except asyncio.CancelledError:
             pass  # aborted by the head
         except Exception as e:  # noqa: BLE001 - fails this request only, on the head
-            self.outbox.put(("error", rank, request_id, portable_error(e)))
+            self.outbox.put(RequestError(rank, request_id, portable_error(e)))
             if replica is not None and replica.errored and rank not in self._reported_dead:
                 self._reported_dead.add(rank)
-                self.outbox.put(("dead", rank, f"its engine failed: {e!r}"))
+                self.outbox.put(Dead(rank, f"its engine failed: {e!r}"))
         finally:
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
@@ -185,6 +195,21 @@ def connect_to_head(address: tuple[str, int], timeout: float) -> Connection:
             time.sleep(1.0)
 
 
+def register(conn: Connection, info: NodeInfo) -> str | None:
+    """Registers this node's ranks with the head: None once it answers `Ready`, else
+    why it refused (or that it closed the connection)."""
+    send(conn, Register(info))
+    try:
+        reply = recv(conn)
+    except EOFError:
+        return "the head closed the connection"
+    if isinstance(reply, Ready):
+        return None
+    if isinstance(reply, Refused):
+        return reply.reason
+    return f"unexpected reply {type(reply).__name__}"
+
+
 def run_dp_node(engine_args: Any) -> int:
     """`jaxengine serve --headless` with ``--data-parallel-address``: builds this node's
     replicas, registers them with the head and serves them until the head stops."""
@@ -208,13 +233,9 @@ def run_dp_node(engine_args: Any) -> int:
             ranks, parallel.data_parallel_size, engine.max_model_len, engine.vocab_size,
             socket.gethostname(),
         )  # fmt: skip
-        send(conn, ("register", info))
-        try:
-            reply = recv(conn)
-        except EOFError:
-            reply = ("refused", "the head closed the connection")
-        if reply[0] != "ready":
-            logger.error("the head refused data parallel ranks %s: %s", list(ranks), reply[1])
+        refusal = register(conn, info)
+        if refusal is not None:
+            logger.error("the head refused data parallel ranks %s: %s", list(ranks), refusal)
             return 1
         logger.info("serving data parallel ranks %s for the head", list(ranks))
         _serve(conn, dict(zip(ranks, engine.replicas, strict=True)))
@@ -225,12 +246,15 @@ def run_dp_node(engine_args: Any) -> int:
 
 def _serve(conn: Connection, engines: dict[int, Any]) -> None:
     outbox = Outbox(conn)
+    streams = StreamTable()  # one table for the node's replicas, owner: the rank
     replicas = {
         rank: AsyncLLM(
             e.config,
             engine=e,
             stat_loggers=[outbox.stats_logger(rank)],
             thread_name=f"jaxengine-engine-{rank}",
+            rank=rank,
+            streams=streams,
         )
         for rank, e in engines.items()
     }

@@ -10,43 +10,50 @@ of an `AsyncLLM` (``generate``, ``abort``, ``num_requests``, ``check_health``,
 
 The wire is a `multiprocessing.connection` socket, authenticated (HMAC challenge)
 with ``$JAXENGINE_DP_AUTHKEY`` when set, else `DEFAULT_AUTHKEY`; every node must use
-the same key. Messages are pickles (cloudpickle for ``logits_processors``), so the
-port must only be reachable from trusted hosts: a peer that knows the key can run
-code on the other side, and the default key is no secret.
+the same key. The messages are `jaxengine.messages`' dataclasses, pickled (cloudpickle
+for ``logits_processors``), so the port must only be reachable from trusted hosts: a
+peer that knows the key can run code on the other side, and the default key is no
+secret.
 
-    node -> head: ("register", NodeInfo); then ("batch", [item, ...]) where an item is
-                  ("out", rank, RequestOutput) | ("error", rank, request_id, exception)
-                  | ("stats", rank, SchedulerStats, IterationStats) | ("dead", rank, why)
-    head -> node: ("ready",) or ("refused", why); then ("add", rank, request_id,
-                  PreparedPrompt, priority) | ("abort", rank, [request_id]) | ("close",)
+    node -> head: Register(NodeInfo, version); then Batch(items), each item an
+                  Output | RequestError | Stats | Dead of one rank
+    head -> node: Ready() or Refused(reason); then AddRequest(rank, request_id,
+                  PreparedPrompt, priority) | AbortRequests(rank, ids) | Close()
 
-A remote replica's outputs reach the request's asyncio queue through a reader
-thread and ``loop.call_soon_threadsafe``, as `AsyncLLM`'s engine thread delivers
-them; its stats go to its stat loggers (``engine="rank"`` in `/metrics`). An error
-while generating fails that request only. A node that disconnects makes its replicas
-dead: their streams get `EngineDeadError`, `check_health` raises it (``/health`` 503).
+A remote replica's streams live in the `StreamTable` it shares with the head's
+`DPAsyncLLM` (owner: its rank): the node's reader thread delivers each batch's outputs
+into it, as `AsyncLLM`'s engine thread does; its stats go to its stat loggers
+(``engine="rank"`` in `/metrics`). An error while generating fails that request
+only. A node that disconnects makes its replicas dead: their streams get
+`EngineDeadError`, `check_health` raises it (``/health`` 503).
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
 import os
 import pickle
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from jaxengine.engine.llm_engine import PreparedPrompt
-from jaxengine.engine.multihost import dumps
-from jaxengine.entrypoints.async_llm import (
-    EngineDeadError,
-    StatLogger,
-    Stream,
-    call_soon,
-    putter,
+from jaxengine.entrypoints.client import EngineDeadError, StatLogger
+from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.messages import (
+    AbortRequests,
+    AddRequest,
+    Batch,
+    BatchItem,
+    Close,
+    Dead,
+    NodeInfo,
+    Output,
+    RequestError,
+    Stats,
+    dumps,
+    loads,
 )
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
@@ -71,23 +78,14 @@ def wait_timeout() -> float:
     return float(os.environ.get(WAIT_TIMEOUT_ENV, DEFAULT_WAIT_TIMEOUT))
 
 
-@dataclasses.dataclass(frozen=True)
-class NodeInfo:
-    """What a headless node tells the head when it registers."""
-
-    ranks: tuple[int, ...]
-    data_parallel_size: int
-    max_model_len: int
-    vocab_size: int
-    host: str
-
-
-def send(conn: Connection, message: Any) -> None:
+def send(conn: Connection, message: object) -> None:
+    """Sends one `jaxengine.messages` message (ValueError if it cannot be pickled)."""
     conn.send_bytes(dumps(message))
 
 
 def recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
+    """The next message from ``conn`` (EOFError when the peer closed it)."""
+    return loads(conn.recv_bytes())
 
 
 def portable_error(error: BaseException) -> BaseException:
@@ -100,15 +98,15 @@ def portable_error(error: BaseException) -> BaseException:
 
 
 class RemoteReplica:
-    """Data-parallel rank ``rank`` on another node, with `AsyncLLM`'s interface."""
+    """Data-parallel rank ``rank`` on another node: a `ReplicaClient`."""
 
-    def __init__(self, node: RemoteNode, rank: int) -> None:
+    def __init__(self, node: RemoteNode, rank: int, streams: StreamTable) -> None:
         self.node = node
         self.rank = rank
+        self.streams = streams
         self.stat_loggers: list[StatLogger] = []
-        self._streams: dict[str, Stream] = {}
-        self._lock = threading.Lock()  # guards _streams and _dead
         self._dead: BaseException | None = None
+        self._fail_lock = threading.Lock()
 
     @property
     def is_running(self) -> bool:
@@ -120,13 +118,12 @@ class RemoteReplica:
 
     def num_requests(self) -> int:
         """Requests in flight on this replica, as the head counts them."""
-        with self._lock:
-            return len(self._streams)
+        return self.streams.count(self.rank)
 
     async def check_health(self) -> None:
         """Raises `EngineDeadError` when the replica failed or its node went away."""
         if self._dead is not None:
-            raise self._dead
+            raise self._dead.with_traceback(None)
 
     async def generate(
         self,
@@ -143,58 +140,30 @@ class RemoteReplica:
         """
         if not isinstance(prompt, PreparedPrompt):
             raise TypeError("a remote replica takes prompts prepared on the head")
-        stream = self._open(request_id)
-        finished = False
+        stream = self.streams.open(request_id, self.rank)
         try:
-            self.node.send(("add", self.rank, request_id, prompt, priority))
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            self.node.send(AddRequest(self.rank, request_id, prompt, priority))
+            while not stream.finished:
+                yield await stream.next()
         finally:
-            self._close(request_id)
-            if not finished and self._dead is None:
-                self.node.send_quietly(("abort", self.rank, [request_id]))
+            self.streams.close(request_id)
+            if not stream.finished and self._dead is None:
+                self.node.send_quietly(AbortRequests(self.rank, (request_id,)))
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Aborts requests on the node (their streams end here at once)."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = (request_id,) if isinstance(request_id, str) else tuple(request_id)
         for rid in ids:
-            self._close(rid)
+            if self.streams.owner_of(rid) == self.rank:
+                self.streams.close(rid)
         if self._dead is None:
-            self.node.send_quietly(("abort", self.rank, ids))
+            self.node.send_quietly(AbortRequests(self.rank, ids))
 
     def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:
         """Tells the node to stop (once for all its replicas)."""
         self.node.close()
 
-    def _open(self, request_id: str) -> Stream:
-        with self._lock:
-            if self._dead is not None:
-                raise self._dead
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            stream = Stream(asyncio.get_running_loop())
-            self._streams[request_id] = stream
-        return stream
-
-    def _close(self, request_id: str) -> None:
-        with self._lock:
-            self._streams.pop(request_id, None)
-
     # ------------------------------------------------------------------ reader thread
-
-    def target(self, request_id: str, item: Any) -> tuple[Stream, Any] | None:
-        """(stream, item) for a delivery to ``request_id``; None when nobody listens."""
-        with self._lock:
-            stream = self._streams.get(request_id)
-            if stream is not None and isinstance(item, BaseException):
-                del self._streams[request_id]
-        return None if stream is None else (stream, item)
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         for stat_logger in self.stat_loggers:
@@ -205,24 +174,21 @@ class RemoteReplica:
 
     def fail(self, why: str) -> None:
         """Marks the replica dead; every open stream gets `EngineDeadError`."""
-        dead = EngineDeadError(f"data parallel rank {self.rank} stopped: {why}")
-        with self._lock:
+        with self._fail_lock:
             if self._dead is not None:
                 return
-            self._dead = dead
-            streams = list(self._streams.values())
-            self._streams.clear()
-        for stream in streams:
-            call_soon(stream.loop, putter(stream.queue, dead))
+            self._dead = EngineDeadError(f"data parallel rank {self.rank} stopped: {why}")
+        self.streams.fail_all(self._dead, self.rank)
 
 
 class RemoteNode:
     """The head's connection to one headless node, and that node's replicas."""
 
-    def __init__(self, conn: Connection, info: NodeInfo) -> None:
+    def __init__(self, conn: Connection, info: NodeInfo, streams: StreamTable) -> None:
         self.conn = conn
         self.info = info
-        self.replicas = {rank: RemoteReplica(self, rank) for rank in info.ranks}
+        self.streams = streams
+        self.replicas = {rank: RemoteReplica(self, rank, streams) for rank in info.ranks}
         self._send_lock = threading.Lock()
         self._closing = False
         self._thread = threading.Thread(
@@ -230,7 +196,7 @@ class RemoteNode:
         )
         self._thread.start()
 
-    def send(self, message: Any) -> None:
+    def send(self, message: object) -> None:
         """Sends a message; raises `EngineDeadError` when the node is gone."""
         data = dumps(message)  # ValueError for what cannot be pickled: that request's fault
         try:
@@ -240,7 +206,7 @@ class RemoteNode:
             self._lost(f"sending to {self.info.host} failed: {e!r}")
             raise EngineDeadError(f"data parallel node {self.info.host} is gone") from e
 
-    def send_quietly(self, message: Any) -> None:
+    def send_quietly(self, message: object) -> None:
         try:
             self.send(message)
         except (EngineDeadError, ValueError):
@@ -253,7 +219,7 @@ class RemoteNode:
         self._closing = True
         try:
             with self._send_lock:
-                self.conn.send_bytes(dumps(("close",)))
+                self.conn.send_bytes(dumps(Close()))
         except (OSError, ValueError):
             pass
         self._thread.join(5.0)  # the node closes its end once it has stopped: EOF here
@@ -262,10 +228,10 @@ class RemoteNode:
     def _read(self) -> None:
         try:
             while True:
-                kind, items = recv(self.conn)
-                if kind != "batch":
-                    raise ValueError(f"unknown message from the node: {kind!r}")
-                self._dispatch(items)
+                message = recv(self.conn)
+                if not isinstance(message, Batch):
+                    raise ValueError(f"unexpected message from the node: {message!r}")
+                self._dispatch(message.items)
         except (EOFError, OSError) as e:
             if not self._closing:
                 self._lost(f"the node at {self.info.host} disconnected ({e!r})")
@@ -273,26 +239,27 @@ class RemoteNode:
             logger.exception("bad message from data parallel node %s", self.info.host)
             self._lost(f"bad message from the node: {e!r}")
 
-    def _dispatch(self, items: list[tuple]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
+    def _dispatch(self, items: Sequence[BatchItem]) -> None:
+        """Delivers a batch's outputs and errors, rank by rank, in order (one callback
+        per event loop and rank); records stats; fails ranks that died."""
+        deliveries: dict[int, list[tuple[str, Any]]] = {}
         for item in items:
-            kind, rank = item[0], item[1]
-            replica = self.replicas[rank]
-            delivery = None
-            if kind == "out":
-                delivery = replica.target(item[2].request_id, item[2])
-            elif kind == "error":
-                delivery = replica.target(item[2], item[3])
-            elif kind == "stats":
-                replica.record(item[2], item[3])
-            elif kind == "dead":
-                logger.error("data parallel rank %d failed: %s", rank, item[2])
-                replica.fail(item[2])
-            if delivery is not None:
-                stream, payload = delivery
-                by_loop.setdefault(stream.loop, []).append(putter(stream.queue, payload))
-        for loop, puts in by_loop.items():
-            call_soon(loop, lambda puts=puts: [put() for put in puts])
+            replica = self.replicas[item.rank]
+            match item:
+                case Output(output=out):
+                    deliveries.setdefault(item.rank, []).append((out.request_id, out))
+                case RequestError(request_id=request_id, error=error):
+                    deliveries.setdefault(item.rank, []).append((request_id, error))
+                case Stats(scheduler_stats=sched, iteration_stats=iteration):
+                    replica.record(sched, iteration)
+                case Dead(reason=reason):
+                    logger.error("data parallel rank %d failed: %s", item.rank, reason)
+                    self.streams.deliver(deliveries.pop(item.rank, []), item.rank)
+                    replica.fail(reason)
+                case _:
+                    raise ValueError(f"unexpected item from the node: {item!r}")
+        for rank, batch in deliveries.items():
+            self.streams.deliver(batch, rank)
 
     def _lost(self, why: str) -> None:
         if not self._closing:

@@ -2,8 +2,9 @@
 
 Runs on the shared small engine: streamed deltas add up to what `LLM.generate`
 returns, concurrent callers are batched, leaving a stream early frees the request's
-pages, bad input fails before anything is queued, and a failing step is reported
-to every waiting caller and to `check_health` instead of hanging them.
+pages, bad input fails before anything is queued, a failing step is reported to
+every waiting caller and to `check_health` instead of hanging them, and as a
+data-parallel rank it keeps its streams in the table it shares, under its rank.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from jaxengine import SamplingParams
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.sampling_params import RequestOutputKind
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Hello, my name is"]
@@ -124,3 +126,28 @@ def test_failing_step_reaches_callers_and_health(async_llm, monkeypatch):
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))
     assert async_llm.errored and not async_llm.is_running
+
+
+def test_a_rank_keeps_its_streams_in_the_shared_table(small_llm):
+    table = StreamTable()
+    engine = small_llm.engine
+    rank = AsyncLLM(engine.config, engine=engine, rank=3, streams=table)
+    assert rank.generation_config is engine.generation_config
+
+    async def main():
+        params = _greedy(RequestOutputKind.DELTA, max_tokens=50)
+        params.ignore_eos = True
+        stream = rank.generate("Once upon a time", params, "mine")
+        await anext(stream)
+        seen = (table.owner_of("mine"), table.counts(), rank.num_requests())
+        await rank.abort("mine")  # ends the stream here at once
+        return seen
+
+    try:
+        seen = asyncio.run(asyncio.wait_for(main(), timeout=30))
+        assert seen == (3, {3: 1}, 1)
+        assert table.count() == 0
+        _wait_idle(engine)
+        assert not engine.has_unfinished_requests()
+    finally:
+        rank.shutdown(shutdown_engine=False)

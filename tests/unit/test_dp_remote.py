@@ -19,10 +19,12 @@ import pytest
 
 from jaxengine.config import ParallelConfig
 from jaxengine.engine.llm_engine import PreparedPrompt
-from jaxengine.entrypoints.async_llm import EngineDeadError
+from jaxengine.entrypoints.client import EngineDeadError
 from jaxengine.entrypoints.dp_head import DPHead, DPRegistrationError
-from jaxengine.entrypoints.dp_node import NodeServer, Outbox, connect_to_head
-from jaxengine.entrypoints.dp_remote import NodeInfo, authkey, recv, send
+from jaxengine.entrypoints.dp_node import NodeServer, Outbox, connect_to_head, register
+from jaxengine.entrypoints.dp_remote import authkey, recv, send
+from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.messages import PROTOCOL_VERSION, NodeInfo, Refused, Register
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.sampling_params import SamplingParams
 
@@ -79,15 +81,15 @@ class FakeNode:
         fields = dict(data_parallel_size=config.data_parallel_size, max_model_len=MAX_MODEL_LEN)
         fields |= dict(vocab_size=VOCAB, host="fake") | info
         self.conn = connect_to_head(config.data_parallel_rpc_address, timeout=10)
-        send(self.conn, ("register", NodeInfo(ranks, **fields)))
+        self.info = NodeInfo(ranks, **fields)
         self.replicas = {rank: FakeReplica(rank) for rank in ranks}
-        self.reply = None
+        self.refusal: str | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        self.reply = recv(self.conn)
-        if self.reply[0] != "ready":
+        self.refusal = register(self.conn, self.info)
+        if self.refusal is not None:
             return
         outbox = Outbox(self.conn)
         for rank, replica in self.replicas.items():
@@ -118,8 +120,10 @@ def test_requests_errors_stats_and_close():
     config = parallel(size=3, local=1)
     head = DPHead(config)
     node = FakeNode(config, (1, 2))
-    replicas = head.wait(MAX_MODEL_LEN, VOCAB, timeout=10)
+    table = StreamTable()
+    replicas = head.wait(MAX_MODEL_LEN, VOCAB, timeout=10, streams=table)
     assert [r.rank for r in replicas] == [1, 2]
+    assert all(r.streams is table for r in replicas)
     recorders = [Recorder(), Recorder()]
     for replica, recorder in zip(replicas, recorders, strict=True):
         replica.stat_loggers = [recorder]
@@ -136,9 +140,10 @@ def test_requests_errors_stats_and_close():
         assert await collect(two, prepared(5), "after") == [7]
         stream = one.generate(prepared(1, HANG), None, "hang")
         await anext(stream)
-        assert one.num_requests() == 1
+        assert one.num_requests() == 1 and two.num_requests() == 0
+        assert table.owner_of("hang") == 1 and table.counts() == {1: 1}
         await stream.aclose()  # aborts it on the node
-        assert one.num_requests() == 0
+        assert one.num_requests() == 0 and table.count() == 0
         for _ in range(100):
             if node.replicas[1].cancelled:
                 break
@@ -183,11 +188,29 @@ def test_wrong_ranks_are_refused_and_missing_ranks_time_out():
     other_size = FakeNode(config, (1,), data_parallel_size=4)
     for node in (theirs, other_size):
         node.thread.join(10)
-    assert theirs.reply[0] == "refused" and "not remote ranks" in theirs.reply[1]
-    assert other_size.reply[0] == "refused" and "--data-parallel-size is 4" in other_size.reply[1]
+    assert "not remote ranks" in theirs.refusal
+    assert "--data-parallel-size is 4" in other_size.refusal
     FakeNode(config, (1,))
     with pytest.raises(DPRegistrationError, match=r"ranks \[2\] did not register"):
         head.wait(MAX_MODEL_LEN, VOCAB, timeout=1)
+
+
+def test_a_node_of_another_protocol_version_is_refused():
+    config = parallel(size=2, local=1)
+    head = DPHead(config)
+    conn = connect_to_head(config.data_parallel_rpc_address, timeout=10)
+    send(conn, Register(NodeInfo((1,), 2, MAX_MODEL_LEN, VOCAB, "old"), PROTOCOL_VERSION + 1))
+    reply = recv(conn)
+    assert isinstance(reply, Refused)
+    assert f"protocol version {PROTOCOL_VERSION + 1}, this process version {PROTOCOL_VERSION}" in (
+        reply.reason
+    )
+    conn.close()
+    node = FakeNode(config, (1,))  # the rank is still free for a node of this version
+    (replica,) = head.wait(MAX_MODEL_LEN, VOCAB, timeout=10)
+    replica.shutdown()
+    node.thread.join(10)
+    assert node.refusal is None and not node.thread.is_alive()
 
 
 def test_a_node_with_another_model_is_refused():
@@ -197,7 +220,7 @@ def test_a_node_with_another_model_is_refused():
     with pytest.raises(DPRegistrationError, match="max_model_len 64"):
         head.wait(MAX_MODEL_LEN, VOCAB, timeout=10)
     node.thread.join(10)
-    assert node.reply[0] == "refused"
+    assert "max_model_len 64" in node.refusal
 
 
 def test_a_wrong_key_is_refused(monkeypatch):

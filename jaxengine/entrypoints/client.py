@@ -1,0 +1,136 @@
+"""What the API server needs of an engine: the `EngineClient` protocol.
+
+Implemented by `AsyncLLM` (one engine, `entrypoints.async_llm`) and `DPAsyncLLM`
+(data-parallel replicas used as one, `entrypoints.dp_async_llm`); the server
+(`server/`) types its engine as an `EngineClient` and knows neither. A replica
+behind `DPAsyncLLM` is a `ReplicaClient`, the subset that makes sense for one
+replica: an `AsyncLLM` on this node or a `RemoteReplica` on another
+(`entrypoints.dp_remote`).
+
+`dp_async_llm.async_engine` (and `async_engine_from_args`) build the right client
+for a config. This module imports no implementation, so every one of them can
+import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from jaxengine.config import EngineConfig
+    from jaxengine.engine.llm_engine import PreparedPrompt
+    from jaxengine.outputs import RequestOutput
+    from jaxengine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (or a data-parallel replica) stopped after an error; the server must
+    be restarted."""
+
+
+class StatLogger(Protocol):
+    """Receives each engine step's stats (`jaxengine.metrics`); must be thread-safe."""
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None: ...
+
+
+class ReplicaClient(Protocol):
+    """One data-parallel replica, as `DPAsyncLLM` drives it.
+
+    ``generate`` takes a prompt already prepared by the front. Its streams live in
+    the front's shared `StreamTable` with owner ``rank``.
+    """
+
+    rank: int
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def errored(self) -> bool: ...
+
+    def num_requests(self) -> int: ...
+
+    async def check_health(self) -> None: ...
+
+    def generate(
+        self,
+        prompt: PreparedPrompt,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str | Sequence[str]) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None: ...
+
+
+class EngineClient(Protocol):
+    """The engine as the API server uses it.
+
+    Invariants: `prepare` raises ValueError (nothing queued) for a bad prompt;
+    `generate` streams a request's outputs until one is ``finished``, and leaving it
+    early aborts the request; after an engine failure, streams and new requests get
+    `EngineDeadError`, `check_health` raises it and ``errored`` is true.
+    """
+
+    @property
+    def config(self) -> EngineConfig:
+        """The resolved engine config (``max_model_len`` and ``block_size`` set)."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (None with ``--skip-tokenizer-init``)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def generation_config(self) -> dict[str, Any] | None:
+        """The model's ``generation_config.json`` defaults (None when it has none)."""
+        ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def errored(self) -> bool: ...
+
+    def num_requests(self) -> int:
+        """Requests in flight (queued or running)."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raises `EngineDeadError` when the engine cannot serve."""
+        ...
+
+    def prepare(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
+        """Tokenizes and validates (raises ValueError, nothing queued)."""
+        ...
+
+    def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; ``prompt`` may be a `PreparedPrompt`."""
+        ...
+
+    async def abort(self, request_id: str | Sequence[str]) -> None:
+        """Aborts requests in any state (unknown ids are ignored)."""
+        ...
+
+    def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:
+        """Stops the engine threads and (unless told not to) releases the engine."""
+        ...
