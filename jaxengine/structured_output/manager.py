@@ -15,9 +15,10 @@ The scheduler drives it (the `GrammarTracker` protocol in `jaxengine.core.gramma
 
 With a reasoning parser, a request's grammar starts only once the model has closed
 its reasoning section (the output contains the end marker, or the prompt already
-closed it); the tokens after the marker are its first input. Preemption keeps a request's output tokens (recompute
-replays them as prompt, swapping keeps the pages), so its matcher stays valid and is
-not rewound; `Grammar.rollback` exists for drafts that a verifier rejects.
+closed it); the tokens after the marker are its first input. Preemption keeps a
+request's output tokens (recompute replays them as prompt, swapping keeps the pages),
+so its matcher stays valid and is not rewound; `Grammar.rollback` exists for drafts
+that a verifier rejects.
 """
 
 from __future__ import annotations

@@ -82,7 +82,9 @@ def test_each_replica_lives_on_its_own_device(dp_llm):
     assert len(replicas) == 2
     for device, replica in zip(jax.devices()[:2], replicas, strict=True):
         assert param_devices(replica) == {device}
-        assert {d for cache in replica.executor.runner.kv_caches for d in cache.devices()} == {device}
+        assert {d for cache in replica.executor.runner.kv_caches for d in cache.devices()} == {
+            device
+        }
 
 
 def test_bad_prompt_queues_nothing_on_any_replica(dp_llm):
