@@ -11,18 +11,17 @@ class LocalExecutor:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._closed = False
+        self.closed = False
 
     def warmup(self, progress: bool = True) -> None:
         self.runner.warmup(progress)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        if self._closed:
-            raise RuntimeError("the executor is shut down")
+        self.check_health()
         return self.runner.execute(scheduler_output)
 
     def check_health(self) -> None:
-        if self._closed:
+        if self.closed:
             raise RuntimeError("the executor is shut down")
 
     @property
@@ -30,6 +29,6 @@ class LocalExecutor:
         return self.runner.compiles_after_warmup
 
     def shutdown(self) -> None:
-        if not self._closed:
-            self._closed = True
+        if not self.closed:
+            self.closed = True
             self.runner.release()

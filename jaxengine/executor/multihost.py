@@ -34,6 +34,7 @@ from jaxengine.config import EngineConfig
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.build import HostParts, build_worker
+from jaxengine.executor.local import LocalExecutor
 from jaxengine.messages import (
     DriverWelcome,
     ExecuteStep,
@@ -132,14 +133,13 @@ class FollowerLinks:
         self.conns = []
 
 
-class DriverExecutor:
+class DriverExecutor(LocalExecutor):
     """Node 0's `Executor`: each call reaches the followers first, then runs here."""
 
     def __init__(self, runner: ModelRunner, host: HostParts, links: FollowerLinks) -> None:
-        self.runner = runner
+        super().__init__(runner)
         self.host = host
         self.links = links
-        self._closed = False
 
     @classmethod
     def start(cls, config: EngineConfig) -> DriverExecutor:
@@ -155,26 +155,17 @@ class DriverExecutor:
 
     def warmup(self, progress: bool = True) -> None:
         self.links.send(Warmup(False))
-        self.runner.warmup(progress)
+        super().warmup(progress)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self.check_health()
         self.links.send(ExecuteStep(scheduler_output))
-        return self.runner.execute(scheduler_output)
-
-    def check_health(self) -> None:
-        if self._closed:
-            raise RuntimeError("the executor is shut down")
-
-    @property
-    def compiles_after_warmup(self) -> int:
-        return self.runner.compiles_after_warmup
+        return super().execute(scheduler_output)
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.links.close()
-        self.runner.release()
+        if not self.closed:
+            self.links.close()
+        super().shutdown()
 
 
 def connect_to_driver(node_rank: int) -> tuple[Connection, EngineConfig]:
