@@ -80,45 +80,43 @@ class SchedulerLimits:
         bytes_per_block: int = 0,
         num_host_blocks: int | None = None,
     ) -> SchedulerLimits:
-        """Resolve SchedulerConfig + CacheConfig (None fields get the engine defaults).
+        """Limits from resolved configs (`EngineArgs.create_engine_config`, then
+        `EngineConfig.with_max_model_len`): defaults are decided there, not here.
 
         Host blocks: `num_host_blocks` if given, else swap_space GiB / `bytes_per_block`
         (0 when `bytes_per_block` is 0). As vLLM, a zero long_prefill_token_threshold
         becomes 4% of max_model_len when max_num_partial_prefills > 1.
         """
-        from jaxengine.config.cache import DEFAULT_BLOCK_SIZE
-        from jaxengine.config.scheduler import (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            DEFAULT_MAX_NUM_SEQS,
-            MIN_UNCHUNKED_BATCHED_TOKENS,
-        )
-
         sc, cc = scheduler_config, cache_config
-        chunked = sc.enable_chunked_prefill is not False
-        budget = sc.max_num_batched_tokens
-        if budget is None:
-            budget = (
-                DEFAULT_MAX_NUM_BATCHED_TOKENS
-                if chunked
-                else max(max_model_len, MIN_UNCHUNKED_BATCHED_TOKENS)
+        unresolved = [
+            name
+            for name, value in (
+                ("block_size", cc.block_size),
+                ("max_num_seqs", sc.max_num_seqs),
+                ("max_num_batched_tokens", sc.max_num_batched_tokens),
+                ("enable_chunked_prefill", sc.enable_chunked_prefill),
             )
+            if value is None
+        ]
+        if unresolved:
+            raise ValueError(f"unresolved config fields: {', '.join(unresolved)}")
         threshold = sc.long_prefill_token_threshold
         if sc.max_num_partial_prefills > 1 and threshold == 0:
             threshold = int(max_model_len * 0.04)
         if num_host_blocks is None:
             num_host_blocks = num_host_blocks_for(cc.swap_space, bytes_per_block)
         return cls(
-            max_num_seqs=sc.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            max_num_batched_tokens=budget,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=max_model_len,
             num_blocks=num_blocks,
-            block_size=cc.block_size or DEFAULT_BLOCK_SIZE,
-            enable_chunked_prefill=chunked,
+            block_size=cc.block_size,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
             max_num_partial_prefills=sc.max_num_partial_prefills,
             max_long_partial_prefills=sc.max_long_partial_prefills,
             long_prefill_token_threshold=threshold,
             scheduling_policy=sc.scheduling_policy,
-            enable_prefix_caching=cc.enable_prefix_caching is not False,
+            enable_prefix_caching=cc.prefix_caching,
             prefix_caching_hash_algo=cc.prefix_caching_hash_algo,
             num_host_blocks=num_host_blocks,
         )

@@ -453,17 +453,25 @@ def test_update_skips_unknown_and_passes_logprobs():
 
 def test_from_configs():
     cfg = pytest.importorskip("jaxengine.config")
-    sc = cfg.SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512)
+    sc = cfg.SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=512, enable_chunked_prefill=True
+    )
     cc = cfg.CacheConfig(block_size=16, swap_space=1)
     lim = SchedulerLimits.from_configs(
         sc, cc, num_blocks=100, max_model_len=1024, bytes_per_block=1 << 20
     )
     assert lim.num_host_blocks == 1024 and lim.enable_chunked_prefill and lim.block_size == 16
     assert lim.enable_prefix_caching and lim.prefix_caching_hash_algo == cc.prefix_caching_hash_algo
-    sc2 = cfg.SchedulerConfig(max_num_partial_prefills=2)
-    lim2 = SchedulerLimits.from_configs(sc2, cfg.CacheConfig(), num_blocks=100, max_model_len=1000)
+    sc2 = cfg.SchedulerConfig(
+        max_num_partial_prefills=2,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        enable_chunked_prefill=True,
+    )
+    lim2 = SchedulerLimits.from_configs(sc2, cc, num_blocks=100, max_model_len=1000)
     assert lim2.long_prefill_token_threshold == 40 and lim2.num_host_blocks == 0
-    assert lim2.max_num_seqs == 256 and lim2.max_num_batched_tokens == 8192
+    with pytest.raises(ValueError, match="unresolved config fields: block_size, max_num_seqs"):
+        SchedulerLimits.from_configs(cfg.SchedulerConfig(), cfg.CacheConfig(), 100, 1000)
 
 
 # ---- random operations: no page leak, consistent ref counts -----------------------
