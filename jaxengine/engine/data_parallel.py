@@ -29,6 +29,7 @@ from jaxengine.core.dp_balancer import DPBalancer
 from jaxengine.core.sched_output import SchedulerStats
 from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
 from jaxengine.outputs import RequestOutput
+from jaxengine.sampling_params import SamplingParams
 
 
 class DataParallelEngine:
@@ -66,11 +67,13 @@ class DataParallelEngine:
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         return self.replicas[0].tokenize(prompt)
 
-    def prepare(self, prompt: str | list[int] | dict, params: Any) -> PreparedPrompt:
+    def prepare(self, prompt: str | list[int] | dict, params: SamplingParams) -> PreparedPrompt:
         """Tokenizes and validates (every replica runs the same model and limits)."""
         return self.replicas[0].prepare(prompt, params)
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, **kwargs: Any
+    ) -> None:
         self.add_prepared(request_id, self.prepare(prompt, params), **kwargs)
 
     def add_prepared(

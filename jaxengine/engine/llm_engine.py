@@ -17,6 +17,7 @@ from jaxengine.config import EngineConfig
 from jaxengine.core.request import Request, RequestStatus
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.engine.output_processor import OutputProcessor
+from jaxengine.engine_args import EngineArgs
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.structured_output import make_manager
@@ -70,7 +71,7 @@ class LLMEngine:
             self.executor.warmup()
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         return cls(engine_args.create_engine_config())
 
     # ------------------------------------------------------------------ requests

@@ -36,6 +36,7 @@ from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
+from jaxengine.engine.stats import IterationStats
 from jaxengine.entrypoints.client import EngineDeadError, StatLogger
 from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.outputs import RequestOutput
@@ -208,7 +209,7 @@ class AsyncLLM:
         except ValueError as e:
             self.streams.deliver([(add.request_id, e)], self.rank)
 
-    def _record(self, iteration_stats: Any) -> None:
+    def _record(self, iteration_stats: IterationStats) -> None:
         if not self.stat_loggers:
             return
         stats = self.engine.get_stats()

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from jaxengine.config import EngineConfig
+    from jaxengine.core.sched_output import SchedulerStats
     from jaxengine.engine.llm_engine import PreparedPrompt
+    from jaxengine.engine.stats import IterationStats
     from jaxengine.outputs import RequestOutput
     from jaxengine.sampling_params import SamplingParams
 
@@ -32,7 +34,7 @@ class EngineDeadError(RuntimeError):
 class StatLogger(Protocol):
     """Receives each engine step's stats (`jaxengine.metrics`); must be thread-safe."""
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None: ...
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
 
 
 class ReplicaClient(Protocol):

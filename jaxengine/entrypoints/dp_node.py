@@ -28,8 +28,11 @@ import threading
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
-from typing import Any
 
+from jaxengine.core.sched_output import SchedulerStats
+from jaxengine.engine.llm_engine import PreparedPrompt
+from jaxengine.engine.stats import IterationStats
+from jaxengine.engine_args import EngineArgs
 from jaxengine.entrypoints.async_llm import AsyncLLM
 from jaxengine.entrypoints.dp_remote import authkey, portable_error, recv, send, wait_timeout
 from jaxengine.entrypoints.streams import StreamTable
@@ -97,7 +100,7 @@ class _StatsForwarder:
         self.outbox = outbox
         self.rank = rank
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.outbox.put(Stats(self.rank, scheduler_stats, iteration_stats))
 
 
@@ -154,7 +157,9 @@ class NodeServer:
             case _:
                 logger.error("unexpected message from the head: %r", message)
 
-    async def _generate(self, rank: int, request_id: str, prepared: Any, priority: int) -> None:
+    async def _generate(
+        self, rank: int, request_id: str, prepared: PreparedPrompt, priority: int
+    ) -> None:
         replica = self.replicas.get(rank)
         try:
             if replica is None:
@@ -210,7 +215,7 @@ def register(conn: Connection, info: NodeInfo) -> str | None:
     return f"unexpected reply {type(reply).__name__}"
 
 
-def run_dp_node(engine_args: Any) -> int:
+def run_dp_node(engine_args: EngineArgs) -> int:
     """`jaxengine serve --headless` with ``--data-parallel-address``: builds this node's
     replicas, registers them with the head and serves them until the head stops."""
     import jax
@@ -244,7 +249,7 @@ def run_dp_node(engine_args: Any) -> int:
     return 0
 
 
-def _serve(conn: Connection, engines: dict[int, Any]) -> None:
+def _serve(conn: Connection, engines: dict[int, AsyncLLM]) -> None:
     outbox = Outbox(conn)
     streams = StreamTable()  # one table for the node's replicas, owner: the rank
     replicas = {

@@ -38,7 +38,9 @@ from collections.abc import AsyncIterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from jaxengine.core.sched_output import SchedulerStats
 from jaxengine.engine.llm_engine import PreparedPrompt
+from jaxengine.engine.stats import IterationStats
 from jaxengine.entrypoints.client import EngineDeadError, StatLogger
 from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.messages import (
@@ -165,7 +167,7 @@ class RemoteReplica:
 
     # ------------------------------------------------------------------ reader thread
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(scheduler_stats, iteration_stats)
