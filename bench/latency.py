@@ -16,6 +16,12 @@ Decode alone is isolated by a second, interleaved series of iterations with
 the rate of the O - 1 decode steps, prompt processing excluded. With B = 1 and a
 short prompt this is the headline "batch-1 decode tok/s". ``--no-isolate-decode``
 skips the second series.
+
+With ``--batch-size 1`` the run also measures the machine's float32 weight-streaming
+roofline (`bench.roofline`: a matrix-vector product over the model's weight bytes)
+before the peers, and reports each peer's decode tok/s as a fraction of it
+(``--no-roofline`` skips it). ``--roofline-dtypes float32,bfloat16,int8`` also times
+the product with weights stored in those dtypes.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ if __package__ in (None, ""):  # run as a file: python bench/latency.py
 
 from bench.common import (
     PERCENTILES,
+    ModelFiles,
     PeerResult,
     add_common_args,
     agreement_cell,
@@ -52,6 +59,7 @@ from bench.common import (
     write_json,
 )
 from bench.peers import Peer, PeerOptions, run_peer
+from bench.roofline import Roofline
 
 _FULL, _ONE = 1, 2  # seed tags of the two prompt series
 
@@ -78,6 +86,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--no-isolate-decode",
         action="store_true",
         help="skip the output-len=1 series that isolates decode speed",
+    )
+    parser.add_argument(
+        "--no-roofline",
+        action="store_true",
+        help="skip measuring the float32 weight-streaming roofline (batch size 1 only)",
+    )
+    parser.add_argument(
+        "--roofline-dtypes",
+        type=lambda text: [d.strip() for d in text.split(",") if d.strip()],
+        default=["float32"],
+        help="weight dtypes whose matrix-vector product to time (float32, bfloat16, int8)",
     )
 
 
@@ -135,9 +154,9 @@ def measure(
     return metrics, notes, outputs
 
 
-def render(results: list[PeerResult]) -> str:
+def render(results: list[PeerResult], roof: Roofline | None = None) -> str:
     header = ["backend", "load s", *(f"p{p} s" for p in PERCENTILES), "B*O/p50 tok/s"]
-    header += ["prefill+1 s", "decode tok/s", "x transformers", "agree", "notes"]
+    header += ["prefill+1 s", "decode tok/s", "of roofline", "x transformers", "agree", "notes"]
     rows = []
     for r in results:
         m = r.metrics
@@ -150,12 +169,39 @@ def render(results: list[PeerResult]) -> str:
                 fmt(m.get("tokens_per_s"), 1),
                 fmt(m.get("first_token_p50_s"), 3),
                 fmt(m.get("decode_tokens_per_s"), 1),
+                _of_roofline(m.get("decode_tokens_per_s"), roof),
                 ratio(results, r, key),
                 agreement_cell(results, r),
                 notes_cell(r),
             ]
         )
     return format_table(header, rows)
+
+
+def _of_roofline(tokens_per_s: float | None, roof: Roofline | None) -> str:
+    if tokens_per_s is None or roof is None:
+        return "-"
+    return f"{100 * tokens_per_s / roof.tokens_per_s:.0f}%"
+
+
+def measure_roofline(args: argparse.Namespace, files: ModelFiles) -> Roofline | None:
+    """The float32 roofline (batch size 1 only), and each asked dtype's matvec time."""
+    if args.no_roofline or args.batch_size != 1:
+        return None
+    from bench import roofline
+
+    roof = roofline.measure(files)
+    log(
+        f"roofline: float32 matvec over {roof.weight_bytes / 1e6:.0f} MB at "
+        f"{roof.matvec_bytes_per_s / 1e9:.1f} GB/s = {roof.tokens_per_s:.1f} tok/s"
+    )
+    base = roof.weight_bytes / roof.matvec_bytes_per_s
+    for dtype in args.roofline_dtypes:
+        if dtype != "float32":
+            seconds = roofline.matvec_seconds(roof.weight_bytes, dtype)
+            slower = seconds / base
+            log(f"roofline: {dtype} weights: {1e3 * seconds:.1f} ms ({slower:.2f}x float32)")
+    return roof
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,17 +238,25 @@ def run(args: argparse.Namespace, command: str) -> int:
         "engine_kwargs": args.engine_kwargs,
     }
     machine = machine_info()  # before the runs: their start date
+    roof = measure_roofline(args, files)
     results = [
         run_peer(name, opts, lambda p: measure(p, full, one, args)) for name in args.backends
     ]
     print(describe_run("offline latency", machine, workload))
-    print(render(results))
+    if roof is not None:
+        print(
+            f"float32 weight-streaming roofline (this run): {roof.weight_bytes / 1e6:.0f} MB of "
+            f"weights at {roof.matvec_bytes_per_s / 1e9:.1f} GB/s = {roof.tokens_per_s:.1f} tok/s"
+        )
+    print(render(results, roof))
     print(
         "pNN = end-to-end latency of one batch; B*O/p50 = tokens/s of the batch, prefill "
         "included; prefill+1 = p50 latency with output-len 1; decode tok/s = "
         "B*(O-1)/(p50 - prefill+1); x transformers = ratio of decode tok/s (else B*O/p50)"
     )
     if args.json:
+        if roof is not None:
+            workload["roofline"] = roof.to_json()
         write_json(args.json, "latency", command, machine, workload, args, results)
     return 0 if any(r.status == "ok" for r in results) else 1
 
