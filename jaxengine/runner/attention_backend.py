@@ -3,13 +3,17 @@
 =============  ====================  =====================  ==========================
 requested      tpu                   gpu                    cpu
 =============  ====================  =====================  ==========================
-auto           Pallas TPU (Mosaic)   Pallas GPU (Triton)    reference (pure JAX)
+auto           Pallas TPU (Mosaic)   Pallas GPU (Triton)    xla-cpu (request-major)
 pallas         Pallas TPU (Mosaic)   Pallas GPU (Triton)    Pallas GPU, interpret mode
 reference      reference             reference              reference
 =============  ====================  =====================  ==========================
 
 The attention function and the KV-cache write are chosen together, so the cache
-layout they agree on never mixes. On CPU, "pallas" runs the GPU kernels in interpret
+layout they agree on never mixes. On CPU, "auto" runs
+`pallas_kernels.ragged_paged_attention.cpu`: plain JAX like the reference, laid out
+request-major so XLA's CPU backend gathers each request's pages once (several times
+faster than the reference on decode and prefill batches, bench/README.md), with the
+reference's KV-cache write. On CPU, "pallas" runs the GPU kernels in interpret
 mode: slow, there to prove the kernels inside the real step function. (They interpret
 several times faster than the TPU kernels, whose DMAs and semaphores the TPU
 interpreter simulates; tests run the TPU kernels inside the model on tiny configs.)
@@ -27,7 +31,7 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-    name: str  # "reference", "pallas-tpu", "pallas-gpu", "pallas-gpu-interpret"
+    name: str  # "reference", "xla-cpu", "pallas-tpu", "pallas-gpu", "pallas-gpu-interpret"
     attention_fn: Callable
     update_fn: Callable
 
@@ -43,8 +47,12 @@ def select_attention_backend(requested: str, platform: str | None = None) -> Att
         raise ValueError(
             f"--attention-backend {requested!r}: expected one of auto, pallas, reference"
         )
-    if requested == "reference" or (requested == "auto" and platform not in ("tpu", "gpu")):
+    if requested == "reference":
         return AttentionBackend("reference", *kernels("reference"))
+    if requested == "auto" and platform not in ("tpu", "gpu"):
+        attention = importlib.import_module("pallas_kernels.ragged_paged_attention.cpu")
+        _, update = kernels("reference")
+        return AttentionBackend("xla-cpu", attention.ragged_paged_attention, update)
     if platform in ("tpu", "gpu"):
         return AttentionBackend(f"pallas-{platform}", *kernels(platform))
     attention, update = kernels("gpu")

@@ -96,7 +96,7 @@ def test_greedy_matches_transformers(
     kwargs = {**BASE, **CONDITIONS[condition], "compilation_cache_dir": str(cache_dir)}
     with caplog.at_level(logging.INFO, logger="jaxengine.executor.build"):
         llm = LLM(model=str(smollm2_gguf), **kwargs)
-    backend = "pallas-gpu-interpret" if condition == "pallas_kernels" else "reference"
+    backend = "pallas-gpu-interpret" if condition == "pallas_kernels" else "xla-cpu"
     assert f"attention backend: {backend}" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -10,13 +10,13 @@ from jaxengine.runner.attention_backend import select_attention_backend
 from pallas_kernels.kv_cache_update import gpu as update_gpu
 from pallas_kernels.kv_cache_update import reference as update_ref
 from pallas_kernels.kv_cache_update import tpu as update_tpu
-from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention import cpu, gpu, reference, tpu
 
 
 @pytest.mark.parametrize(
     "requested, platform, name",
     [
-        ("auto", "cpu", "reference"),
+        ("auto", "cpu", "xla-cpu"),
         ("auto", "tpu", "pallas-tpu"),
         ("auto", "gpu", "pallas-gpu"),
         ("pallas", "tpu", "pallas-tpu"),
@@ -32,9 +32,12 @@ def test_table(requested, platform, name):
 
 
 def test_functions_match_their_names():
-    ref = select_attention_backend("auto", "cpu")
+    ref = select_attention_backend("reference", "cpu")
     assert ref.attention_fn is reference.ragged_paged_attention
     assert ref.update_fn is update_ref.update_kv_cache
+    on_cpu = select_attention_backend("auto", "cpu")
+    assert on_cpu.attention_fn is cpu.ragged_paged_attention
+    assert on_cpu.update_fn is update_ref.update_kv_cache
     on_tpu = select_attention_backend("auto", "tpu")
     assert on_tpu.attention_fn is tpu.ragged_paged_attention
     assert on_tpu.update_fn is update_tpu.update_kv_cache

@@ -1,0 +1,80 @@
+"""The CPU attention (request-major, `ragged_paged_attention.cpu`) against the reference.
+
+Random ragged batches (`ragged_batches.shapes`: decodes, prefill chunks over cached
+context, GQA groups, sliding windows, soft caps, padding requests and tokens), jitted
+as the engine runs it, with the default blocks and with small ones, so that prefill
+chunks span several query tiles and every request several KV chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.ragged_paged_attention import cpu
+from tests.kernels.ragged_batches import Shape, build, check_kernel, shapes
+
+DECODE = Shape(16, 2, 4, 128, (1,) * 5, (3, 17, 40, 64, 0), 2, 3, None, None)
+LONG_CHUNK = Shape(8, 1, 3, 64, (1, 2, 24), (9, 30, 70), 0, 0, None, 30.0)
+WINDOWED = Shape(16, 2, 2, 256, (7, 1), (33, 50), 1, 0, 5, 2.0)
+ALL_PADDING = Shape(8, 1, 1, 64, (0,), (0,), 3, 4, None, None)
+# SmolLM2's heads: 9 query heads over 3 KV heads
+SMOLLM2_MIXED = Shape(16, 3, 3, 64, (1, 1, 20, 1), (40, 0, 35, 17), 1, 2, None, None)
+
+BLOCKS = {"default": {}, "small": dict(kv_chunk=8, block_q=4)}
+
+
+@functools.cache
+def jitted(blocks: str, sm_scale: float, sliding_window, soft_cap):
+    return jax.jit(
+        functools.partial(
+            cpu.ragged_paged_attention,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            **BLOCKS[blocks],
+        )
+    )
+
+
+def run_jitted(blocks: str):
+    def kernel(*args, sm_scale, sliding_window, soft_cap):
+        return jitted(blocks, sm_scale, sliding_window, soft_cap)(*args)
+
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@settings(max_examples=4, deadline=None)
+@given(shape=shapes(), seed=st.integers(0, 2**31 - 1), blocks=st.sampled_from(sorted(BLOCKS)))
+@example(shape=DECODE, seed=0, blocks="default")
+@example(shape=LONG_CHUNK, seed=1, blocks="small")
+@example(shape=WINDOWED, seed=2, blocks="small")
+@example(shape=ALL_PADDING, seed=3, blocks="default")
+@example(shape=SMOLLM2_MIXED, seed=4, blocks="small")
+def test_matches_reference(dtype, shape, seed, blocks):
+    check_kernel(run_jitted(blocks), build(shape, seed), dtype)
+
+
+def test_one_compile_serves_every_batch_of_a_shape():
+    """Tile and chunk counts are loop bounds, not shapes: a decode batch and a prefill
+    batch with the same (T, R, M) share one executable."""
+    fn = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=0.125))
+    decode = Shape(8, 1, 2, 64, (1,) * 4, (5, 9, 30, 2), 0, 12, None, None)
+    decode = build(decode, 0, extra_pages=7)  # 16 pages, as the prefill's
+    prefill = build(Shape(8, 1, 2, 64, (13, 1, 1, 1), (20, 3, 0, 34), 0, 0, None, None), 1)
+    assert decode.q.shape == prefill.q.shape
+    assert decode.kv_cache.shape == prefill.kv_cache.shape
+    outs = []
+    for batch in (decode, prefill):
+        args = list(batch.args())
+        pad = 8 - args[3].shape[1]  # the same page-table width for both
+        args[3] = jax.numpy.pad(args[3], ((0, 0), (0, pad)))
+        outs.append(np.asarray(fn(*args)))
+    assert fn._cache_size() == 1
+    assert all(np.isfinite(out).all() for out in outs)
