@@ -19,6 +19,7 @@ JAX dispatches asynchronously, so stage ``s`` runs micro-batch ``m + 1`` while s
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -26,7 +27,7 @@ import numpy as np
 
 from jaxengine.runner.attention_backend import AttentionBackend
 from jaxengine.runner.batch import PackedBatch
-from jaxengine.runner.program import zero_caches
+from jaxengine.runner.program import abstract_output, zero_caches
 from jaxengine.runner.step import make_prompt_logprobs, make_swap_fns, step_inputs
 from jaxengine.runner.transfer import unpack_tree
 from sharding.placement import Placement
@@ -163,6 +164,21 @@ class PipelineStages:
 
     def prompt_logprobs(self, params: list, hidden: Any, targets: np.ndarray) -> Any:
         return self._prompt_lp(params[-1], hidden, targets)
+
+    def precompile(self, params: list, caches: list, batch: PackedBatch) -> None:
+        """Compiles every stage (each fed the abstract output of the one before, placed
+        as `step` places it) and prompt logprobs, without running them."""
+        buffers, spec = step_inputs(batch)
+        x = None
+        for s, fn in enumerate(self._stages):
+            if s:
+                x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.plans[s].replicated)
+            compiled = fn.lower(params[s], caches[s], x, buffers, spec=spec).compile()
+            stage = functools.partial(fn, spec=spec)
+            x, _ = jax.eval_shape(stage, params[s], caches[s], x, buffers)
+        hidden = abstract_output(compiled, x[1], 1)
+        targets = np.zeros(batch.token_ids.shape[0], np.int32)
+        self._prompt_lp.lower(params[-1], hidden, targets).compile()
 
     def gather(self, caches: list, ids: np.ndarray) -> list[np.ndarray]:
         return [page for stage in caches for page in jax.device_get(self._gather(stage, ids))]

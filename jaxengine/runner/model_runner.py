@@ -119,10 +119,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ warm-up
 
     def warmup(self, progress: bool = True) -> None:
-        """Compiles every bucket's step and prompt-logprobs function, every sampler
-        variant at every request count and the swap copies, by running them on
-        padding (which fills jit's own cache, so later steps take its fast C++
-        dispatch path); then arms the compile guard."""
+        """Compiles every bucket's step and prompt-logprobs function ahead of time
+        (lowered and compiled, not run: a large bucket's forward costs seconds on
+        CPU, and the first call of each shape reuses the executable), runs every
+        sampler variant at every request count and the swap copies on padding; then
+        arms the compile guard."""
         jobs = [lambda b=b: self._warm_bucket(b) for b in self.buckets.buckets]
         jobs += [
             lambda n=n, f=f: self.sampler.warm(n, f)
@@ -144,10 +145,7 @@ class ModelRunner:
         )
 
     def _warm_bucket(self, bucket: Bucket) -> None:
-        batch = self._pack([], bucket)
-        _, hidden, self.kv_caches = self.program.step(self.params, self.kv_caches, batch)
-        targets = np.zeros(bucket.num_tokens, np.int32)
-        jax.block_until_ready(self.program.prompt_logprobs(self.params, hidden, targets))
+        self.program.precompile(self.params, self.kv_caches, self._pack([], bucket))
 
     def _warm_swap(self) -> None:
         self.kv_caches = self.swap.warm(self.program, self.kv_caches)

@@ -13,6 +13,7 @@ mesh); `sharding.pipeline.PipelineStages` is the pipeline's.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -49,6 +50,11 @@ class StageProgram(Protocol):
 
     def prompt_logprobs(self, params: Params, hidden: Any, targets: np.ndarray) -> Any: ...
 
+    def precompile(self, params: Params, caches: Caches, batch: PackedBatch) -> None:
+        """Compiles the step and prompt-logprobs functions for ``batch``'s shapes without
+        running them (later calls with those shapes reuse the executables)."""
+        ...
+
     def gather(self, caches: Caches, ids: np.ndarray) -> list[np.ndarray]:
         """Pages ``ids`` of every layer, on the host."""
         ...
@@ -58,6 +64,15 @@ class StageProgram(Protocol):
     def micro_batches(self, num_tokens: list[int]) -> list[list[int]]:
         """The step's requests (by index) in the groups that run as separate batches."""
         ...
+
+
+def abstract_output(compiled: Any, shape: jax.ShapeDtypeStruct, index: int) -> Any:
+    """``shape`` with the sharding the compiled function gives its output ``index``
+    (left unset on one device, where an explicit sharding would not match the call)."""
+    sharding = jax.tree_util.tree_leaves(compiled.output_shardings)[index]
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype)
+    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
 
 
 def zero_caches(shape: tuple, dtype: Any, count: int, sharding: Any = None) -> tuple:
@@ -98,6 +113,15 @@ class SingleStage:
 
     def prompt_logprobs(self, params: Params, hidden: Any, targets: np.ndarray) -> Any:
         return self._prompt_lp(params, hidden, targets)
+
+    def precompile(self, params: Params, caches: Caches, batch: PackedBatch) -> None:
+        buffers, spec = step_inputs(batch)
+        compiled = self._step.lower(params, caches, buffers, spec=spec).compile()
+        step = functools.partial(self._step, spec=spec)
+        _, hidden, _ = jax.eval_shape(step, params, caches, buffers)
+        hidden = abstract_output(compiled, hidden, 1)
+        targets = np.zeros(batch.token_ids.shape[0], np.int32)
+        self._prompt_lp.lower(params, hidden, targets).compile()
 
     def gather(self, caches: Caches, ids: np.ndarray) -> list[np.ndarray]:
         return list(jax.device_get(self._gather(caches, ids)))
