@@ -106,7 +106,9 @@ def setup_compilation_cache(config: EngineConfig) -> None:
 
     path = os.path.expanduser(comp.compilation_cache_dir)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # every executable, however quick to compile: a warm start then traces and loads
+    # the sampler variants instead of compiling two dozen of them again
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def _load(config: EngineConfig, devices: Sequence[Any] | None):
