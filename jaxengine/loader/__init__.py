@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +78,8 @@ def load_model(
     parameter (`sharding/`); each tensor then goes straight into its shards. Without
     it the parameters land on the default device. ``max_parallel_loading_workers``
     is `ParallelConfig.max_parallel_loading_workers` (None: shards are memory-mapped).
+    The model's q/k/v and gate/up projections are fused where `fuse_projections`
+    allows (before the parameter tree, its axes and shardings are built).
     """
     from jaxengine.loader.hf_config import load_hf_config
     from jaxengine.loader.params import (
@@ -102,6 +105,9 @@ def load_model(
     check_quantization(model_config.quantization, source, hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
     module, config = get_model(hf_config, dtype)
+    if fuse_projections(placement):
+        config = dataclasses.replace(config, fused_projections=True)
+        module = module.clone(config=config)
     abstract = abstract_params(module, config)
     axes = logical_axes(abstract)
     shardings = placement(config, axes, nn.unbox(abstract)) if placement else None
@@ -119,6 +125,27 @@ def load_model(
         time.perf_counter() - start,
     )
     return LoadedModel(module, config, params, hf_config, source, axes)
+
+
+FUSE_ENV = "JAXENGINE_FUSED_PROJECTIONS"
+"""Set to ``0`` to keep q/k/v and gate/up separate everywhere (for measurement)."""
+
+
+def fuse_projections(placement: Any) -> bool:
+    """Whether to load the model with `TransformerConfig.fused_projections`.
+
+    A fused ``qkv_proj``/``gate_up_proj`` is a plain row concatenation, which a
+    tensor-parallel split would cut at the wrong rows, so only a placement of tensor
+    size 1 fuses (pipeline stages included), or no placement (one default device).
+    A placement of unknown kind (no ``parallel`` config) keeps the projections apart.
+    ``$JAXENGINE_FUSED_PROJECTIONS=0`` turns fusion off.
+    """
+    if os.environ.get(FUSE_ENV, "1") == "0":
+        return False
+    if placement is None:
+        return True
+    parallel = getattr(placement, "parallel", None)
+    return getattr(parallel, "tensor_parallel_size", None) == 1
 
 
 def check_quantization(requested: str | None, source: ModelSource, hf_config: Any) -> None:

@@ -3,7 +3,9 @@
 The target tree comes from `jax.eval_shape` of the module's init, so shapes, dtypes
 and logical axis names are the model's own; checkpoint tensors are matched to it by
 their Hugging Face names (`layers.decoder.hf_param_path`). Every leaf must be filled
-exactly once with the right shape, else `CheckpointError` names the tensor.
+exactly once with the right shape, else `CheckpointError` names the tensor. A model
+with `fused_projections` holds ``qkv_proj`` and ``gate_up_proj``: the checkpoint's
+q/k/v and gate/up tensors are concatenated into them here, once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from jax.sharding import PartitionSpec
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import kv_cache_shape
-from jaxengine.models.layers.decoder import hf_param_path
+from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_param_path
 from jaxengine.models.metadata import AttentionMetadata
 
 
@@ -135,46 +137,37 @@ def params_from_tensors(
 ) -> Any:
     """Fills the model's parameter tree from ``(hf_name, array)`` pairs.
 
-    Stacked (per-expert) tensors are assembled in host memory before going to the
-    device. Tensors the model has no use for (a tied checkpoint's ``lm_head.weight``,
-    rotary buffers) are skipped; missing tensors and shape mismatches raise
-    `CheckpointError` naming the tensor and ``source``. ``abstract`` is
-    `abstract_params`' result when the caller has it already; ``shardings`` (same
-    tree, `NamedSharding` leaves) places each tensor straight into its shards.
+    Stacked (per-expert) tensors, and the q/k/v or gate/up tensors of a model with
+    `fused_projections`, are assembled in host memory (each into its rows of the one
+    leaf) and go to the device once complete: the fused weights are concatenated
+    here, once, never per step. Tensors the model has no use for (a tied
+    checkpoint's ``lm_head.weight``, rotary buffers) are skipped; missing tensors and
+    shape mismatches raise `CheckpointError` naming the tensor and ``source``.
+    ``abstract`` is `abstract_params`' result when the caller has it already;
+    ``shardings`` (same tree, `NamedSharding` leaves) places each tensor straight
+    into its shards.
     """
     if abstract is None:
         abstract = abstract_params(module, config)
     shapes = _plain(nn.unbox(abstract))
     out = _plain(shapes, fill=None)
     placement = _plain(shardings) if shardings is not None else None
-    stacks: dict[tuple[str, ...], np.ndarray] = {}
-    filled: dict[tuple[str, ...], int] = {}
+    buffers: dict[tuple[str, ...], np.ndarray] = {}
+    filled: dict[tuple[str, ...], set] = {}
     for name, array in tensors:
-        mapped = hf_param_path(name)
-        if mapped is None:
+        slot = _slot(name, array, config, shapes, source)
+        if slot is None:
             continue
-        path, index = mapped
-        leaf = _leaf_of(shapes, path)
-        if leaf is None:
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue
-            raise CheckpointError(f"{source}: tensor {name!r} has no place in the model")
-        expected = leaf.shape[1:] if index is not None else leaf.shape
-        if tuple(array.shape) != tuple(expected):
-            raise CheckpointError(
-                f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
-                f"the model expects {tuple(expected)}"
-            )
-        if index is not None:
-            stack = stacks.setdefault(path, np.empty(leaf.shape, np.float32))
-            stack[index] = array
-            filled[path] = filled.get(path, 0) + 1
-            if filled[path] == leaf.shape[0]:
-                sharding = _leaf_of(placement, path) if placement else None
-                _tree_set(out, path, place(stacks.pop(path), leaf.dtype, sharding))
-            continue
+        path, index, parts, leaf = slot
         sharding = _leaf_of(placement, path) if placement else None
-        _tree_set(out, path, place(array, leaf.dtype, sharding))
+        if index is None:
+            _tree_set(out, path, place(array, leaf.dtype, sharding))
+            continue
+        buffers.setdefault(path, np.empty(leaf.shape, np.float32))[index] = array
+        done = filled.setdefault(path, set())
+        done.add(index if isinstance(index, int) else index.start)
+        if len(done) == parts:
+            _tree_set(out, path, place(buffers.pop(path), leaf.dtype, sharding))
     missing = list(_unfilled(out))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -182,6 +175,41 @@ def params_from_tensors(
             f"{source}: {len(missing)} tensors missing from the checkpoint: {shown}"
         )
     return out
+
+
+def _slot(name: str, array: np.ndarray, config: TransformerConfig, shapes: Any, source: str):
+    """``(path, index, parts, leaf)`` of a checkpoint tensor, or None to skip it.
+
+    ``index`` is None (the tensor is the whole leaf), an int (one expert of a stacked
+    leaf) or a slice of rows (one projection of a fused leaf); ``parts`` is how many
+    tensors fill the leaf. Checks the tensor's shape against its place.
+    """
+    mapped = hf_param_path(name)
+    if mapped is None:
+        return None
+    path, index = mapped
+    leaf, parts = _leaf_of(shapes, path), 1
+    if leaf is None and config.fused_projections and len(path) > 1 and fused_name(path[-2]):
+        fused = _leaf_of(shapes, (*path[:-2], fused_name(path[-2]), path[-1]))
+        if fused is not None:
+            path, index, parts = fused_param_path(path, config, fused.shape[0])
+            leaf = fused
+    if leaf is None:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            return None
+        raise CheckpointError(f"{source}: tensor {name!r} has no place in the model")
+    if isinstance(index, int):
+        parts, expected = leaf.shape[0], leaf.shape[1:]
+    elif isinstance(index, slice):
+        expected = (index.stop - index.start, *leaf.shape[1:])
+    else:
+        expected = leaf.shape
+    if tuple(array.shape) != tuple(expected):
+        raise CheckpointError(
+            f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
+            f"the model expects {tuple(expected)}"
+        )
+    return path, index, parts, leaf
 
 
 def _plain(tree: Any, fill: Any = ...) -> Any:

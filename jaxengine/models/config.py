@@ -103,6 +103,12 @@ class TransformerConfig:
     """MoE: renormalize the top-k routing weights to sum to one."""
     dtype: Any = jnp.float32
     """Parameter and activation dtype."""
+    fused_projections: bool = False
+    """q/k/v run as one matmul over ``self_attn.qkv_proj`` and the dense MLP's gate/up
+    as one over ``mlp.gate_up_proj``, weights concatenated along their output rows
+    once at load time from the checkpoint's separate tensors (fewer, larger ops: the
+    CPU win). Only valid where those parameters are not split by tensor parallelism,
+    so `jaxengine.loader.load_model` sets it for tensor size 1 only."""
 
     @property
     def num_layers(self) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxengine.models.config import LayerSpec, TransformerConfig
 from jaxengine.models.layers.basic import Linear, RMSNorm
@@ -23,7 +24,11 @@ AttentionFn = Callable[..., jax.Array]
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections with optional QK-norm, rope and paged attention."""
+    """q/k/v/o projections with optional QK-norm, rope and paged attention.
+
+    With ``config.fused_projections`` q/k/v are one matmul over ``qkv_proj`` (rows
+    ``[q; k; v]``, `qkv_rows`), split after the dot; QK-norm and rope follow as usual.
+    """
 
     config: TransformerConfig
     spec: LayerSpec
@@ -40,15 +45,8 @@ class Attention(nn.Module):
     ) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
         num_tokens = x.shape[0]
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-        def proj(name: str, heads: int, axis: str) -> jax.Array:
-            layer = Linear(heads * d, (axis, "embed"), cfg.qkv_bias, cfg.dtype, name=name)
-            return layer(x).reshape(num_tokens, heads, d)
-
-        q = proj("q_proj", hq, "q_heads")  # [T, Hq, D]
-        k = proj("k_proj", hkv, "kv_heads")  # [T, Hkv, D]
-        v = proj("v_proj", hkv, "kv_heads")
+        hq, d = cfg.num_heads, cfg.head_dim
+        q, k, v = _project_qkv(x, cfg)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         if cfg.qk_norm:
             norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
             q = RMSNorm(**norm, axis_name="head_dim", name="q_norm")(q)
@@ -70,6 +68,32 @@ class Attention(nn.Module):
         )  # [T, Hq, D]
         o_proj = Linear(cfg.hidden_size, ("embed", "q_heads"), cfg.o_bias, cfg.dtype, name="o_proj")
         return o_proj(out.reshape(num_tokens, hq * d)), kv_cache
+
+
+def qkv_rows(config: TransformerConfig) -> tuple[int, int, int]:
+    """Output rows of q, k and v: their order and sizes inside a fused ``qkv_proj``."""
+    d = config.head_dim
+    return config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d
+
+
+def _project_qkv(x: jax.Array, cfg: TransformerConfig) -> tuple[jax.Array, ...]:
+    """q, k, v as ``[T, heads, D]``: three matmuls, or one over the fused ``qkv_proj``.
+
+    The fused weight keeps the ``q_heads`` logical axis on its rows; that is right
+    only unsplit (tensor size 1), which is when the loader fuses."""
+    num_tokens, d = x.shape[0], cfg.head_dim
+    rows = qkv_rows(cfg)
+    if cfg.fused_projections:
+        fused = Linear(sum(rows), ("q_heads", "embed"), cfg.qkv_bias, cfg.dtype, name="qkv_proj")
+        qkv = fused(x)  # [T, (Hq + 2 Hkv) D]
+        parts = jnp.split(qkv, [rows[0], rows[0] + rows[1]], axis=-1)
+    else:
+        names = (("q_proj", "q_heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads"))
+        parts = [
+            Linear(n, (axis, "embed"), cfg.qkv_bias, cfg.dtype, name=name)(x)
+            for n, (name, axis) in zip(rows, names, strict=True)
+        ]
+    return tuple(p.reshape(num_tokens, p.shape[-1] // d, d) for p in parts)
 
 
 def kv_cache_shape(

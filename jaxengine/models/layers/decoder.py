@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.models.config import LayerSpec, TransformerConfig
-from jaxengine.models.layers.attention import Attention
+from jaxengine.models.layers.attention import Attention, qkv_rows
 from jaxengine.models.layers.basic import Embed, Linear, RMSNorm
 from jaxengine.models.layers.mlp import GatedMLP, SparseMoE
 from jaxengine.models.metadata import AttentionMetadata
@@ -150,3 +150,33 @@ def hf_param_path(name: str) -> tuple[tuple[str, ...], int | None] | None:
         index = int(expert.group(1))
         name = name[: expert.start()] + f".experts_{expert.group(2)}"
     return tuple(name.split(".")), index
+
+
+# A fused model's parameters built from several checkpoint tensors, rows in this order.
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def fused_param_path(
+    path: tuple[str, ...], config: TransformerConfig, fused_rows: int
+) -> tuple[tuple[str, ...], slice, int]:
+    """Where a q/k/v or gate/up tensor goes in a fused model (`fused_projections`).
+
+    ``path`` is the tensor's own (`hf_param_path`), e.g. ``(..., self_attn, k_proj,
+    bias)``; ``fused_rows`` the fused leaf's row count (``2 * width`` for gate/up).
+    Returns ``(fused path, its rows in the fused leaf, number of parts)``.
+    """
+    *parent, name, leaf = path
+    fused = fused_name(name)
+    parts = FUSED_PROJECTIONS[fused]
+    sizes = qkv_rows(config) if fused == "qkv_proj" else (fused_rows // 2,) * 2
+    i = parts.index(name)
+    start = sum(sizes[:i])
+    return (*parent, fused, leaf), slice(start, start + sizes[i]), len(parts)
+
+
+def fused_name(name: str) -> str | None:
+    """The fused projection that holds the projection ``name``, or None."""
+    return next((f for f, parts in FUSED_PROJECTIONS.items() if name in parts), None)

@@ -13,7 +13,12 @@ from jaxengine.models.layers.basic import Linear, _normal, activation
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with HF names gate_proj, up_proj, down_proj."""
+    """``down(act(gate(x)) * up(x))`` with HF names gate_proj, up_proj, down_proj.
+
+    With ``config.fused_projections`` gate and up are one ``gate_up_proj`` of rows
+    ``[gate; up]`` (concatenated by the loader); its ``mlp`` axis is right only
+    unsplit (tensor size 1), which is when the loader fuses.
+    """
 
     config: TransformerConfig
     intermediate_size: int | None = None
@@ -22,8 +27,14 @@ class GatedMLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, H] -> [T, H]
         cfg = self.config
         width = self.intermediate_size or cfg.intermediate_size
-        gate = Linear(width, ("mlp", "embed"), cfg.mlp_bias, cfg.dtype, name="gate_proj")(x)
-        up = Linear(width, ("mlp", "embed"), cfg.mlp_bias, cfg.dtype, name="up_proj")(x)
+
+        def proj(rows: int, name: str) -> jax.Array:
+            return Linear(rows, ("mlp", "embed"), cfg.mlp_bias, cfg.dtype, name=name)(x)
+
+        if cfg.fused_projections:  # rows [gate; up], one matmul, split after
+            gate, up = jnp.split(proj(2 * width, "gate_up_proj"), 2, axis=-1)  # [T, I] each
+        else:
+            gate, up = proj(width, "gate_proj"), proj(width, "up_proj")
         hidden = activation(cfg.hidden_act)(gate) * up  # [T, I]
         return Linear(cfg.hidden_size, ("embed", "mlp"), cfg.mlp_bias, cfg.dtype, name="down_proj")(
             hidden
