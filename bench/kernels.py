@@ -7,11 +7,17 @@ Two workloads in the Llama-3-8B head layout (32 query heads, 8 KV heads, head di
 - ``mixed``: 60 decodes at KV length 2048 plus 4 prefill chunks of 128 new tokens
   over 1024 cached ones (572 tokens), as the engine batches them.
 
+``--smollm2`` swaps in SmolLM2-135M's layout (9 query heads, 3 KV heads, head dim
+64), the CPU engine's default model: ``decode`` (64 requests x 1 token over 128-256
+cached tokens), ``prefill`` (one chunk of 512 tokens) and ``mixed`` (56 of those
+decodes plus two chunks of 100 tokens over 64 cached).
+
 Peers on the same data, in one run:
 
 - ``pallas``: this platform's Pallas kernel (TPU: Mosaic, GPU: Triton; on CPU only
   with ``--interpret``, and then only to check the script);
 - ``reference``: the pure-JAX reference (XLA);
+- ``xla-cpu`` (on CPU): the request-major CPU path, `ragged_paged_attention.cpu`;
 - ``dot_product_attention``: ``jax.nn.dot_product_attention`` on the same K and V
   gathered into dense ``[R, L, Hkv, D]`` arrays beforehand (gathering not timed),
   queries padded to ``[R, Q, Hq, D]`` with a mask; on GPU also with
@@ -24,6 +30,7 @@ pass); "of copy" is the peer's GB/s over it: the decode target for the kernel is
 
     python -m bench.kernels                 # on a GPU or TPU machine
     python -m bench.kernels --small --interpret   # a tiny check on CPU
+    python -m bench.kernels --smollm2 --dtype float32   # the CPU engine's shapes
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import numpy as np
 
 from bench.common import describe_run, fmt, format_table, log, machine_info
 from jaxengine.runner.attention_backend import select_attention_backend
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention import cpu, reference
 from pallas_kernels.ragged_paged_attention.cost import batch_cost
 
 
@@ -56,7 +63,9 @@ class Workload:
     page_size: int = 16
 
 
-def workloads(small: bool) -> list[Workload]:
+def workloads(small: bool, smollm2: bool = False) -> list[Workload]:
+    if smollm2:
+        return smollm2_workloads()
     if small:
         tiny = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
         return [
@@ -66,6 +75,18 @@ def workloads(small: bool) -> list[Workload]:
     return [
         Workload("decode", (1,) * 64, (2048,) * 64),
         Workload("mixed", (1,) * 60 + (128,) * 4, (2048,) * 60 + (1152,) * 4),
+    ]
+
+
+def smollm2_workloads() -> list[Workload]:
+    heads = dict(num_q_heads=9, num_kv_heads=3, head_dim=64)
+    ctx = tuple(int(n) for n in np.random.default_rng(1).integers(128, 257, 64))
+    return [
+        Workload("decode", (1,) * 64, tuple(n + 1 for n in ctx), **heads),
+        Workload("prefill", (512,), (512,), **heads),
+        Workload(
+            "mixed", (1,) * 56 + (100, 100), tuple(n + 1 for n in ctx[:56]) + (164, 164), **heads
+        ),
     ]
 
 
@@ -149,6 +170,11 @@ def peers(args: argparse.Namespace) -> dict[str, Callable[[Arrays], tuple[Callab
         jax.jit(functools.partial(reference.ragged_paged_attention, sm_scale=a.sm_scale)),
         a.paged,
     )
+    if platform == "cpu":
+        out["xla-cpu"] = lambda a: (
+            jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=a.sm_scale)),
+            a.paged,
+        )
     impls = [None, "cudnn"] if platform == "gpu" else [None]
     for impl in impls:
         name = "dot_product_attention" + (f"[{impl}]" if impl else "")
@@ -176,7 +202,7 @@ def run(args: argparse.Namespace) -> str:
     copy_bw = copy_bandwidth(dtype, args.iters, args.copy_mib << 20)
     log(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s")
     rows = []
-    for w in workloads(args.small):
+    for w in workloads(args.small, args.smollm2):
         arrays = make_arrays(w, dtype)
         cost = batch_cost(
             w.seq_lens,
@@ -215,12 +241,18 @@ def run(args: argparse.Namespace) -> str:
     header = ["workload", "peer", "time us", "GB/s", "of copy", "TFLOP/s", "notes"]
     workload = {
         "dtype": dtype.name,
-        "layout": "Hq32/Hkv8/D128, page 16" if not args.small else "small",
+        "layout": layout_name(args),
         "copy_GBps": round(copy_bw / 1e9, 1),
         "device": jax.devices()[0].device_kind,
     }
     title = "attention kernels"
     return describe_run(title, machine_info(), workload) + "\n" + format_table(header, rows)
+
+
+def layout_name(args: argparse.Namespace) -> str:
+    if args.smollm2:
+        return "Hq9/Hkv3/D64, page 16 (SmolLM2-135M)"
+    return "small" if args.small else "Hq32/Hkv8/D128, page 16"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed calls per peer (median)")
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the copy probe")
     parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU check)")
+    parser.add_argument("--smollm2", action="store_true", help="SmolLM2-135M's head layout")
     parser.add_argument(
         "--interpret", action="store_true", help="run the Pallas kernel in interpret mode on CPU"
     )
