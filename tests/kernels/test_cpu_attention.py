@@ -12,7 +12,6 @@ import functools
 
 import jax
 import numpy as np
-import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -49,15 +48,20 @@ def run_jitted(blocks: str):
     return kernel
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@settings(max_examples=4, deadline=None)
-@given(shape=shapes(), seed=st.integers(0, 2**31 - 1), blocks=st.sampled_from(sorted(BLOCKS)))
-@example(shape=DECODE, seed=0, blocks="default")
-@example(shape=LONG_CHUNK, seed=1, blocks="small")
-@example(shape=WINDOWED, seed=2, blocks="small")
-@example(shape=ALL_PADDING, seed=3, blocks="default")
-@example(shape=SMOLLM2_MIXED, seed=4, blocks="small")
-def test_matches_reference(dtype, shape, seed, blocks):
+@settings(max_examples=5, deadline=None)
+@given(
+    shape=shapes(),
+    seed=st.integers(0, 2**31 - 1),
+    blocks=st.sampled_from(sorted(BLOCKS)),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+)
+@example(shape=DECODE, seed=0, blocks="default", dtype="bfloat16")
+@example(shape=LONG_CHUNK, seed=1, blocks="small", dtype="float32")
+@example(shape=WINDOWED, seed=2, blocks="small", dtype="bfloat16")
+@example(shape=ALL_PADDING, seed=3, blocks="default", dtype="float32")
+@example(shape=SMOLLM2_MIXED, seed=4, blocks="small", dtype="float32")
+@example(shape=SMOLLM2_MIXED, seed=5, blocks="default", dtype="bfloat16")
+def test_matches_reference(shape, seed, blocks, dtype):
     check_kernel(run_jitted(blocks), build(shape, seed), dtype)
 
 
