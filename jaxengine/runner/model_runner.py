@@ -72,12 +72,11 @@ class RunnerSettings:
 
 @dataclasses.dataclass
 class _Launched:
-    """One dispatched micro-batch: its requests (by index), bucket, packed inputs,
-    hidden states and sampled (token ids, logprobs) on device."""
+    """One dispatched micro-batch: its requests (by index), bucket, hidden states and
+    sampled (token ids, logprobs) on device."""
 
     group: list[int]
     bucket: Bucket
-    batch: PackedBatch
     hidden: Any
     result: Any
 
@@ -241,7 +240,7 @@ class ModelRunner:
         batch = self._pack(mine, bucket)
         logits, hidden, self.kv_caches = self.program.step(self.params, self.kv_caches, batch)
         result = self._sample(bucket, logits, [sampling[i] for i in group])
-        return _Launched(group, bucket, batch, hidden, result)
+        return _Launched(group, bucket, hidden, result)
 
     def _sample(self, bucket: Bucket, logits, rows: list):
         settings = self.settings

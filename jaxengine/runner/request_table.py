@@ -51,9 +51,6 @@ class RequestTable:
     def __getitem__(self, req_id: str) -> RequestState:
         return self.requests[req_id]
 
-    def __len__(self) -> int:
-        return len(self.requests)
-
     def apply(self, out: SchedulerOutput) -> None:
         """Forgets finished requests, registers new ones, updates the running ones."""
         for req_id in out.finished_req_ids:
