@@ -160,6 +160,7 @@ class EngineArgs:
     compile_token_buckets: list[int] = _default("compile_token_buckets")
     compilation_cache_dir: str = _default("compilation_cache_dir")
     enable_compilation_cache: bool = _default("enable_compilation_cache")
+    background_compile: bool = _default("background_compile")
     # AttentionConfig
     attention_backend: AttentionBackendName = _default("attention_backend")
     # StructuredOutputsConfig

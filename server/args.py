@@ -43,7 +43,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_tool_args(g.add_argument)
     _add_logging_args(g.add_argument)
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL)
+    parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL, background_compile=True)
     return parser
 
 

@@ -1,8 +1,9 @@
 """`jaxengine serve [MODEL]`: the OpenAI-compatible HTTP server.
 
-Loads the model (default: the demo SmolLM2-135M-Instruct), compiles every step
-shape (unless ``--enforce-eager``), then serves ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/detokenize``,
+Loads the model (default: the demo SmolLM2-135M-Instruct) and serves at once while a
+background thread compiles every step shape (``--no-background-compile``: compile
+them all first; ``--enforce-eager``: compile each on first use). It serves
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/detokenize``,
 ``/health``, ``/version``, ``/metrics`` (and ``/load`` with
 ``--enable-server-load-tracking``) on ``--host``/``--port``.
 

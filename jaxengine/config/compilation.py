@@ -34,6 +34,12 @@ class CompilationConfig:
     restart does not compile the buckets again."""
     enable_compilation_cache: bool = True
     """Whether to use the persistent XLA compilation cache."""
+    background_compile: bool = False
+    """Compile the buckets in a background thread while the engine already serves:
+    start-up waits for the model to load, not for every bucket, and a step that
+    needs a bucket not compiled yet compiles it first. `jaxengine serve` turns it on;
+    the offline `LLM` compiles every bucket before it returns (as vLLM captures its
+    CUDA graphs at start-up). Multi-host and Ray engines always compile first."""
 
     def __post_init__(self) -> None:
         validate_config(self)

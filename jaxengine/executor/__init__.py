@@ -40,7 +40,8 @@ def create_executor(
     from jaxengine.executor.local import LocalExecutor
 
     runner, host = build_worker(config, devices)
-    return LocalExecutor(runner), host
+    background = config.compilation_config.background_compile
+    return LocalExecutor(runner, background_compile=background), host
 
 
 __all__ = ["Executor", "HostParts", "create_executor"]

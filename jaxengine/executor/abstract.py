@@ -5,7 +5,9 @@ is created with its model loaded, its KV cache sized and allocated
 (`jaxengine.executor.create_executor`, which also returns the host parts: resolved
 config, tokenizer, cache size, scheduler limits). Then:
 
-- ``warmup(progress)`` compiles every step shape and arms the compile guards;
+- ``warmup(progress)`` compiles every step shape and arms the compile guards (with
+  ``--background-compile``, a local executor returns at once and compiles beside
+  its steps: `jaxengine.runner.warmup`);
 - ``execute(scheduler_output)`` runs one scheduled step (including its page swaps)
   and returns the sampled ids and logprobs (`RunnerOutput`);
 - ``check_health()`` raises when a worker is gone;

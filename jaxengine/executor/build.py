@@ -26,6 +26,7 @@ from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
 from jaxengine.runner.buckets import default_token_buckets
+from jaxengine.runner.executables import ExecutableStore
 from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, plan_kv_cache
 from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
 from jaxengine.runner.program import SingleStage, StageProgram
@@ -212,8 +213,34 @@ def token_buckets(config: EngineConfig) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+def executable_store(
+    config: EngineConfig, loaded: LoadedModel, backend: AttentionBackend
+) -> ExecutableStore | None:
+    """Where compiled steps persist across restarts: beside the compilation cache,
+    keyed by everything that shapes the program (None when the cache is off, and
+    on multi-host engines)."""
+    comp = config.compilation_config
+    if not comp.enable_compilation_cache or jax.process_count() > 1:
+        return None  # across hosts every process must compile the same program
+    import os
+
+    shapes = jax.tree_util.tree_map(
+        lambda x: (x.shape, str(x.dtype), str(x.sharding)), loaded.params
+    )
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    del fields["compilation_config"]  # where and when to compile, not what
+    program = repr((fields, loaded.config))
+    program += f"\n{backend.name}\n{shapes}"
+    directory = os.path.join(os.path.expanduser(comp.compilation_cache_dir), "executables")
+    return ExecutableStore(directory, program)
+
+
 def stage_program(
-    loaded: LoadedModel, placement: Placement, backend: AttentionBackend, k: int
+    loaded: LoadedModel,
+    placement: Placement,
+    backend: AttentionBackend,
+    k: int,
+    store: ExecutableStore | None = None,
 ) -> StageProgram:
     """One tensor group's program, or the pipeline's stages."""
     if placement.num_stages > 1:
@@ -232,7 +259,7 @@ def stage_program(
         attention_kwargs=plan.attention_kwargs(backend.module_kwargs()),
         moe_kwargs=plan.moe_kwargs(),
     )
-    return SingleStage(module, len(loaded.config.layers), plan, k)
+    return SingleStage(module, len(loaded.config.layers), plan, k, store)
 
 
 def build_worker(
@@ -263,7 +290,8 @@ def build_worker(
         eos_token_id=eos,
     )
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
-    program = stage_program(loaded, placement, backend, k)
+    store = executable_store(config, loaded, backend)
+    program = stage_program(loaded, placement, backend, k, store)
     sampler = SamplerFunctions(
         model.vocab_size,
         max_logprobs=mc.max_logprobs,

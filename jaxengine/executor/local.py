@@ -9,12 +9,13 @@ from jaxengine.runner.model_runner import ModelRunner
 class LocalExecutor:
     """One `ModelRunner` in this process (one replica's devices)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, *, background_compile: bool = False) -> None:
         self.runner = runner
+        self.background_compile = background_compile
         self.closed = False
 
     def warmup(self, progress: bool = True) -> None:
-        self.runner.warmup(progress)
+        self.runner.warmup(progress, background=self.background_compile)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.check_health()

@@ -26,13 +26,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.runner.batch import PackedBatch, SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
-from jaxengine.runner.program import Caches, Params, StageProgram
+from jaxengine.runner.program import Caches, Params, StageProgram, abstract_like
 from jaxengine.runner.request_table import RequestState, RequestTable
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import (
@@ -42,6 +41,7 @@ from jaxengine.runner.sampling_metadata import (
     pick_variant,
 )
 from jaxengine.runner.swap import HostSwapSpace
+from jaxengine.runner.warmup import CompileJobs
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class ModelRunner:
             )
         self.table = RequestTable(settings.pages_per_req, settings.seed)
         self.guard = CompileGuard()
+        self.compiles = CompileJobs(())  # none until `warmup` (``--enforce-eager``: never)
 
     @property
     def pages_per_req(self) -> int:
@@ -117,23 +118,46 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, progress: bool = True) -> None:
+    def warmup(self, progress: bool = True, background: bool = False) -> None:
         """Compiles every bucket's step and prompt-logprobs function ahead of time
         (lowered and compiled, not run: a large bucket's forward costs seconds on
-        CPU, and the first call of each shape reuses the executable), runs every
-        sampler variant at every request count and the swap copies on padding; then
-        arms the compile guard."""
-        jobs = [lambda b=b: self._warm_bucket(b) for b in self.buckets.buckets]
-        jobs += [
-            lambda n=n, f=f: self.sampler.warm(n, f)
-            for n in self.buckets.request_sizes
-            for f in self.sampler.variants
-        ]
+        CPU, and the first call of each shape reuses the executable) and runs every
+        sampler variant at every request count, then arms the compile guard.
+
+        ``background``: returns after the swap copies; a thread compiles the rest,
+        smallest buckets first, while steps compile what they need first
+        (`runner.warmup`). The guard arms when the thread is done."""
         if self.swap is not None:
-            jobs.append(self._warm_swap)
+            with self.guard.watching():
+                self._warm_swap()  # replaces the caches: never beside a step
+        self.compiles = CompileJobs(
+            self._compile_jobs(), on_done=self._warmed, context=self.guard.watching
+        )
+        if background:
+            self.compiles.start()
+            return
         with self.guard.watching():
-            for job in tqdm(jobs, desc="Compiling buckets", disable=not progress, unit="fn"):
-                job()
+            self.compiles.run_all(progress)
+
+    def _compile_jobs(self) -> list:
+        """(key, job) per bucket step and per sampler variant at its request count,
+        in the order traffic meets them: small batches first, greedy first."""
+        caches = abstract_like(self.kv_caches)  # the real ones are donated by each step
+        jobs, sizes = [], set()
+        for bucket in self.buckets.buckets:
+            jobs.append((("step", bucket), lambda b=bucket: self._warm_bucket(b, caches)))
+            if bucket.num_reqs not in sizes:
+                sizes.add(bucket.num_reqs)
+                jobs += [
+                    (("sample", bucket.num_reqs, f), self._sampler_job(bucket.num_reqs, f))
+                    for f in self.sampler.variants
+                ]
+        return jobs
+
+    def _sampler_job(self, num_reqs: int, flags):
+        return lambda: self.sampler.warm(num_reqs, flags)
+
+    def _warmed(self) -> None:
         self.guard.arm()
         logger.info(
             "compiled %d buckets %s (requests %s), %d sampler variants",
@@ -143,8 +167,8 @@ class ModelRunner:
             len(self.sampler.variants),
         )
 
-    def _warm_bucket(self, bucket: Bucket) -> None:
-        self.program.precompile(self.params, self.kv_caches, self._pack([], bucket))
+    def _warm_bucket(self, bucket: Bucket, caches: Caches) -> None:
+        self.program.precompile(self.params, caches, self._pack([], bucket))
 
     def _warm_swap(self) -> None:
         self.kv_caches = self.swap.warm(self.program, self.kv_caches)
@@ -238,6 +262,7 @@ class ModelRunner:
         mine = [chunks[i] for i in group]
         bucket = self.buckets.select(sum(len(c.token_ids) for c in mine), len(mine))
         batch = self._pack(mine, bucket)
+        self.compiles.ensure(("step", bucket))
         logits, hidden, self.kv_caches = self.program.step(self.params, self.kv_caches, batch)
         result = self._sample(bucket, logits, [sampling[i] for i in group])
         return _Launched(group, bucket, hidden, result)
@@ -249,6 +274,7 @@ class ModelRunner:
         )
         needed = batch.required_flags(settings.logprobs_mode)
         flags = pick_variant(needed, self.sampler.variants) or needed
+        self.compiles.ensure(("sample", bucket.num_reqs, flags))
         if batch.any_logits_processors:
             host = apply_logits_processors(np.asarray(logits), batch.rows)
             logits = self.sampler.to_device(host)
@@ -287,6 +313,7 @@ class ModelRunner:
     def release(self) -> None:
         """Disarms the compile guard and deletes the device buffers (parameters and KV
         caches); the runner cannot run after this."""
+        self.compiles.close()
         self.guard.close()
         self.table.clear()
         for leaf in jax.tree_util.tree_leaves((self.params, self.kv_caches)):

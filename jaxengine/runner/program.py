@@ -13,7 +13,6 @@ mesh); `sharding.pipeline.PipelineStages` is the pipeline's.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -26,6 +25,7 @@ from jaxengine.runner.step import make_prompt_logprobs, make_step, make_swap_fns
 if TYPE_CHECKING:
     from jax.sharding import Sharding
 
+    from jaxengine.runner.executables import ExecutableStore
     from sharding.plan import ShardingPlan
 
 Params = Any  # a pytree of device arrays (one per stage in a pipeline)
@@ -70,9 +70,20 @@ def abstract_output(compiled: Any, shape: jax.ShapeDtypeStruct, index: int) -> A
     """``shape`` with the sharding the compiled function gives its output ``index``
     (left unset on one device, where an explicit sharding would not match the call)."""
     sharding = jax.tree_util.tree_leaves(compiled.output_shardings)[index]
+    return _placed(shape, sharding)
+
+
+def abstract_like(tree: Any) -> Any:
+    """``tree``'s arrays as shapes to lower against, placed as they are (left unset on
+    one device, as in `abstract_output`), so a compile made from them serves the
+    calls with the arrays themselves."""
+    return jax.tree_util.tree_map(lambda x: _placed(x, x.sharding), tree)
+
+
+def _placed(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return jax.ShapeDtypeStruct(shape.shape, shape.dtype)
-    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 def zero_caches(shape: tuple, dtype: Any, count: int, sharding: Any = None) -> tuple:
@@ -86,15 +97,29 @@ def zero_caches(shape: tuple, dtype: Any, count: int, sharding: Any = None) -> t
 
 class SingleStage:
     """The whole model as one program on one tensor group (``plan``; None: the default
-    device)."""
+    device). ``store``: where compiled steps persist across restarts (None: nowhere).
 
-    def __init__(self, module: Any, num_layers: int, plan: ShardingPlan | None, k: int) -> None:
+    `precompile` keeps each bucket's executables (compiled, or loaded from the store
+    without tracing) and `step` calls them directly; a shape never precompiled goes
+    through the jitted function (``--enforce-eager``)."""
+
+    def __init__(
+        self,
+        module: Any,
+        num_layers: int,
+        plan: ShardingPlan | None,
+        k: int,
+        store: ExecutableStore | None = None,
+    ) -> None:
         self.plan = plan
         self.num_layers = num_layers
+        self.store = store
         self._logits_sharding = plan.replicated if plan is not None else None
         self._step = make_step(module, self._logits_sharding)
         self._prompt_lp = make_prompt_logprobs(module, k)
         self._gather, self._scatter = make_swap_fns()
+        self._steps: dict[Any, Any] = {}  # batch spec -> compiled step
+        self._prompt_lps: dict[int, Any] = {}  # tokens -> compiled prompt logprobs
 
     @property
     def logits_sharding(self) -> Sharding | None:
@@ -109,19 +134,33 @@ class SingleStage:
 
     def step(self, params: Params, caches: Caches, batch: PackedBatch) -> tuple[Any, Any, Caches]:
         buffers, spec = step_inputs(batch)
+        compiled = self._steps.get(spec)
+        if compiled is not None:
+            return compiled(params, caches, buffers)
         return self._step(params, caches, buffers, spec=spec)
 
     def prompt_logprobs(self, params: Params, hidden: Any, targets: np.ndarray) -> Any:
-        return self._prompt_lp(params, hidden, targets)
+        compiled = self._prompt_lps.get(targets.shape[0])
+        return (compiled or self._prompt_lp)(params, hidden, targets)
 
     def precompile(self, params: Params, caches: Caches, batch: PackedBatch) -> None:
         buffers, spec = step_inputs(batch)
-        compiled = self._step.lower(params, caches, buffers, spec=spec).compile()
-        step = functools.partial(self._step, spec=spec)
-        _, hidden, _ = jax.eval_shape(step, params, caches, buffers)
-        hidden = abstract_output(compiled, hidden, 1)
+        compiled = self._compile(
+            "step", spec, lambda: self._step.lower(params, caches, buffers, spec=spec)
+        )
+        self._steps[spec] = compiled
+        hidden = abstract_output(compiled, compiled.out_info[1], 1)
         targets = np.zeros(batch.token_ids.shape[0], np.int32)
-        self._prompt_lp.lower(params, hidden, targets).compile()
+        self._prompt_lps[targets.shape[0]] = self._compile(
+            "prompt_logprobs",
+            targets.shape[0],
+            lambda: self._prompt_lp.lower(params, hidden, targets),
+        )
+
+    def _compile(self, name: str, key: Any, lower) -> Any:
+        if self.store is None:
+            return lower().compile()
+        return self.store.compile(name, key, lower)
 
     def gather(self, caches: Caches, ids: np.ndarray) -> list[np.ndarray]:
         return list(jax.device_get(self._gather(caches, ids)))

@@ -97,6 +97,7 @@ VALID_FLAGS = [
     (["--compile-token-buckets", "16", "64"], "compile_token_buckets", [16, 64]),
     (["--compilation-cache-dir", "/tmp/xla"], "compilation_cache_dir", "/tmp/xla"),
     (["--no-enable-compilation-cache"], "enable_compilation_cache", False),
+    (["--background-compile"], "background_compile", True),
     (["--attention-backend", "reference"], "attention_backend", "reference"),
     (["--structured-outputs-config", '{"backend": "guidance"}'], "structured_outputs_config",
      {"backend": "guidance"}),
@@ -335,3 +336,12 @@ def test_cli_subcommand_registry(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main.main(["fake", "--gpu-memory-utilization", "2"])
     assert "--gpu-memory-utilization" in capsys.readouterr().err
+
+
+def test_serve_compiles_in_the_background_unless_told_not_to():
+    from server.args import add_server_args
+
+    parser = add_server_args(FlexibleArgumentParser())
+    assert parser.parse_args([]).background_compile is True
+    assert parser.parse_args(["--no-background-compile"]).background_compile is False
+    assert EngineArgs().background_compile is False  # the offline LLM compiles first

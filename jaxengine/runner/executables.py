@@ -1,0 +1,142 @@
+"""Compiled step functions saved to disk, so a restart neither traces nor compiles.
+
+JAX's persistent compilation cache skips XLA's compile on a restart, but every
+bucket is still traced and lowered first: about two seconds per bucket for a
+30-layer model on a CPU, most of a warm start. `ExecutableStore` keeps the compiled
+executables themselves (`jax.experimental.serialize_executable`), one file per
+function and shape, under ``<compilation_cache_dir>/executables``.
+
+A stored executable is only reused by an engine that would have compiled the very
+same program. The file name is a hash of:
+
+- everything that shapes the program: the resolved `EngineConfig` (model, dtype,
+  every flag), the parameters' shapes and dtypes, the function's name and static
+  argument, and the environment variables that change tracing (``JAXENGINE_*``,
+  ``XLA_FLAGS``);
+- the code that traces it: the source of ``jaxengine``, ``pallas_kernels`` and
+  ``sharding`` (so an edited checkout never runs a stale program);
+- the runtime: jax and jaxlib versions, the platform and its devices.
+
+A file that fails to load (truncated, other runtime) is compiled again and replaced.
+Only fresh compilations are stored: an executable JAX's persistent cache handed back
+does not serialize whole again (XLA:CPU drops its kernels), so after a cache hit the
+store writes nothing and the next start takes the persistent cache's path again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+_SOURCE_PACKAGES = ("jaxengine", "pallas_kernels", "sharding")
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()  # .count: persistent-cache hits on this thread
+_listening = False
+_listen_lock = threading.Lock()
+
+
+def _on_event(event: str, **kwargs: object) -> None:
+    if event == _CACHE_HIT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+def _listen() -> None:
+    global _listening
+    with _listen_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+
+
+@functools.cache
+def source_hash() -> str:
+    """Hash of every Python file of the packages that trace the model."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[2]
+    for package in _SOURCE_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def jaxlib_version() -> str:
+    import jaxlib
+
+    return jaxlib.__version__
+
+
+def runtime_description() -> str:
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAXENGINE_", "XLA_")))
+    return repr(
+        (jax.__version__, jaxlib_version(), jax.default_backend(), kinds, len(devices), env)
+    )
+
+
+class ExecutableStore:
+    """Loads and saves the compiled functions of one engine configuration."""
+
+    def __init__(self, directory: str | os.PathLike, program: str) -> None:
+        """``program``: a description of everything that shapes the traced program
+        (the resolved config and the parameters' shapes); the code and runtime are
+        added here."""
+        self.directory = Path(directory)
+        base = "\n".join((program, source_hash(), runtime_description()))
+        self._base = hashlib.sha256(base.encode()).hexdigest()
+        _listen()
+
+    def _path(self, name: str, key: Any) -> Path:
+        digest = hashlib.sha256(f"{self._base}\n{name}\n{key!r}".encode()).hexdigest()
+        return self.directory / f"{name}-{digest[:40]}.bin"
+
+    def load(self, name: str, key: Any):
+        """The stored executable of function ``name`` at static ``key``, or None."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        path = self._path(name, key)
+        if not path.exists():
+            return None
+        try:
+            device_ids, payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            by_id = {d.id: d for d in jax.devices()}
+            devices = [by_id[i] for i in device_ids]
+            return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+        except Exception as exc:  # a partial file, another runtime: compile again
+            logger.warning("ignoring stored executable %s: %s", path.name, exc)
+            return None
+
+    def save(self, name: str, key: Any, compiled: Any) -> None:
+        from jax.experimental.serialize_executable import serialize
+
+        path = self._path(name, key)
+        try:
+            devices = [d.id for d in compiled.runtime_executable().local_devices()]
+            blob = pickle.dumps((devices, *serialize(compiled)))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_bytes(blob)
+            partial.replace(path)  # atomic: a reader never sees half a file
+        except Exception as exc:  # a full disk or an unserializable program: only slower
+            logger.warning("could not store executable %s: %s", path.name, exc)
+
+    def compile(self, name: str, key: Any, lower) -> Any:
+        """The stored executable, else ``lower().compile()`` (stored for next time)."""
+        compiled = self.load(name, key)
+        if compiled is None:
+            hits = getattr(_hits, "count", 0)
+            compiled = lower().compile()
+            if getattr(_hits, "count", 0) == hits:  # compiled here, not loaded
+                self.save(name, key, compiled)
+        return compiled

@@ -1,0 +1,48 @@
+"""Start-up: compiling in the background while serving, and restarting from stored
+executables, change no output and leave nothing to compile after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.runner.executables import ExecutableStore
+from tests.engine.conftest import small_llm_kwargs
+
+PROMPTS = [{"prompt_token_ids": [(13 * i + j) % 4000 + 20 for j in range(n)]} for i, n in
+           enumerate((5, 40, 17, 2))]  # fmt: skip
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.slow
+def test_background_compile_then_a_restart_from_stored_executables(
+    smollm2_gguf, tmp_path_factory, tmp_path, monkeypatch
+):
+    # buckets no other test compiles, so JAX's persistent cache cannot answer them and
+    # the first engine compiles (and stores) every step itself
+    kwargs = {
+        **small_llm_kwargs(tmp_path_factory),
+        "compile_token_buckets": [4, 12, 32],
+        "compilation_cache_dir": str(tmp_path),
+    }
+    first = LLM(model=str(smollm2_gguf), background_compile=True, **kwargs)
+    runner = first.engine.executor.runner
+    expected = [o.outputs[0].token_ids for o in first.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert runner.compiles.wait(600) and runner.guard.armed
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=9, logprobs=2)
+    first.generate(PROMPTS[::-1], sampled, use_tqdm=False)
+    assert first.engine.executor.compiles_after_warmup == 0
+    first.engine.shutdown()
+    assert len(list((tmp_path / "executables").iterdir())) == 2 * 3  # step + prompt logprobs
+
+    loaded = []
+    load = ExecutableStore.load
+    monkeypatch.setattr(
+        ExecutableStore, "load", lambda self, *a: loaded.append(load(self, *a)) or loaded[-1]
+    )
+    second = LLM(model=str(smollm2_gguf), **kwargs)  # blocking warm-up, from the store
+    assert len(loaded) == 6 and all(x is not None for x in loaded)
+    got = [o.outputs[0].token_ids for o in second.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == expected
+    assert second.engine.executor.compiles_after_warmup == 0
+    second.engine.shutdown()

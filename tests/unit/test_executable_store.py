@@ -1,0 +1,38 @@
+"""`ExecutableStore`: compiled functions saved, loaded without tracing, keyed by program."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.runner.executables import ExecutableStore
+
+
+def test_store_saves_loads_without_tracing_and_recompiles_a_corrupt_file(tmp_path):
+    fn = jax.jit(lambda acc, x: acc * x + 3.0, donate_argnums=(0,))
+    x = jnp.arange(5.0)
+    lowered = []
+
+    def lower():
+        lowered.append(1)
+        return fn.lower(jax.ShapeDtypeStruct((5,), jnp.float32), x)
+
+    first = ExecutableStore(tmp_path, "program A").compile("fn", 5, lower)
+    assert len(lowered) == 1 and len(list(tmp_path.iterdir())) == 1
+    again = ExecutableStore(tmp_path, "program A").compile("fn", 5, lower)
+    assert len(lowered) == 1  # loaded: neither traced nor compiled
+    for compiled in (first, again):
+        acc = jnp.full(5, 2.0)
+        np.testing.assert_allclose(compiled(acc, x), 2.0 * np.arange(5.0) + 3.0)
+        assert acc.is_deleted()  # donation survives the round trip
+
+    ExecutableStore(tmp_path, "program B").compile("fn", 5, lower)  # another program
+    ExecutableStore(tmp_path, "program A").compile("fn", 6, lower)  # another shape key
+    assert len(lowered) == 3
+
+    for path in tmp_path.iterdir():
+        path.write_bytes(b"not an executable")
+    compiled = ExecutableStore(tmp_path, "program A").compile("fn", 5, lower)
+    assert len(lowered) == 4
+    np.testing.assert_allclose(compiled(jnp.ones(5), x), np.arange(5.0) + 3.0)
