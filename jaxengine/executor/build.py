@@ -298,6 +298,7 @@ def build_worker(
         logprobs_mode=mc.logprobs_mode,
         max_model_len=mc.max_model_len,
         logits_sharding=program.logits_sharding,
+        store=store,
     )
     runner = ModelRunner(program, loaded.params, settings, sampler)
     host = HostParts(

@@ -2,14 +2,16 @@
 
 The sampler is one jitted function with its `SamplerFlags` static: each variant is a
 compiled program. `SamplerFunctions` fixes the variants an engine precompiles (so a
-batch mixing any requests runs one of them and compiles nothing), runs them, and puts
-host logits back where the step leaves them (the logits-processor path).
+batch mixing any requests runs one of them and compiles nothing), keeps their
+executables (through the `ExecutableStore`, when there is one, so a restart loads them
+without tracing), runs them, and puts host logits back where the step leaves them (the
+logits-processor path).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,8 @@ from jaxengine.runner.transfer import pack_tree
 if TYPE_CHECKING:
     from jax.sharding import Sharding
 
+    from jaxengine.runner.executables import ExecutableStore
+
 BIAS_WIDTH = 1024  # logit_bias entries + banned tokens covered by the precompiled variant
 ALLOWED_WIDTH = 1024  # allowed_token_ids covered by the precompiled variant
 
@@ -44,10 +48,13 @@ class SamplerFunctions:
         logprobs_mode: str,
         max_model_len: int,
         logits_sharding: Sharding | None,
+        store: ExecutableStore | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.logits_sharding = logits_sharding
+        self.store = store
         self._sampler = make_sampler()
+        self._compiled: dict[tuple, Any] = {}  # (metadata spec, flags) -> executable
         self.variants = sampler_variants(vocab_size, max_logprobs, logprobs_mode, max_model_len)
 
     def to_device(self, logits: np.ndarray):
@@ -58,12 +65,27 @@ class SamplerFunctions:
 
     def sample(self, logits, metadata, flags: SamplerFlags):
         buffers, spec = pack_tree(metadata)
+        compiled = self._compiled.get((spec, flags))
+        if compiled is not None:
+            return compiled(logits, buffers)
         return self._sampler(logits, buffers, spec=spec, flags=flags)
 
     def warm(self, num_reqs: int, flags: SamplerFlags) -> None:
+        """Compiles (or loads) the variant ``flags`` for ``num_reqs`` rows."""
         metadata = SamplingBatch([], num_reqs, self.vocab_size).to_metadata(flags)
-        logits = self.to_device(np.zeros((num_reqs, self.vocab_size), np.float32))
-        jax.block_until_ready(self.sample(logits, metadata, flags))
+        buffers, spec = pack_tree(metadata)
+        logits = jax.ShapeDtypeStruct((num_reqs, self.vocab_size), jnp.float32)
+        if self.logits_sharding is not None:
+            logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self.logits_sharding)
+
+        def lower():
+            return self._sampler.lower(logits, buffers, spec=spec, flags=flags)
+
+        key = (spec, flags)
+        if self.store is None:
+            self._compiled[key] = lower().compile()
+        else:
+            self._compiled[key] = self.store.compile("sampler", key, lower)
 
 
 def sampler_variants(

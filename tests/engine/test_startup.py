@@ -3,6 +3,8 @@ executables, change no output and leave nothing to compile after warm-up."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from jaxengine import LLM, SamplingParams
@@ -33,7 +35,9 @@ def test_background_compile_then_a_restart_from_stored_executables(
     first.generate(PROMPTS[::-1], sampled, use_tqdm=False)
     assert first.engine.executor.compiles_after_warmup == 0
     first.engine.shutdown()
-    assert len(list((tmp_path / "executables").iterdir())) == 2 * 3  # step + prompt logprobs
+    stored = Counter(p.name.split("-")[0] for p in (tmp_path / "executables").iterdir())
+    variants = len(runner.sampler.variants)
+    assert stored == {"step": 3, "prompt_logprobs": 3, "sampler": 2 * variants}  # R = 4, 8
 
     loaded = []
     load = ExecutableStore.load
@@ -41,7 +45,7 @@ def test_background_compile_then_a_restart_from_stored_executables(
         ExecutableStore, "load", lambda self, *a: loaded.append(load(self, *a)) or loaded[-1]
     )
     second = LLM(model=str(smollm2_gguf), **kwargs)  # blocking warm-up, from the store
-    assert len(loaded) == 6 and all(x is not None for x in loaded)
+    assert len(loaded) == stored.total() and all(x is not None for x in loaded)
     got = [o.outputs[0].token_ids for o in second.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == expected
     assert second.engine.executor.compiles_after_warmup == 0
