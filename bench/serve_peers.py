@@ -79,7 +79,8 @@ def server_command(peer: str, port: int, gguf: Path, args: argparse.Namespace) -
     raise SystemExit(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
 
 
-def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
+def wait_ready(url: str, process: subprocess.Popen, timeout: float, poll: float = 1.0) -> None:
+    """Polls ``GET /v1/models`` every ``poll`` seconds until it answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -89,7 +90,7 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
                 if r.status == 200:
                     return
         except OSError:
-            time.sleep(1.0)
+            time.sleep(poll)
     raise RuntimeError(f"server not ready after {timeout:.0f}s")
 
 
@@ -129,12 +130,17 @@ def run_peer(peer: str, gguf: Path, args, serve_argv: list[str], out_dir: Path) 
     except RuntimeError as e:
         return {"peer": peer, "error": f"{e} (log: {out_dir / (peer + '.log')})"}
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_server(process)
         log_file.close()
+
+
+def stop_server(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``grace`` seconds."""
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def render(results: list[dict]) -> str:

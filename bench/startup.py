@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import describe_run, format_table, log, machine_info
-from bench.serve_peers import MODEL
+from bench.serve_peers import MODEL, stop_server, wait_ready
 
 MODES = {"background": "--background-compile", "blocking": "--no-background-compile"}
 
@@ -45,21 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per start")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     return parser
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
-    """Polls ``GET /v1/models`` every 50 ms (the start-up times are a few seconds)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"server not ready after {timeout:.0f}s")
 
 
 def first_request(url: str, max_tokens: int) -> str:
@@ -92,16 +77,12 @@ def one_start(mode: str, cache_dir: str, args: argparse.Namespace, log_path: Pat
         start = time.perf_counter()
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
-            wait_ready(url, process, args.timeout)
+            wait_ready(url, process, args.timeout, poll=0.05)  # start-up takes seconds
             ready = time.perf_counter() - start
             text = first_request(url, args.max_tokens)
             done = time.perf_counter() - start
         finally:
-            process.terminate()
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_server(process, grace=60)
     return {"ready_s": ready, "first_request_s": done, "text": text}
 
 

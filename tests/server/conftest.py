@@ -110,10 +110,16 @@ def start_server(
 ) -> Server:
     """Starts `jaxengine serve` and waits until /health answers 200.
 
-    ``num_cpu_devices`` > 1 gives the process that many virtual CPU devices.
+    ``num_cpu_devices`` > 1 gives the process that many virtual CPU devices. The
+    server compiles every bucket before it answers (``--no-background-compile``)
+    unless ``flags`` say otherwise: the tests time requests (client timeouts) and must
+    not meet a compile on the way; tests/engine/test_startup.py covers compiling in
+    the background.
     """
     port = free_port()
     cmd = [sys.executable, "-m", "jaxengine.cli.main", "serve", "--host", "127.0.0.1"]
+    if not any(f.endswith("background-compile") for f in flags):
+        cmd.append("--no-background-compile")
     cmd += ["--port", str(port), *flags]
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
