@@ -18,6 +18,8 @@ same program. The file name is a hash of:
 - the runtime: jax and jaxlib versions, the platform and its devices.
 
 A file that fails to load (truncated, other runtime) is compiled again and replaced.
+The directory is kept under ``max_bytes`` (least recently used files go first: a
+load touches its file), since every edit of the source starts a new set of files.
 Only fresh compilations are stored: an executable JAX's persistent cache handed back
 does not serialize whole again (XLA:CPU drops its kernels), so after a cache hit the
 store writes nothing and the next start takes the persistent cache's path again.
@@ -39,6 +41,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 _SOURCE_PACKAGES = ("jaxengine", "pallas_kernels", "sharding")
+MAX_BYTES = 2 << 30  # the store's size limit: about a hundred engine configurations
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _hits = threading.local()  # .count: persistent-cache hits on this thread
 _listening = False
@@ -88,14 +91,18 @@ def runtime_description() -> str:
 class ExecutableStore:
     """Loads and saves the compiled functions of one engine configuration."""
 
-    def __init__(self, directory: str | os.PathLike, program: str) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, program: str, max_bytes: int = MAX_BYTES
+    ) -> None:
         """``program``: a description of everything that shapes the traced program
         (the resolved config and the parameters' shapes); the code and runtime are
         added here."""
         self.directory = Path(directory)
         base = "\n".join((program, source_hash(), runtime_description()))
         self._base = hashlib.sha256(base.encode()).hexdigest()
+        self._warned = False
         _listen()
+        _prune(self.directory, max_bytes)
 
     def _path(self, name: str, key: Any) -> Path:
         digest = hashlib.sha256(f"{self._base}\n{name}\n{key!r}".encode()).hexdigest()
@@ -112,7 +119,9 @@ class ExecutableStore:
             device_ids, payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             by_id = {d.id: d for d in jax.devices()}
             devices = [by_id[i] for i in device_ids]
-            return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+            compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+            os.utime(path)  # recently used: pruned last
+            return compiled
         except Exception as exc:  # a partial file, another runtime: compile again
             logger.warning("ignoring stored executable %s: %s", path.name, exc)
             return None
@@ -129,7 +138,9 @@ class ExecutableStore:
             partial.write_bytes(blob)
             partial.replace(path)  # atomic: a reader never sees half a file
         except Exception as exc:  # a full disk or an unserializable program: only slower
-            logger.warning("could not store executable %s: %s", path.name, exc)
+            log = logger.debug if self._warned else logger.warning
+            log("could not store executable %s in %s: %s", path.name, self.directory, exc)
+            self._warned = True
 
     def compile(self, name: str, key: Any, lower) -> Any:
         """The stored executable, else ``lower().compile()`` (stored for next time)."""
@@ -140,3 +151,17 @@ class ExecutableStore:
             if getattr(_hits, "count", 0) == hits:  # compiled here, not loaded
                 self.save(name, key, compiled)
         return compiled
+
+
+def _prune(directory: Path, max_bytes: int) -> None:
+    """Deletes the least recently used files until the directory holds ``max_bytes``."""
+    try:
+        files = [(p.stat(), p) for p in directory.glob("*.bin")]
+    except OSError:
+        return
+    total = sum(st.st_size for st, _ in files)
+    for st, path in sorted(files, key=lambda f: f[0].st_mtime):
+        if total <= max_bytes:
+            break
+        path.unlink(missing_ok=True)
+        total -= st.st_size

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,3 +39,12 @@ def test_store_saves_loads_without_tracing_and_recompiles_a_corrupt_file(tmp_pat
     compiled = ExecutableStore(tmp_path, "program A").compile("fn", 5, lower)
     assert len(lowered) == 4
     np.testing.assert_allclose(compiled(jnp.ones(5), x), np.arange(5.0) + 3.0)
+
+
+def test_store_keeps_its_directory_under_its_size_limit(tmp_path):
+    for i, age in enumerate((300, 100, 200)):  # seconds ago
+        path = tmp_path / f"step-{i}.bin"
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (time.time() - age, time.time() - age))
+    ExecutableStore(tmp_path, "program", max_bytes=2000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1.bin", "step-2.bin"]
