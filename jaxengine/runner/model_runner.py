@@ -119,10 +119,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ warm-up
 
     def warmup(self, progress: bool = True, background: bool = False) -> None:
-        """Compiles every bucket's step and prompt-logprobs function ahead of time
-        (lowered and compiled, not run: a large bucket's forward costs seconds on
-        CPU, and the first call of each shape reuses the executable) and runs every
-        sampler variant at every request count, then arms the compile guard.
+        """Compiles every bucket's step and prompt-logprobs function and every sampler
+        variant at every request count ahead of time (lowered and compiled, or loaded
+        from the executable store; not run: a large bucket's forward costs seconds on
+        CPU, and the steps call these executables), then arms the compile guard.
 
         ``background``: returns after the swap copies; a thread compiles the rest,
         smallest buckets first, while steps compile what they need first
