@@ -134,6 +134,12 @@ class ModelRunner:
             self._compile_jobs(), on_done=self._warmed, context=self.guard.watching
         )
         if background:
+            logger.info(
+                "compiling %d buckets and %d sampler variants in the background; a step "
+                "compiles what it needs first",
+                len(self.buckets.buckets),
+                len(self.sampler.variants) * len(self.buckets.request_sizes),
+            )
             self.compiles.start()
             return
         with self.guard.watching():
