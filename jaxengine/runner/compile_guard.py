@@ -1,6 +1,7 @@
 """Counting XLA compilations, to prove that none happens after warm-up.
 
-JAX reports every backend compilation through `jax.monitoring`, on the thread that
+JAX reports every backend compilation (and every persistent-cache hit, counted per
+thread for `persistent_cache_hits`) through `jax.monitoring`, on the thread that
 compiles; one listener per process hands each event to the guard watching that
 thread. A runner watches while it warms up and while it runs a step
 (``with guard.watching():``), so its guard counts its own engine's compilations and
@@ -24,7 +25,9 @@ import jax
 logger = logging.getLogger(__name__)
 
 _BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _watching = threading.local()  # .guard: the CompileGuard this thread compiles for
+_hits = threading.local()  # .count: persistent-cache hits on this thread
 _install_lock = threading.Lock()
 _installed = False
 
@@ -37,12 +40,25 @@ def _on_event(event: str, duration: float, **kwargs: object) -> None:
         guard.count(duration)
 
 
+def _on_cache_hit(event: str, **kwargs: object) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
 def _install_listener() -> None:
     global _installed
     with _install_lock:
         if not _installed:
             jax.monitoring.register_event_duration_secs_listener(_on_event)
+            jax.monitoring.register_event_listener(_on_cache_hit)
             _installed = True
+
+
+def persistent_cache_hits() -> int:
+    """How many compilations this thread has had answered by JAX's persistent cache
+    (compare before and after a compile to know whether it really compiled)."""
+    _install_listener()
+    return getattr(_hits, "count", 0)
 
 
 class CompileGuard:

@@ -32,33 +32,17 @@ import hashlib
 import logging
 import os
 import pickle
-import threading
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from jaxengine.runner.compile_guard import persistent_cache_hits
+
 logger = logging.getLogger(__name__)
 
 _SOURCE_PACKAGES = ("jaxengine", "pallas_kernels", "sharding")
 MAX_BYTES = 2 << 30  # the store's size limit: about a hundred engine configurations
-_CACHE_HIT = "/jax/compilation_cache/cache_hits"
-_hits = threading.local()  # .count: persistent-cache hits on this thread
-_listening = False
-_listen_lock = threading.Lock()
-
-
-def _on_event(event: str, **kwargs: object) -> None:
-    if event == _CACHE_HIT:
-        _hits.count = getattr(_hits, "count", 0) + 1
-
-
-def _listen() -> None:
-    global _listening
-    with _listen_lock:
-        if not _listening:
-            jax.monitoring.register_event_listener(_on_event)
-            _listening = True
 
 
 @functools.cache
@@ -101,7 +85,6 @@ class ExecutableStore:
         base = "\n".join((program, source_hash(), runtime_description()))
         self._base = hashlib.sha256(base.encode()).hexdigest()
         self._warned = False
-        _listen()
         _prune(self.directory, max_bytes)
 
     def _path(self, name: str, key: Any) -> Path:
@@ -146,11 +129,18 @@ class ExecutableStore:
         """The stored executable, else ``lower().compile()`` (stored for next time)."""
         compiled = self.load(name, key)
         if compiled is None:
-            hits = getattr(_hits, "count", 0)
+            hits = persistent_cache_hits()
             compiled = lower().compile()
-            if getattr(_hits, "count", 0) == hits:  # compiled here, not loaded
+            if persistent_cache_hits() == hits:  # compiled here, not loaded
                 self.save(name, key, compiled)
         return compiled
+
+
+def compile_ahead(store: ExecutableStore | None, name: str, key: Any, lower) -> Any:
+    """``lower().compile()``, through ``store`` when there is one."""
+    if store is None:
+        return lower().compile()
+    return store.compile(name, key, lower)
 
 
 def _prune(directory: Path, max_bytes: int) -> None:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.runner.batch import PackedBatch
+from jaxengine.runner.executables import compile_ahead
 from jaxengine.runner.step import make_prompt_logprobs, make_step, make_swap_fns, step_inputs
 
 if TYPE_CHECKING:
@@ -158,9 +159,7 @@ class SingleStage:
         )
 
     def _compile(self, name: str, key: Any, lower) -> Any:
-        if self.store is None:
-            return lower().compile()
-        return self.store.compile(name, key, lower)
+        return compile_ahead(self.store, name, key, lower)
 
     def gather(self, caches: Caches, ids: np.ndarray) -> list[np.ndarray]:
         return list(jax.device_get(self._gather(caches, ids)))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.runner.executables import compile_ahead
 from jaxengine.runner.sampling_metadata import (
     SamplerFlags,
     SamplingBatch,
@@ -82,10 +83,7 @@ class SamplerFunctions:
             return self._sampler.lower(logits, buffers, spec=spec, flags=flags)
 
         key = (spec, flags)
-        if self.store is None:
-            self._compiled[key] = lower().compile()
-        else:
-            self._compiled[key] = self.store.compile("sampler", key, lower)
+        self._compiled[key] = compile_ahead(self.store, "sampler", key, lower)
 
 
 def sampler_variants(
