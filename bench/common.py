@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # numpy is imported inside the functions that use it, so that building the parsers
 # (`jaxengine bench ... --help`) imports nothing heavy.
 
-BACKENDS = ("jaxengine", "transformers", "llamacpp")
+BACKENDS = ("jaxengine", "jaxengine_async", "transformers", "llamacpp")
 """Every peer, in the default run order."""
 BASELINE = "transformers"
 """The peer that ratios are taken against."""

@@ -7,7 +7,8 @@ here (package missing, API not written yet) raises `Unavailable` from its constr
 so that `run_peer` reports it and the other peers still run.
 
 - jaxengine: vLLM's offline API, ``LLM(model, **engine_kwargs).generate(...)``; the
-  engine batches the requests itself (continuous batching).
+  engine batches the requests itself (continuous batching). ``jaxengine_async`` is
+  the same with ``async_scheduling=True``.
 - transformers: float32 on CPU (weights dequantized from the GGUF), ``generate`` on
   left-padded batches of ``hf_batch_size`` prompts.
 - llama.cpp (``llama-cpp-python``, optional): its own quantized kernels on the GGUF
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from time import perf_counter
 from typing import Any, Protocol
@@ -91,6 +92,17 @@ class JaxEnginePeer:
         if callable(shutdown):
             shutdown()
         del self._llm
+
+
+class JaxEngineAsyncPeer(JaxEnginePeer):
+    """jaxengine with ``async_scheduling=True`` (the next step is scheduled while the
+    device runs the current one), beside the synchronous engine in the same run."""
+
+    name = "jaxengine_async"
+
+    def __init__(self, opts: PeerOptions):
+        kwargs = {**opts.engine_kwargs, "async_scheduling": True}
+        super().__init__(replace(opts, engine_kwargs=kwargs))
 
 
 # --------------------------------------------------------------------------- transformers
@@ -285,6 +297,7 @@ def _probe_llamacpp(gguf: str, extra_bufts: bool) -> None:
 
 PEERS: dict[str, Callable[[PeerOptions], Peer]] = {
     "jaxengine": JaxEnginePeer,
+    "jaxengine_async": JaxEngineAsyncPeer,
     "transformers": TransformersPeer,
     "llamacpp": LlamaCppPeer,
 }

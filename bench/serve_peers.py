@@ -8,7 +8,8 @@ waits until ``GET /v1/models`` answers, runs `bench.serve` with the given flags 
 same prompts: same seed and tokenizer), stops the server, and finally prints one
 table with the peers' figures and their ratios to jaxengine. Peers:
 
-- ``jaxengine``: ``jaxengine serve`` (plus ``--engine-args``);
+- ``jaxengine``: ``jaxengine serve`` (plus ``--engine-args``); ``jaxengine-async``
+  the same with ``--async-scheduling``;
 - ``llama.cpp``: ``python -m llama_cpp.server`` on the same GGUF file, when
   llama-cpp-python is installed with its server extra; it runs one sequence at a
   time (no continuous batching), so concurrent requests queue (with
@@ -38,7 +39,7 @@ if __package__ in (None, ""):  # run as a file
 from bench.common import describe_run, format_table, log, machine_info
 from bench.serve import main as serve_main
 
-PEERS = ("jaxengine", "llama.cpp")
+PEERS = ("jaxengine", "jaxengine-async", "llama.cpp")
 MODEL = "SmolLM2-135M-Instruct"
 COLUMNS = (  # (header, result key, digits)
     ("ok/failed", None, 0),
@@ -62,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_command(peer: str, port: int, gguf: Path, args: argparse.Namespace) -> list[str]:
-    if peer == "jaxengine":
+    if peer in ("jaxengine", "jaxengine-async"):
         cmd = [sys.executable, "-m", "jaxengine.cli.main", "serve", MODEL, "--port", str(port)]
+        cmd += ["--async-scheduling"] if peer == "jaxengine-async" else []
         return (
             cmd
             + ["--host", "127.0.0.1", "--disable-uvicorn-access-log"]

@@ -155,6 +155,7 @@ class EngineArgs:
     max_long_partial_prefills: int = _default("max_long_partial_prefills")
     long_prefill_token_threshold: int = _default("long_prefill_token_threshold")
     scheduling_policy: SchedulingPolicy = _default("scheduling_policy")
+    async_scheduling: bool = _default("async_scheduling")
     num_lookahead_slots: int = _default("num_lookahead_slots")
     # CompilationConfig
     compile_token_buckets: list[int] = _default("compile_token_buckets")

@@ -41,7 +41,7 @@ def make_stage(module: Any, layers: range, first: bool, last: bool, logits_shard
     """
 
     def fn(params, kv_caches, x, buffers, spec):
-        token_ids, positions, md, logits_indices = unpack_tree(buffers, spec)
+        token_ids, positions, md, logits_indices, _ = unpack_tree(buffers, spec)
         hidden, kv_caches = module.apply(
             {"params": params},
             token_ids if first else x,
@@ -151,7 +151,11 @@ class PipelineStages:
             for plan, layers in zip(self.plans, self.placement.layer_ranges, strict=True)
         ]
 
-    def step(self, params: list, caches: list, batch: PackedBatch) -> tuple[Any, Any, list]:
+    def step(
+        self, params: list, caches: list, batch: PackedBatch, fed_ids: Any
+    ) -> tuple[Any, Any, list]:
+        """``fed_ids`` is not read: async scheduling, which feeds sampled ids to the
+        next step, is refused with pipeline parallelism (`EngineConfig`)."""
         buffers, spec = step_inputs(batch)
         x, new_caches = None, []
         for s, fn in enumerate(self._stages):
@@ -165,7 +169,7 @@ class PipelineStages:
     def prompt_logprobs(self, params: list, hidden: Any, targets: np.ndarray) -> Any:
         return self._prompt_lp(params[-1], hidden, targets)
 
-    def precompile(self, params: list, caches: list, batch: PackedBatch) -> None:
+    def precompile(self, params: list, caches: list, batch: PackedBatch, fed_ids: Any) -> None:
         """Compiles every stage (each fed the abstract output of the one before, placed
         as `step` places it) and prompt logprobs, without running them."""
         buffers, spec = step_inputs(batch)

@@ -63,6 +63,23 @@ class EngineConfig:
                 "enable chunked prefill",
             )
 
+        if sched.async_scheduling:
+            self._check_async_scheduling()
+
+    def _check_async_scheduling(self) -> None:
+        parallel = self.parallel_config
+        require(
+            parallel.pipeline_parallel_size == 1,
+            "async_scheduling",
+            "is not supported with pipeline parallelism (--pipeline-parallel-size "
+            f"{parallel.pipeline_parallel_size})",
+        )
+        require(
+            parallel.nnodes == 1 and parallel.distributed_executor_backend != "ray",
+            "async_scheduling",
+            "is not supported across hosts (--nnodes > 1 or the ray backend)",
+        )
+
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """A copy with `max_model_len` set (once the model's length is known).
 

@@ -48,6 +48,13 @@ class SchedulerConfig:
     """The scheduling policy. "fcfs" serves requests in order of arrival;
     "priority" serves them by their given priority (lower value first), breaking
     ties by arrival time."""
+    async_scheduling: bool = False
+    """If True, the host schedules and packs step N+1 while the device runs step N;
+    sampled tokens are read back one step late and fed to the next step on device.
+    Outputs are the same as without it. A step whose batch holds requests that need
+    their latest tokens on the host (penalties, bad words, logits processors,
+    structured outputs) waits for the previous one. Not supported with pipeline
+    parallelism or across hosts."""
     num_lookahead_slots: int = spec(0, ge=0)
     """The number of slots to allocate per sequence per step beyond the known
     token ids. Used by speculative decoding to store KV of tokens that may or may

@@ -7,9 +7,14 @@ Invariants:
 
 - `all_token_ids == prompt_token_ids + output_token_ids` and only grows (append-only),
   so block hashes computed over full blocks stay valid for the request's lifetime.
-- `0 <= num_computed_tokens <= num_tokens`. The tokens at positions
-  `[0, num_computed_tokens)` have their KV in the cache (device blocks, or host blocks
-  while SWAPPED); the scheduler advances it when it schedules a step.
+- `0 <= num_computed_tokens <= num_tokens + num_output_placeholders`. The tokens at
+  positions `[0, num_computed_tokens)` have their KV in the cache (device blocks, or
+  host blocks while SWAPPED) or in a step already dispatched; the scheduler advances
+  it when it schedules a step.
+- `num_output_placeholders` counts tokens that dispatched steps will sample but
+  `update` has not appended yet (0 or 1 between steps; up to 2 while a step is in
+  flight with async scheduling). A step may compute the position of a placeholder:
+  the runner feeds it the token on device.
 - `num_cached_tokens` is -1 until the request is scheduled for the first time, then
   the number of prompt tokens found in the prefix cache at that moment.
 
@@ -98,11 +103,16 @@ class Request:
         self.ignore_eos: bool = bool(getattr(sp, "ignore_eos", False))
         self.stop_token_ids: frozenset[int] = frozenset(getattr(sp, "stop_token_ids", None) or ())
         self.skip_prefix_cache: bool = getattr(sp, "prompt_logprobs", None) is not None
+        self.needs_known_outputs: bool = needs_known_outputs(sp)
+        """Its sampling reads its output tokens on the host (penalties, bad words,
+        logits processors, a grammar): a step must not be scheduled for it while one
+        of its tokens is still in flight."""
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1
         self.block_hashes: list[Any] = []
         """Chained hashes of the full blocks of all_token_ids, extended by the KV manager."""
@@ -123,6 +133,20 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus output tokens."""
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those that dispatched steps are sampling."""
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def length_reached_in_flight(self) -> bool:
+        """Whether a token in flight will be the last one max_tokens allows (so no
+        further step is worth scheduling before it arrives)."""
+        if not self.num_output_placeholders:
+            return False
+        pending = self.num_output_placeholders
+        return self.max_tokens is not None and self.num_output_tokens + pending >= self.max_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -170,3 +194,18 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
+
+
+def needs_known_outputs(params: Any) -> bool:
+    """Whether sampling with ``params`` reads the request's output tokens on the host."""
+    penalized = (
+        (getattr(params, "presence_penalty", 0) or 0) != 0
+        or (getattr(params, "frequency_penalty", 0) or 0) != 0
+        or (getattr(params, "repetition_penalty", 1) or 1) != 1
+    )
+    return bool(
+        penalized
+        or getattr(params, "bad_words", None)
+        or getattr(params, "logits_processors", None)
+        or getattr(params, "structured_outputs", None) is not None
+    )

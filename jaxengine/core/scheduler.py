@@ -6,8 +6,18 @@ Contract (the engine core loop):
     res = runner.execute(out)                  # RunnerOutput
     outputs = scheduler.update(out, res)       # list[EngineCoreOutput]
 
-`update` must follow each `schedule` before the next one. `add_request`,
-`abort_requests` and `finish_requests` may be called at any point between steps.
+`update` follows each `schedule`, either before the next one or (async scheduling)
+right after it: at most one step is in flight. `add_request`, `abort_requests` and
+`finish_requests` may be called at any point between calls.
+
+A scheduled step that samples for a request adds one output placeholder to it
+(`Request.num_output_placeholders`) until its `update` appends the token. A
+running request is scheduled up to its known tokens plus its placeholders: with a
+step in flight, the next step computes the position of the token still being
+sampled, and the runner feeds that token on device. A request is not scheduled
+past a placeholder that max_tokens or max_model_len makes its last, nor while its
+sampling needs its outputs on the host (`Request.needs_known_outputs`). A request
+preempted while one of its tokens is in flight still receives that token.
 
 Each step every request's computed-token count catches up with its token count within
 one budget (`max_num_batched_tokens`) and one request cap (`max_num_seqs`):
@@ -173,6 +183,11 @@ class Scheduler:
         """Waiting requests, preempted and swapped ones included."""
         return len(self.waiting)
 
+    def needs_known_outputs(self) -> bool:
+        """Whether a running request's next sampling reads its outputs on the host
+        (the next step must wait for the previous one's update)."""
+        return any(r.needs_known_outputs for r in self.running)
+
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
@@ -210,7 +225,9 @@ class Scheduler:
                 continue
             if step.budget <= 0:
                 break
-            remaining = req.num_tokens - req.num_computed_tokens
+            if self._waits_for_placeholder(req):
+                continue
+            remaining = req.num_tokens_with_placeholders - req.num_computed_tokens
             n = self._cap(remaining, step.budget)
             if n <= 0 or (n < remaining and not self.limits.enable_chunked_prefill):
                 continue
@@ -221,6 +238,16 @@ class Scheduler:
                     break
             if block_ids is not None:
                 step.add(req, n, block_ids)
+
+    def _waits_for_placeholder(self, req: Request) -> bool:
+        """Whether the token in flight must arrive before `req` is scheduled again."""
+        if not req.num_output_placeholders:
+            return False
+        return (
+            req.needs_known_outputs
+            or req.length_reached_in_flight
+            or req.num_tokens_with_placeholders >= self.limits.max_model_len
+        )
 
     def _preempt(self, victim: Request, step: _Step) -> None:
         """Take `victim` out of the running set: its KV goes to host blocks when there is
@@ -261,6 +288,8 @@ class Scheduler:
         grammar = self._grammar_verdict(req)
         if grammar is not None:
             return grammar
+        if req.num_output_placeholders:  # preempted while a token was in flight
+            return _Verdict.SKIP
         swapped = req.status is _RS.SWAPPED
         if swapped:
             hit_ids, start = [], req.num_computed_tokens
@@ -339,8 +368,10 @@ class Scheduler:
                 resumed = rid in step.resumed
                 cached_reqs.append(CachedRequestData(rid, resumed, block_ids, start, tokens))
             req.num_computed_tokens = start + n
-            if req.num_computed_tokens < req.num_tokens:
+            if req.num_computed_tokens < req.num_tokens_with_placeholders:
                 partial.add(rid)
+            else:
+                req.num_output_placeholders += 1
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         masked, bitmask = (), None
         if self.grammars is not None:
@@ -368,16 +399,21 @@ class Scheduler:
         cache, append sampled tokens, check stops (EOS, stop token ids, max_tokens,
         max_model_len) and free finished requests. Returns one output per request that
         got tokens, prompt logprobs, or finished. Requests aborted meanwhile are skipped."""
+        partial = scheduler_output.partial_req_ids
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is not None and req.status is _RS.RUNNING:
+            if req is None:
+                continue
+            if rid not in partial:
+                req.num_output_placeholders -= 1
+            if req.status is _RS.RUNNING:
                 self.kv.cache_full_blocks(req)
         outputs, done = self._failed, []
         self._failed = []
         ro = runner_output
         for i, rid in enumerate(ro.req_ids):
             req = self.requests.get(rid)
-            if req is None or req.status is not _RS.RUNNING:
+            if req is None:  # finished or aborted since it was scheduled
                 continue
             new_ids = []
             for token in ro.sampled_token_ids[i]:
@@ -402,5 +438,8 @@ class Scheduler:
                         max(req.num_cached_tokens, 0),
                     )
                 )
+        for req in done:
+            if req not in self.running:  # preempted while its last token was in flight
+                self.waiting.remove(req)
         self._release(done)
         return outputs

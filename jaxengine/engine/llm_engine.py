@@ -4,6 +4,13 @@ Construction loads the model and tokenizer, sizes the KV cache, builds the sched
 and the runner, and compiles every bucket (unless ``--enforce-eager``). Each `step()`
 is ``schedule -> executor.execute -> scheduler.update -> outputs``. The offline `LLM`
 and the async server engine both drive this class; `shutdown()` ends its lifetime.
+
+With ``--async-scheduling`` a step is ``schedule N+1 -> executor.submit(N+1) ->
+update(N) -> outputs of N``: the host schedules, packs and dispatches the next step
+and then processes the previous one's tokens while the device computes. One step is
+in flight between calls. A step is scheduled only after the previous one's update
+when a running request needs its outputs on the host (`Request.needs_known_outputs`)
+or the schedule is empty.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from typing import Any, NamedTuple
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.request import Request, RequestStatus
+from jaxengine.core.sched_output import SchedulerOutput
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine_args import EngineArgs
+from jaxengine.executor.abstract import StepResult
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.structured_output import make_manager
@@ -66,6 +75,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(host.limits, self.structured_outputs)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.async_scheduling = self.config.scheduler_config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, StepResult] | None = None
         self._shut_down = False
         if warmup and not self.config.model_config.enforce_eager:
             self.executor.warmup()
@@ -174,18 +185,40 @@ class LLMEngine:
         self.scheduler.abort_requests(children)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; returns the outputs its requests' kinds ask for."""
+        """Runs one scheduled step; returns the outputs its requests' kinds ask for
+        (with async scheduling: dispatches the next step, then returns the outputs of
+        the one before)."""
+        if not self.async_scheduling:
+            sched_out = self._schedule()
+            return self._update(sched_out, self.executor.execute(sched_out))
+        outputs = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and self.scheduler.needs_known_outputs():
+            outputs += self._update(previous[0], previous[1].result())
+            previous = None
+        sched_out = self._schedule()
+        self._in_flight = (sched_out, self.executor.submit(sched_out))
+        if previous is not None:
+            outputs += self._update(previous[0], previous[1].result())
+        if sched_out.is_empty:
+            current, self._in_flight = self._in_flight, None
+            outputs += self._update(current[0], current[1].result())
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
         sched_out = self.scheduler.schedule()
         if sched_out.scheduled_new_reqs:
             self.outputs.mark_scheduled(
                 (r.req_id for r in sched_out.scheduled_new_reqs), time.time()
             )
-        runner_out = self.executor.execute(sched_out)
+        return sched_out
+
+    def _update(self, sched_out: SchedulerOutput, runner_out) -> list[RequestOutput]:
         core_outputs = self.scheduler.update(sched_out, runner_out)
         outputs, stops = self.outputs.process(core_outputs)
         for child, stop in stops:
@@ -206,6 +239,9 @@ class LLMEngine:
         if self._shut_down:
             return
         self._shut_down = True
+        if self._in_flight is not None:  # its buffers must not be deleted under it
+            self._in_flight[1].result()
+            self._in_flight = None
         self.abort_request(list(self.outputs.requests))
         self.executor.shutdown()
         if self.structured_outputs is not None:

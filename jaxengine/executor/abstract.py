@@ -10,6 +10,11 @@ config, tokenizer, cache size, scheduler limits). Then:
   its steps: `jaxengine.runner.warmup`);
 - ``execute(scheduler_output)`` runs one scheduled step (including its page swaps)
   and returns the sampled ids and logprobs (`RunnerOutput`);
+- ``submit(scheduler_output)`` dispatches one and returns a `StepResult` whose
+  ``result()`` is that `RunnerOutput` (async scheduling: the engine schedules the
+  next step before it asks). The local executor returns before the device is done;
+  executors that drive other hosts run the step first (`DoneStep`). At most one
+  submitted step may be unread when the next is submitted;
 - ``check_health()`` raises when a worker is gone;
 - ``compiles_after_warmup`` counts compilations that escaped warm-up (0 when none);
 - ``shutdown()`` stops the workers and releases every device buffer. It is
@@ -27,10 +32,26 @@ from typing import Protocol
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 
 
+class StepResult(Protocol):
+    def result(self) -> RunnerOutput: ...
+
+
+class DoneStep:
+    """A `StepResult` already computed."""
+
+    def __init__(self, output: RunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> RunnerOutput:
+        return self.output
+
+
 class Executor(Protocol):
     def warmup(self, progress: bool = True) -> None: ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+
+    def submit(self, scheduler_output: SchedulerOutput) -> StepResult: ...
 
     def check_health(self) -> None: ...
 

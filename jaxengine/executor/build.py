@@ -224,8 +224,10 @@ def executable_store(
         return None  # across hosts every process must compile the same program
     import os
 
+    # the devices too: a data-parallel replica's executables run on its own devices
     shapes = jax.tree_util.tree_map(
-        lambda x: (x.shape, str(x.dtype), str(x.sharding)), loaded.params
+        lambda x: (x.shape, str(x.dtype), str(x.sharding), sorted(d.id for d in x.devices())),
+        loaded.params,
     )
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     del fields["compilation_config"]  # where and when to compile, not what
@@ -297,6 +299,7 @@ def build_worker(
         max_logprobs=mc.max_logprobs,
         logprobs_mode=mc.logprobs_mode,
         max_model_len=mc.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
         logits_sharding=program.logits_sharding,
         store=store,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
-from jaxengine.runner.model_runner import ModelRunner
+from jaxengine.runner.model_runner import ModelRunner, PendingStep
 
 
 class LocalExecutor:
@@ -20,6 +20,10 @@ class LocalExecutor:
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.check_health()
         return self.runner.execute(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        self.check_health()
+        return self.runner.launch(scheduler_output)
 
     def check_health(self) -> None:
         if self.closed:

@@ -33,6 +33,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from jaxengine.config import EngineConfig
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.engine_args import EngineArgs
+from jaxengine.executor.abstract import DoneStep
 from jaxengine.executor.build import HostParts, build_worker
 from jaxengine.executor.local import LocalExecutor
 from jaxengine.messages import (
@@ -161,6 +162,10 @@ class DriverExecutor(LocalExecutor):
         self.check_health()
         self.links.send(ExecuteStep(scheduler_output))
         return super().execute(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> DoneStep:
+        """Runs the step now: the followers step in lockstep with this host."""
+        return DoneStep(self.execute(scheduler_output))
 
     def shutdown(self) -> None:
         if not self.closed:

@@ -25,6 +25,7 @@ import socket
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
+from jaxengine.executor.abstract import DoneStep
 from jaxengine.executor.build import HostParts, build_worker
 from jaxengine.executor.multihost import check_spans_all_devices, without_host_swap
 from jaxengine.runner.model_runner import ModelRunner
@@ -143,6 +144,10 @@ class RayExecutor:
         import ray
 
         return self._all("execute", ray.put(scheduler_output))[0]
+
+    def submit(self, scheduler_output: SchedulerOutput) -> DoneStep:
+        """Runs the step now: every worker steps in lockstep."""
+        return DoneStep(self.execute(scheduler_output))
 
     def check_health(self) -> None:
         """Raises when a worker has died (Ray raises for a dead actor)."""

@@ -3,7 +3,9 @@
 Host side, numpy only. The runner calls `pack_batch` each step and ships the arrays to
 the device; the jitted step sees only the bucket's shapes. Padding tokens write into
 slot 0 of the reserved null page 0 and padding requests have no tokens, so they cost
-little and never produce NaN.
+little and never produce NaN. ``feed_rows`` starts at -1 (every token id is known);
+with async scheduling the runner points a token whose id is still being sampled at
+its row of the previous step's sampled ids.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class PackedBatch:
     slot_mapping: np.ndarray  # [T] int32
     num_seqs: np.ndarray  # [] int32
     logits_indices: np.ndarray  # [R] int32: last new token of each request
+    feed_rows: np.ndarray  # [T] int32: row of the previous step's sampled ids, or -1
 
     def metadata_fields(self) -> dict[str, np.ndarray]:
         """The fields of `AttentionMetadata`, by name."""
@@ -100,4 +103,5 @@ def pack_batch(
         slot_mapping=slot_mapping,
         num_seqs=np.asarray(len(chunks), np.int32),
         logits_indices=logits_indices,
+        feed_rows=np.full(num_tokens, -1, np.int32),
     )

@@ -57,7 +57,8 @@ class GreedyLoop:
                 pages_per_req=pages_per_req,
             )
             buffers, spec = step_inputs(batch)
-            logits, _, kv_caches = self._step(self.params, kv_caches, buffers, spec=spec)
+            no_feed = np.zeros(num_reqs, np.int32)
+            logits, _, kv_caches = self._step(self.params, kv_caches, buffers, no_feed, spec=spec)
             logits = np.asarray(logits)
             if return_logits:
                 all_logits.append(logits)

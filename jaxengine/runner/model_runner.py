@@ -1,7 +1,8 @@
 """The device side of one engine: host batch state, a stage program and the sampler.
 
 `ModelRunner.execute(SchedulerOutput) -> RunnerOutput` (the contract in
-`jaxengine.core.sched_output`): it updates its persistent request table
+`jaxengine.core.sched_output`), or `launch(SchedulerOutput) -> PendingStep` and later
+`PendingStep.result()`: it updates its persistent request table
 (`runner.request_table`), copies swapped pages (`runner.swap`), packs the scheduled
 tokens into the smallest bucket (`runner.batch`, `runner.buckets`), runs the stage
 program's compiled step (forward, KV write, last-token logits: `runner.program`)
@@ -11,6 +12,15 @@ and returns only sampled ids and requested logprobs to the host.
 The runner is composed of those parts; none of them refers back to it. It owns the
 device buffers (parameters and KV caches): every compiled call takes them and
 returns the updated caches. `release()` deletes them.
+
+Async scheduling: `launch` dispatches a step and returns without reading anything
+back, so the host can schedule and launch the next one while the device computes.
+A request whose previous token is still being sampled (by the step launched just
+before, not yet collected) has that position's id fed on device: its packed token
+points (``feed_rows``) into the previous step's sampled ids, which the sampler
+leaves padded to ``max_num_seqs``. Its sampling row counts that token (random
+draws and ``min_tokens`` see the right position). At most one step is in flight:
+each `PendingStep.result()` comes before the launch after next.
 
 The model step and the sampler are two compiled functions, not one: fusing them would
 multiply the compile count by the number of sampler variants. Logits stay on device
@@ -70,6 +80,15 @@ class RunnerSettings:
         return -(-self.max_model_len // self.block_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Feed:
+    """The sampled ids of the latest launched step, while not yet collected: their
+    device array (``[max_num_seqs]``) and each sampling request's row in it."""
+
+    ids: Any
+    rows: dict[str, int]
+
+
 @dataclasses.dataclass
 class _Launched:
     """One dispatched micro-batch: its requests (by index), bucket, hidden states and
@@ -109,6 +128,9 @@ class ModelRunner:
                 num_device_blocks=settings.num_blocks,
             )
         self.table = RequestTable(settings.pages_per_req, settings.seed)
+        self._feed: _Feed | None = None
+        # the ``fed_ids`` of a step with no token in flight
+        self.no_feed = sampler.to_device(np.zeros(settings.max_num_seqs, np.int32))
         self.guard = CompileGuard()
         self.compiles = CompileJobs(())  # none until `warmup` (``--enforce-eager``: never)
 
@@ -174,7 +196,8 @@ class ModelRunner:
         )
 
     def _warm_bucket(self, bucket: Bucket, caches: Caches) -> None:
-        self.program.precompile(self.params, caches, self._pack([], bucket))
+        batch = self._pack([], bucket)
+        self.program.precompile(self.params, caches, batch, abstract_like(self.no_feed))
 
     def _warm_swap(self) -> None:
         self.kv_caches = self.swap.warm(self.program, self.kv_caches)
@@ -183,23 +206,49 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Runs one scheduled step; returns one entry per scheduled request."""
+        return self.launch(out).result()
+
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Dispatches one scheduled step without waiting for it (see module doc)."""
         with self.guard.watching():
             self.table.apply(out)
             self._swap(out)
             order = list(out.num_scheduled_tokens)
             if not order:
-                return RunnerOutput(req_ids=[], sampled_token_ids=[])
+                return PendingStep(self, out, [], [], [], [], [], None)
             states = [self.table[r] for r in order]
-            chunks = [
-                self.table.chunk(s, out.num_scheduled_tokens[r])
-                for r, s in zip(order, states, strict=True)
-            ]
-            sampling = self._sampling_rows(out, order, states)
+            feed, self._feed = self._feed, None
+            chunks, fed = self._chunks(out, order, states, feed)
+            sampling = self._sampling_rows(out, order, states, fed)
             groups = self.program.micro_batches([len(c.token_ids) for c in chunks])
+            if len(groups) > 1 and any(f is not None for f in fed):
+                raise RuntimeError("a fed token id needs one micro-batch (async scheduling)")
+            fed_ids = self.no_feed if feed is None else feed.ids
             # dispatch every micro-batch's forward and sampling before reading any
             # result, so pipeline stages work on different micro-batches at once
-            launched = [self._launch(g, chunks, sampling) for g in groups]
-            return self._collect(out, order, states, chunks, launched, sampling)
+            launched = [self._launch(g, chunks, sampling, fed, fed_ids) for g in groups]
+            if len(launched) == 1:
+                rows = {order[i]: row for row, i in enumerate(groups[0]) if sampling[i]}
+                self._feed = _Feed(launched[0].result[0], rows) if rows else None
+            return PendingStep(self, out, order, states, chunks, launched, sampling, self._feed)
+
+    def _chunks(self, out: SchedulerOutput, order: list[str], states: list, feed: _Feed | None):
+        """Each request's `SeqChunk` (its computed count advanced past it) and the row
+        of ``feed`` that gives its last token's id, or None when the id is known."""
+        chunks, fed = [], []
+        for req_id, state in zip(order, states, strict=True):
+            n = out.num_scheduled_tokens[req_id]
+            chunk = self.table.chunk(state, n)
+            row = None
+            if len(chunk.token_ids) < n:
+                row = None if feed is None else feed.rows.get(req_id)
+                if row is None or len(chunk.token_ids) != n - 1:
+                    raise RuntimeError(f"{req_id}: scheduled past its known tokens")
+                chunk = dataclasses.replace(chunk, token_ids=[*chunk.token_ids, 0])
+            chunks.append(chunk)
+            fed.append(row)
+            state.num_computed += n
+        return chunks, fed
 
     def _swap(self, out: SchedulerOutput) -> None:
         if out.blocks_to_swap_out:
@@ -208,8 +257,15 @@ class ModelRunner:
             pairs = list(out.blocks_to_swap_in)
             self.kv_caches = self.swap.swap_in(self.program, self.kv_caches, pairs)
 
-    def _collect(self, out, order, states, chunks, launched, sampling) -> RunnerOutput:
-        """Reads every micro-batch's results back and updates the request states."""
+    def _collect(self, step: PendingStep) -> RunnerOutput:
+        """Reads every micro-batch's results back and appends the sampled tokens to
+        the request states."""
+        if step.feed is not None and self._feed is step.feed:
+            self._feed = None  # its tokens are known on the host from here on
+        order, states, chunks = step.order, step.states, step.chunks
+        launched, sampling = step.launched, step.sampling
+        if not order:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
         rows: list[tuple[Any, Any, int]] = [None] * len(order)  # (token ids, logprobs, row)
         prompt_lps: list = [None] * len(order)
         for part in launched:
@@ -221,8 +277,7 @@ class ModelRunner:
                 rows[i] = (token_ids, lp, row)
                 prompt_lps[i] = group_lps[row] if group_lps else None
         sampled, logprobs = [], []
-        for i, (req_id, state) in enumerate(zip(order, states, strict=True)):
-            state.num_computed += out.num_scheduled_tokens[req_id]
+        for i, state in enumerate(states):
             if sampling[i] is None:
                 sampled.append([])
                 logprobs.append(None)
@@ -240,18 +295,24 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _sampling_rows(out: SchedulerOutput, order: list[str], states: list) -> list:
+    def _sampling_rows(out: SchedulerOutput, order: list[str], states: list, fed: list) -> list:
         """Each scheduled request's `SamplingRow` (with its grammar bitmask row, if
-        any), or None for a request mid-prefill (it samples nothing)."""
+        any), or None for a request mid-prefill (it samples nothing). A fed request's
+        row counts its token in flight."""
         rows = () if out.grammar_bitmask is None else out.grammar_bitmask
         masks = dict(zip(out.structured_output_req_ids, rows, strict=True))
         return [
             None
             if r in out.partial_req_ids
             else SamplingRow(
-                s.params, s.output_ids, s.token_ids[: s.num_prompt], s.seed, None, masks.get(r)
+                s.params,
+                s.output_ids,
+                s.token_ids[: s.num_prompt],
+                s.seed,
+                len(s.token_ids) - s.num_prompt + (f is not None),
+                masks.get(r),
             )
-            for r, s in zip(order, states, strict=True)
+            for r, s, f in zip(order, states, fed, strict=True)
         ]
 
     def _pack(self, chunks: list[SeqChunk], bucket: Bucket) -> PackedBatch:
@@ -263,13 +324,18 @@ class ModelRunner:
             pages_per_req=self.pages_per_req,
         )
 
-    def _launch(self, group: list[int], chunks: list[SeqChunk], sampling: list) -> _Launched:
+    def _launch(self, group: list[int], chunks: list[SeqChunk], sampling: list, fed: list, fed_ids):
         """Packs, runs and samples one micro-batch without waiting for it."""
         mine = [chunks[i] for i in group]
         bucket = self.buckets.select(sum(len(c.token_ids) for c in mine), len(mine))
         batch = self._pack(mine, bucket)
+        for r, i in enumerate(group):
+            if fed[i] is not None:
+                batch.feed_rows[batch.query_start_loc[r + 1] - 1] = fed[i]
         self.compiles.ensure(("step", bucket))
-        logits, hidden, self.kv_caches = self.program.step(self.params, self.kv_caches, batch)
+        logits, hidden, self.kv_caches = self.program.step(
+            self.params, self.kv_caches, batch, fed_ids
+        )
         result = self._sample(bucket, logits, [sampling[i] for i in group])
         return _Launched(group, bucket, hidden, result)
 
@@ -322,11 +388,28 @@ class ModelRunner:
         self.compiles.close()
         self.guard.close()
         self.table.clear()
-        for leaf in jax.tree_util.tree_leaves((self.params, self.kv_caches)):
+        self._feed = None
+        for leaf in jax.tree_util.tree_leaves((self.params, self.kv_caches, self.no_feed)):
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 leaf.delete()
         self.params = self.kv_caches = None
         self.swap = None
+
+
+class PendingStep:
+    """A launched step (`ModelRunner.launch`); `result()` reads it back once."""
+
+    def __init__(self, runner, out, order, states, chunks, launched, sampling, feed) -> None:
+        self.runner, self.out, self.order, self.states = runner, out, order, states
+        self.chunks, self.launched, self.sampling, self.feed = chunks, launched, sampling, feed
+        self._result: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        """The step's `RunnerOutput` (waits for the device the first time)."""
+        if self._result is None:
+            with self.runner.guard.watching():
+                self._result = self.runner._collect(self)
+        return self._result
 
 
 def _prompt_targets(num_tokens: int, states, chunks, wanted) -> np.ndarray:

@@ -48,13 +48,16 @@ class SamplerFunctions:
         max_logprobs: int,
         logprobs_mode: str,
         max_model_len: int,
+        max_num_seqs: int,
         logits_sharding: Sharding | None,
         store: ExecutableStore | None = None,
     ) -> None:
+        """The sampled ids come back padded to ``max_num_seqs`` (a next step can read
+        them on device whatever the batch size: async scheduling)."""
         self.vocab_size = vocab_size
         self.logits_sharding = logits_sharding
         self.store = store
-        self._sampler = make_sampler()
+        self._sampler = make_sampler(max_num_seqs, logits_sharding)
         self._compiled: dict[tuple, Any] = {}  # (metadata spec, flags) -> executable
         self.variants = sampler_variants(vocab_size, max_logprobs, logprobs_mode, max_model_len)
 

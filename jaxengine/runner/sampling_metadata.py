@@ -178,7 +178,9 @@ class SamplingRow:
     seed: int
     """The request's resolved seed (`request_seed()`), fixed for its lifetime."""
     step: int | None = None
-    """Position of the token being sampled; defaults to len(output_token_ids)."""
+    """Position of the token being sampled (its random draw and the ``min_tokens``
+    check use it); defaults to len(output_token_ids). Larger when the request's
+    previous token is still in flight (async scheduling)."""
     token_bitmask: np.ndarray | None = None
     """The grammar's allowed next tokens ([ceil(V / 32)] int32), or None."""
 
@@ -217,7 +219,8 @@ def _prepare(row: SamplingRow, vocab_size: int, eos_token_id: int | None) -> _Pr
         prefix = len(word) - 1
         if prefix == 0 or (len(out) >= prefix and list(out[len(out) - prefix :]) == word[:-1]):
             banned.add(word[-1])
-    if len(out) < p.min_tokens:
+    num_out = len(out) if row.step is None else row.step  # counts a token in flight
+    if num_out < p.min_tokens:
         banned |= p.all_stop_token_ids
         if eos_token_id is not None:
             banned.add(eos_token_id)

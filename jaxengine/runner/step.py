@@ -25,19 +25,30 @@ PROMPT_LOGPROBS_ROWS = 256  # rows of [rows, V] logits materialized at a time
 def step_inputs(batch: PackedBatch) -> tuple[tuple, TreeSpec]:
     """The packed buffers and spec of a batch, as `make_step`'s function takes them."""
     md = AttentionMetadata(**batch.metadata_fields())
-    return pack_tree((batch.token_ids, batch.positions, md, batch.logits_indices))
+    return pack_tree((batch.token_ids, batch.positions, md, batch.logits_indices, batch.feed_rows))
+
+
+def fed_token_ids(token_ids: jax.Array, feed_rows: jax.Array, fed_ids: jax.Array) -> jax.Array:
+    """``token_ids[T]`` with each position whose ``feed_rows`` entry is >= 0 replaced by
+    that row of ``fed_ids`` (the previous step's sampled ids, still on device)."""
+    fed = fed_ids[jnp.maximum(feed_rows, 0)]
+    return jnp.where(feed_rows >= 0, fed, token_ids)
 
 
 def make_step(module: Any, logits_sharding: Any = None):
-    """``step(params, kv_caches, buffers, spec)`` -> ``(logits[R, V], hidden[T, H], kv)``.
+    """``step(params, kv_caches, buffers, fed_ids, spec)`` -> ``(logits[R, V],
+    hidden[T, H], kv)``.
 
-    ``buffers``/``spec`` pack ``(token_ids[T], positions[T], md, logits_indices[R])``.
-    ``logits_sharding`` pins where the logits land (replicated over a tensor group,
-    so the sampler's input layout never varies and every device can read the result).
+    ``buffers``/``spec`` pack ``(token_ids[T], positions[T], md, logits_indices[R],
+    feed_rows[T])``; ``fed_ids[max_num_seqs]`` are the previous step's sampled ids
+    (async scheduling: `fed_token_ids`). ``logits_sharding`` pins where the logits
+    land (replicated over a tensor group, so the sampler's input layout never varies
+    and every device can read the result).
     """
 
-    def step(params, kv_caches, buffers, spec):
-        token_ids, positions, md, logits_indices = unpack_tree(buffers, spec)
+    def step(params, kv_caches, buffers, fed_ids, spec):
+        token_ids, positions, md, logits_indices, feed_rows = unpack_tree(buffers, spec)
+        token_ids = fed_token_ids(token_ids, feed_rows, fed_ids)
         hidden, kv_caches = module.apply({"params": params}, token_ids, positions, kv_caches, md)
         logits = module.apply({"params": params}, hidden[logits_indices], method="compute_logits")
         if logits_sharding is not None:
@@ -47,11 +58,17 @@ def make_step(module: Any, logits_sharding: Any = None):
     return jax.jit(step, donate_argnums=(1,), static_argnames=("spec",))
 
 
-def make_sampler():
-    """``sampler(logits[R, V], buffers, spec, flags)`` -> `SamplerOutput`."""
+def make_sampler(num_slots: int, ids_sharding: Any = None):
+    """``sampler(logits[R, V], buffers, spec, flags)`` -> `SamplerOutput` whose
+    ``token_ids`` are padded to ``num_slots`` (the shape a next step's ``fed_ids``
+    has, whatever R), placed by ``ids_sharding``."""
 
     def run(logits, buffers, spec, flags):
-        return sample(logits, unpack_tree(buffers, spec), flags=flags)
+        out = sample(logits, unpack_tree(buffers, spec), flags=flags)
+        ids = jnp.zeros(num_slots, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+        if ids_sharding is not None:
+            ids = jax.lax.with_sharding_constraint(ids, ids_sharding)
+        return out._replace(token_ids=ids)
 
     return jax.jit(run, static_argnames=("spec", "flags"))
 

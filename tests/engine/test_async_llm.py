@@ -50,8 +50,15 @@ def _wait_idle(engine, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def test_streamed_deltas_match_offline_generate(small_llm, async_llm):
-    expected = small_llm.generate(PROMPTS, _greedy(RequestOutputKind.FINAL_ONLY), use_tqdm=False)
+@pytest.fixture
+def offline_outputs(small_llm):
+    """`LLM.generate` on the shared engine, before `async_llm`'s thread steps it too
+    (requested first, so it runs first)."""
+    return small_llm.generate(PROMPTS, _greedy(RequestOutputKind.FINAL_ONLY), use_tqdm=False)
+
+
+def test_streamed_deltas_match_offline_generate(offline_outputs, async_llm):
+    expected = offline_outputs
 
     async def main():
         params = _greedy(RequestOutputKind.DELTA)

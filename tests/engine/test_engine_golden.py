@@ -2,7 +2,8 @@
 
 16 prompts of mixed lengths, some sharing long prefixes, through `LLM.generate` under
 each scheduling condition (chunked prefill on/off, prefix caching on/off, a KV cache
-small enough to force preemption by recompute and by swap, max_num_seqs 1 and 16).
+small enough to force preemption by recompute and by swap, max_num_seqs 1 and 16,
+async scheduling).
 The same again with `--attention-backend pallas` (on CPU the Pallas GPU kernels run in
 interpret mode inside the compiled step). All engines share a persistent compilation
 cache, so identical shapes compile once.
@@ -78,6 +79,11 @@ CONDITIONS = {
     "pallas_kernels": dict(attention_backend="pallas"),
     # 9 heads / 3 KV heads over 3 tensor devices, 30 layers over 2 stages (6 of the 8
     # virtual CPU devices), with pages swapped out and back across both stages
+    # the next step scheduled while the device runs the previous one, its in-flight
+    # tokens fed on device, over 3 tensor devices, with pages swapped out and back
+    "async_preempt_swap_tp3": dict(
+        num_gpu_blocks_override=41, swap_space=1, tensor_parallel_size=3, async_scheduling=True
+    ),
     "preempt_swap_tp3_pp2": dict(
         num_gpu_blocks_override=41,
         swap_space=1,
@@ -103,7 +109,7 @@ def test_greedy_matches_transformers(
     for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
         assert list(out.outputs[0].token_ids) == want, f"{condition}: prompt {i}"
     stats = llm.engine.get_stats()
-    if condition.startswith("preempt"):
+    if "preempt" in condition:
         assert stats.num_preemptions > 0
     if condition == "default":
         assert stats.prefix_cache_hits > 0

@@ -48,7 +48,9 @@ def prefill_logits(llm: LLM) -> np.ndarray:
         num_reqs=bucket.num_reqs,
         pages_per_req=runner.pages_per_req,
     )
-    logits, _, runner.kv_caches = runner.program.step(runner.params, runner.kv_caches, batch)
+    logits, _, runner.kv_caches = runner.program.step(
+        runner.params, runner.kv_caches, batch, runner.no_feed
+    )
     return np.asarray(jax.device_get(logits))[: len(prompts)]
 
 

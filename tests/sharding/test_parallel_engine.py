@@ -247,9 +247,9 @@ def test_pipeline_micro_batches_overlap_stages(llama_dir, llama_reference, monke
         calls = []
         step = PipelineStages.step
 
-        def counting(self, params, kv_caches, batch):
+        def counting(self, params, kv_caches, batch, fed_ids):
             calls.append(int(batch.num_seqs))
-            return step(self, params, kv_caches, batch)
+            return step(self, params, kv_caches, batch, fed_ids)
 
         monkeypatch.setattr(PipelineStages, "step", counting)
         assert greedy(llm) == llama_reference.outputs

@@ -15,7 +15,7 @@ from bench.common import PeerResult
 def test_throughput_defaults():
     args = throughput.build_parser().parse_args([])
     assert (args.num_prompts, args.input_len, args.output_len) == (64, 128, 128)
-    assert args.backends == ["jaxengine", "transformers", "llamacpp"]
+    assert args.backends == ["jaxengine", "jaxengine_async", "transformers", "llamacpp"]
     assert args.engine_kwargs == {} and args.hf_batch_size is None
     assert args.model == "SmolLM2-135M-Instruct"
 

@@ -98,6 +98,7 @@ VALID_FLAGS = [
     (["--compilation-cache-dir", "/tmp/xla"], "compilation_cache_dir", "/tmp/xla"),
     (["--no-enable-compilation-cache"], "enable_compilation_cache", False),
     (["--background-compile"], "background_compile", True),
+    (["--async-scheduling"], "async_scheduling", True),
     (["--attention-backend", "reference"], "attention_backend", "reference"),
     (["--structured-outputs-config", '{"backend": "guidance"}'], "structured_outputs_config",
      {"backend": "guidance"}),
@@ -222,6 +223,10 @@ def test_python_kwargs_are_validated():
         EngineArgs(max_long_partial_prefills=3)
     with pytest.raises(TypeError):
         EngineArgs(no_such_flag=1)
+    with pytest.raises(ValueError, match="async_scheduling: is not supported with pipeline"):
+        EngineArgs(async_scheduling=True, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="async_scheduling: is not supported across hosts"):
+        EngineArgs(async_scheduling=True, nnodes=2)
     assert EngineArgs(model="m", max_model_len=128).create_engine_config().model_config.model == "m"
 
 

@@ -8,8 +8,20 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxengine.runner.executables import ExecutableStore
+
+
+@pytest.fixture(autouse=True)
+def no_persistent_cache():
+    """JAX's persistent cache (an engine built earlier in the session may have turned
+    it on, over a directory that outlives the session) would hand these functions
+    back as cache hits, which the store rightly does not save."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def test_store_saves_loads_without_tracing_and_recompiles_a_corrupt_file(tmp_path):

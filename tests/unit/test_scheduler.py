@@ -4,6 +4,9 @@ stops, aborts, and a random-operation model check for page leaks.
 `FakeRunner` plays the device: it keeps a "KV cache" of token ids per page, checks that
 every position a step attends to holds the right token (so a wrong block table, a bad
 prefix hit or a lost swap shows up), and "samples" token = crc32(request id, position).
+With async scheduling (`run(..., async_=True)`) each step is scheduled before the
+previous one's update, and the runner feeds a token it sampled but the scheduler has
+not seen yet, as the real runner does on device.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class FakeRunner:
         self.device: dict[int, list] = {}
         self.host: dict[int, list] = {}
         self.state: dict[str, dict] = {}  # req id -> tokens, blocks
+        self.num_fed = 0  # tokens fed from a sample the scheduler had not seen
 
     def _slot(self, blocks, p):
         return self.device.setdefault(blocks[p // self.bs], [None] * self.bs), p % self.bs
@@ -69,7 +73,11 @@ class FakeRunner:
                 s["blocks"].extend(cr.new_block_ids)
             n = so.num_scheduled_tokens[cr.req_id]
             start = starts[cr.req_id] = cr.num_computed_tokens
-            assert tuple(s["tokens"][start : start + n]) == cr.new_token_ids
+            known = len(cr.new_token_ids)
+            assert tuple(s["tokens"][start : start + known]) == cr.new_token_ids
+            if known < n:  # the last token is in flight: fed from the previous sample
+                assert known == n - 1 and start + n == len(s["tokens"])
+                self.num_fed += 1
         # Reads see only earlier steps' writes: check all, then write all.
         for rid, n in so.num_scheduled_tokens.items():
             s, start = self.state[rid], starts[rid]
@@ -143,20 +151,33 @@ def assert_all_free(sched: Scheduler) -> None:
         assert kv.num_free_host_blocks == kv.host_pool.num_blocks
 
 
-def run(sched: Scheduler, runner: FakeRunner | None = None, max_steps: int = 5000):
-    """Drive to completion. Returns (tokens, finish reasons, SchedulerOutputs)."""
+def run(
+    sched: Scheduler,
+    runner: FakeRunner | None = None,
+    max_steps: int = 5000,
+    async_: bool = False,
+):
+    """Drive to completion (``async_``: each step scheduled before the previous one's
+    update). Returns (tokens, finish reasons, SchedulerOutputs)."""
     runner = runner or FakeRunner(sched.limits.block_size)
     tokens, reasons, outs = {}, {}, []
+    in_flight = None
     for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests() and in_flight is None:
             break
         so = sched.schedule()
         check_step(sched, so)
         outs.append(so)
-        for o in sched.update(so, runner.execute(so)):
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
+        done = [(so, runner.execute(so))]
+        if async_:
+            done, in_flight = ([in_flight] if in_flight else []), done[0]
+        for step in done:
+            for o in sched.update(*step):
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    reasons[o.request_id] = o.finish_reason
+        if async_ and so.is_empty:
+            in_flight = None
     else:
         raise AssertionError("did not drain")
     assert_all_free(sched)
@@ -300,9 +321,10 @@ def _preemption_workload(sched: Scheduler) -> None:
         sched.add_request(make_req(f"r{i}", 9 + 3 * i, max_tokens=24, arrival=i))
 
 
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("host_blocks", [0, 64], ids=["recompute", "swap"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_preempted_requests_resume_with_identical_output(host_blocks, caching):
+def test_preempted_requests_resume_with_identical_output(host_blocks, caching, async_):
     ref = Scheduler(make_limits(enable_prefix_caching=caching))
     _preemption_workload(ref)
     ref_tokens, ref_reasons, _ = run(ref)
@@ -312,7 +334,7 @@ def test_preempted_requests_resume_with_identical_output(host_blocks, caching):
     )
     sched = Scheduler(lim)
     _preemption_workload(sched)
-    tokens, reasons, outs = run(sched)
+    tokens, reasons, outs = run(sched, async_=async_)
     assert sched.num_preemptions > 0
     assert tokens == ref_tokens and reasons == ref_reasons
     swapped = any(o.blocks_to_swap_out for o in outs)
@@ -320,6 +342,55 @@ def test_preempted_requests_resume_with_identical_output(host_blocks, caching):
     assert any(o.blocks_to_swap_in for o in outs) == bool(host_blocks)
     resumed = [c for o in outs for c in o.scheduled_cached_reqs if c.resumed_from_preemption]
     assert resumed
+
+
+# ---- async scheduling --------------------------------------------------------------
+def test_async_steps_feed_the_token_in_flight_and_stop_at_max_tokens():
+    sync, asyn = Scheduler(make_limits()), Scheduler(make_limits())
+    for sched in (sync, asyn):
+        sched.add_request(make_req("a", 10, max_tokens=5))
+    runner = FakeRunner(4)
+    ref_tokens, ref_reasons, _ = run(sync)
+    tokens, reasons, outs = run(asyn, runner, async_=True)
+    assert tokens == ref_tokens and reasons == ref_reasons == {"a": "length"}
+    # 4 decodes, each fed the token still in flight; none computed past max_tokens
+    assert [o.total_num_scheduled_tokens for o in outs] == [10, 1, 1, 1, 1, 0]
+    assert runner.num_fed == 4
+    assert all(not c.new_token_ids for o in outs[1:] for c in o.scheduled_cached_reqs)
+
+
+def test_async_eos_costs_one_discarded_step_and_nothing_else():
+    eos = fake_token("a", 13)  # the 4th sampled token
+    sync, asyn = Scheduler(make_limits()), Scheduler(make_limits())
+    for sched in (sync, asyn):
+        sched.add_request(make_req("a", 10, max_tokens=50, eos_token_id=eos))
+        sched.add_request(make_req("b", 6, max_tokens=9, arrival=1.0))
+    ref_tokens, ref_reasons, ref_outs = run(sync)
+    tokens, reasons, outs = run(asyn, async_=True)
+    assert tokens == ref_tokens and reasons == ref_reasons
+    assert tokens["a"][-1] == eos and reasons["a"] == "stop"
+    computed_a = [o.num_scheduled_tokens.get("a", 0) for o in outs]
+    assert sum(computed_a) == sum(o.num_scheduled_tokens.get("a", 0) for o in ref_outs) + 1
+
+
+def test_request_preempted_with_a_token_in_flight_still_gets_it():
+    from jaxengine.core.scheduler import _Step
+
+    sched = Scheduler(make_limits())
+    runner = FakeRunner(4)
+    sched.add_request(make_req("a", 10, max_tokens=5))
+    first = sched.schedule()
+    a = sched.requests["a"]
+    assert a.num_output_placeholders == 1
+    # the next schedule() preempts it (recompute) while the first step is in flight
+    sched._preempt(a, step := _Step(0))
+    assert not step.swap_out and a.status is RequestStatus.PREEMPTED
+    out = sched.update(first, runner.execute(first))
+    assert out[0].new_token_ids == [fake_token("a", 10)]
+    assert a.num_output_tokens == 1 and a.num_output_placeholders == 0
+    tokens, reasons, _ = run(sched, runner, async_=True)
+    assert [fake_token("a", 10), *tokens["a"]] == [fake_token("a", p) for p in range(10, 15)]
+    assert reasons == {"a": "length"}
 
 
 def test_recompute_preemption_state():
@@ -500,12 +571,15 @@ def _random_limits(rng: random.Random) -> SchedulerLimits:
 
 
 class SchedulerOps:
-    """The operations a random test applies; each keeps every invariant."""
+    """The operations a random test applies; each keeps every invariant. With
+    ``async_`` each step is scheduled before the previous one's update."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, async_: bool = False) -> None:
         self.rng = rng
         self.sched = Scheduler(_random_limits(rng))
         self.runner = FakeRunner(self.sched.limits.block_size)
+        self.async_ = async_
+        self.in_flight = None
         self.n = 0
 
     def add(self) -> None:
@@ -528,7 +602,11 @@ class SchedulerOps:
     def step(self) -> None:
         so = self.sched.schedule()
         check_step(self.sched, so)
-        self.sched.update(so, self.runner.execute(so))
+        done = (so, self.runner.execute(so))
+        if self.async_:
+            done, self.in_flight = self.in_flight, done
+        if done is not None:
+            self.sched.update(*done)
 
     def finish_one(self, abort: bool) -> None:
         if self.sched.requests:
@@ -543,14 +621,17 @@ class SchedulerOps:
             if not self.sched.has_unfinished_requests():
                 break
             self.step()
+        if self.in_flight is not None:
+            self.sched.update(*self.in_flight)
         assert not self.sched.has_unfinished_requests(), "scheduler stalled"
         assert_all_free(self.sched)
 
 
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(40))
-def test_random_operations_never_leak(seed):
+def test_random_operations_never_leak(seed, async_):
     rng = random.Random(seed)
-    ops = SchedulerOps(rng)
+    ops = SchedulerOps(rng, async_)
     for _ in range(120):
         r = rng.random()
         if r < 0.3:
@@ -566,9 +647,9 @@ def test_random_operations_never_leak(seed):
 class SchedulerMachine(RuleBasedStateMachine):
     """Hypothesis-driven version: shrinks a failing operation sequence."""
 
-    @initialize(seed=st.integers(0, 2**16))
-    def start(self, seed):
-        self.ops = SchedulerOps(random.Random(seed))
+    @initialize(seed=st.integers(0, 2**16), async_=st.booleans())
+    def start(self, seed, async_):
+        self.ops = SchedulerOps(random.Random(seed), async_)
 
     @rule()
     def add(self):

@@ -162,7 +162,8 @@ class KVCacheManager:
         table = self._tables.get(rid)
         if not table:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        known = min(request.num_computed_tokens, request.num_tokens)  # not placeholders
+        num_full = min(known // self.block_size, len(table))
         start = self._num_cached.get(rid, 0)
         if num_full <= start:
             return
