@@ -17,25 +17,28 @@ from jax.sharding import PartitionSpec as P
 from jaxengine.models.layers.mlp import routed_experts
 
 EXPERTS = P("tensor", None, None)  # [E, out, in] split by expert
+SCALES = P("tensor", None)  # [E, out]: quantized experts' per-row scales
 
 
 def expert_parallel_fn(mesh: Mesh):
     """An ``experts_fn`` for `SparseMoE` running each expert shard on its device."""
 
-    def fn(x, weights, experts, w_gate, w_up, w_down, *, act):
-        def local(x, weights, experts, w_gate, w_up, w_down):
+    def fn(x, weights, experts, w_gate, w_up, w_down, *, act, scales=None):
+        def local(x, weights, experts, w_gate, w_up, w_down, scales):
             first = jax.lax.axis_index("tensor") * w_gate.shape[0]
             out = routed_experts(
-                x, weights, experts, w_gate, w_up, w_down, act=act, first_expert=first
-            )
+                x, weights, experts, w_gate, w_up, w_down, act=act, first_expert=first,
+                scales=scales,
+            )  # fmt: skip
             return jax.lax.psum(out, "tensor")
 
+        scale_specs = None if scales is None else (SCALES,) * 3
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(), P(), P(), EXPERTS, EXPERTS, EXPERTS),
+            in_specs=(P(), P(), P(), EXPERTS, EXPERTS, EXPERTS, scale_specs),
             out_specs=P(),
             check_vma=False,
-        )(x, weights, experts, w_gate, w_up, w_down)
+        )(x, weights, experts, w_gate, w_up, w_down, scales)
 
     return fn

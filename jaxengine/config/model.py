@@ -10,12 +10,13 @@ from jaxengine.config.utils import require, spec, validate_config
 TokenizerMode = Literal["auto", "slow", "mistral", "custom"]
 ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
-# vLLM's quantization methods. They all parse so that a user gets "not supported
-# yet" (see unsupported.py) rather than "invalid choice"; only "gguf" runs today.
+# vLLM's quantization methods, and "int8" (weight-only int8). They all parse so that
+# a user gets "not supported yet" (see unsupported.py) rather than "invalid choice";
+# "gguf", "int8" and "fp8" run today.
 QuantizationMethod = Literal[
     "aqlm", "awq", "awq_marlin", "auto-round", "bitblas", "bitsandbytes",
     "compressed-tensors", "deepspeedfp", "experts_int8", "fbgemm_fp8", "fp8", "gguf",
-    "gptq", "gptq_bitblas", "gptq_marlin", "gptq_marlin_24", "hqq", "inc", "ipex",
+    "gptq", "gptq_bitblas", "gptq_marlin", "gptq_marlin_24", "hqq", "inc", "int8", "ipex",
     "marlin", "modelopt", "modelopt_fp4", "moe_wna16", "mxfp4", "neuron_quant",
     "ptpc_fp8", "qqq", "quark", "rtn", "torchao", "tpu_int8",
 ]  # fmt: skip
@@ -82,7 +83,9 @@ class ModelConfig:
     quantization: QuantizationMethod | None = spec(None, aliases=("-q",))
     """Method used to quantize the weights. If None, the quantization_config of the
     model config is checked first; if that is absent, the weights are assumed
-    unquantized and --dtype decides their data type. Only "gguf" is supported yet."""
+    unquantized and --dtype decides their data type. "int8" and "fp8" quantize the
+    attention and MLP weights (and MoE experts) at load time, weight-only with one
+    scale per output channel; "gguf" reads a .gguf file (dequantized at load)."""
     skip_tokenizer_init: bool = False
     """Skip initialization of the tokenizer and detokenizer. Inputs must then carry
     prompt_token_ids (prompt None) and outputs carry token ids only."""

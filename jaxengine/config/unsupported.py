@@ -12,7 +12,7 @@ from typing import Any
 
 from jaxengine.config.engine import EngineConfig
 
-SUPPORTED_QUANTIZATION = (None, "gguf")
+SUPPORTED_QUANTIZATION = (None, "gguf", "int8", "fp8")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_TOKENIZER_MODES = ("auto", "slow")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")

@@ -88,7 +88,6 @@ def load_model(
         logical_axes,
         params_from_tensors,
     )
-    from jaxengine.models import get_model
 
     start = time.perf_counter()
     source = resolve_model(
@@ -104,10 +103,7 @@ def load_model(
     )
     check_quantization(model_config.quantization, source, hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
-    module, config = get_model(hf_config, dtype)
-    if fuse_projections(placement):
-        config = dataclasses.replace(config, fused_projections=True)
-        module = module.clone(config=config)
+    module, config = _model(hf_config, dtype, model_config.quantization, placement)
     abstract = abstract_params(module, config)
     axes = logical_axes(abstract)
     shardings = placement(config, axes, nn.unbox(abstract)) if placement else None
@@ -118,14 +114,30 @@ def load_model(
         where = str(source.gguf_file or source.path)
         params = params_from_tensors(module, config, tensors, where, abstract, shardings)
     logger.info(
-        "loaded %s (%s, %s) in %.1fs",
+        "loaded %s (%s, %s%s) in %.1fs",
         model_config.model,
         type(module).__name__,
         jnp.dtype(dtype).name,
+        f", {config.quantization} weights" if config.quantization else "",
         time.perf_counter() - start,
     )
     return LoadedModel(module, config, params, hf_config, source, axes)
 
+
+def _model(hf_config: Any, dtype: Any, quantization: str | None, placement: Any):
+    """The Flax module and its config, quantized and fused as the load asks."""
+    from jaxengine.models import get_model
+
+    module, config = get_model(hf_config, dtype)
+    if quantization in ONLINE_QUANTIZATION:
+        config = dataclasses.replace(config, quantization=quantization)
+    if fuse_projections(placement):
+        config = dataclasses.replace(config, fused_projections=True)
+    return module.clone(config=config), config
+
+
+ONLINE_QUANTIZATION = ("int8", "fp8")
+"""``--quantization`` methods applied to a float checkpoint while it loads."""
 
 FUSE_ENV = "JAXENGINE_FUSED_PROJECTIONS"
 """Set to ``0`` to keep q/k/v and gate/up separate everywhere (for measurement)."""

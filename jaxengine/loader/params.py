@@ -24,6 +24,7 @@ from jaxengine.loader.errors import CheckpointError
 from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_param_path
+from jaxengine.models.layers.quant import is_quantized, method_of, quantize
 from jaxengine.models.metadata import AttentionMetadata
 
 
@@ -55,6 +56,7 @@ def logical_axes(abstract: Any) -> Any:
 
 
 DUMMY_STD = 0.02  # the layers' own initializer scale (`layers.basic._INIT_STD`)
+DUMMY_QUANT_SCALE = 3 * DUMMY_STD / 127  # quantized dummy weights: 3 std at int8's largest
 
 
 def dummy_params(
@@ -84,6 +86,10 @@ def dummy_params(
             kind = "zeros"
         elif tuple(spec) in (("norm",), ("head_dim",)):
             kind = "norm"
+        elif is_quantized(leaf.dtype):
+            kind = "quantized"
+        elif name.endswith("_scale"):  # of a quantized weight
+            kind = "scale"
         else:
             kind = "normal"
         fill = _dummy_fill(leaf.shape, np.dtype(leaf.dtype).name, kind, norm_value, sharding)
@@ -98,7 +104,14 @@ def _dummy_fill(shape: tuple, dtype: str, kind: str, norm_value: float, sharding
             return jnp.zeros(shape, dtype)
         if kind == "norm":
             return jnp.full(shape, norm_value, dtype)
-        return (DUMMY_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        if kind == "scale":
+            return jnp.full(shape, DUMMY_QUANT_SCALE, dtype)
+        normal = jax.random.normal(key, shape, jnp.float32)
+        if kind == "quantized":  # q * DUMMY_QUANT_SCALE ~ normal(0, DUMMY_STD), clipped
+            return jnp.clip(jnp.round(normal * DUMMY_STD / DUMMY_QUANT_SCALE), -127, 127).astype(
+                dtype
+            )
+        return (DUMMY_STD * normal).astype(dtype)
 
     return jax.jit(fill, out_shardings=sharding)
 
@@ -159,15 +172,14 @@ def params_from_tensors(
         if slot is None:
             continue
         path, index, parts, leaf = slot
-        sharding = _leaf_of(placement, path) if placement else None
         if index is None:
-            _tree_set(out, path, place(array, leaf.dtype, sharding))
+            _fill(out, path, array, leaf, placement)
             continue
         buffers.setdefault(path, np.empty(leaf.shape, np.float32))[index] = array
         done = filled.setdefault(path, set())
         done.add(index if isinstance(index, int) else index.start)
         if len(done) == parts:
-            _tree_set(out, path, place(buffers.pop(path), leaf.dtype, sharding))
+            _fill(out, path, buffers.pop(path), leaf, placement)
     missing = list(_unfilled(out))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -175,6 +187,20 @@ def params_from_tensors(
             f"{source}: {len(missing)} tensors missing from the checkpoint: {shown}"
         )
     return out
+
+
+def _fill(out: dict, path: tuple[str, ...], array: np.ndarray, leaf: Any, placement: Any) -> None:
+    """Places a complete leaf; a quantized one (`layers.quant`) is quantized here, its
+    per-row scales filling the sibling ``<name>_scale`` leaf."""
+    sharding = _leaf_of(placement, path) if placement else None
+    if not is_quantized(leaf.dtype):
+        _tree_set(out, path, place(array, leaf.dtype, sharding))
+        return
+    q, scale = quantize(array, method_of(leaf.dtype), np)
+    _tree_set(out, path, place(q, leaf.dtype, sharding))
+    scale_path = (*path[:-1], path[-1] + "_scale")
+    scale_sharding = _leaf_of(placement, scale_path) if placement else None
+    _tree_set(out, scale_path, place(scale, np.float32, scale_sharding))
 
 
 def _slot(name: str, array: np.ndarray, config: TransformerConfig, shapes: Any, source: str):

@@ -103,6 +103,10 @@ class TransformerConfig:
     """MoE: renormalize the top-k routing weights to sum to one."""
     dtype: Any = jnp.float32
     """Parameter and activation dtype."""
+    quantization: str | None = None
+    """Weight-only quantization of the attention and MLP projections and the MoE
+    experts ("int8" or "fp8", `layers.quant`); embeddings, the LM head and the MoE
+    router keep ``dtype``."""
     fused_projections: bool = False
     """q/k/v run as one matmul over ``self_attn.qkv_proj`` and the dense MLP's gate/up
     as one over ``mlp.gate_up_proj``, weights concatenated along their output rows

@@ -193,6 +193,45 @@ def test_moe_expert_parallel(moe_dir, moe_reference, expert_parallel, spec):
         llm.shutdown()
 
 
+@pytest.mark.parametrize(
+    "model, parallel, weight",
+    [
+        ("llama", dict(tensor_parallel_size=2), ("self_attn", "q_proj", "weight")),
+        (
+            "moe",
+            dict(tensor_parallel_size=4, enable_expert_parallel=True),
+            ("mlp", "experts_gate_proj"),
+        ),
+    ],
+    ids=["tp2", "ep4"],
+)
+def test_int8_weights_and_scales_split_like_float_ones(llama_dir, moe_dir, model, parallel, weight):
+    """Quantized parameters shard as the float ones do (the scales by their rows or
+    experts), with the quantized one-device engine's outputs."""
+    path = {"llama": llama_dir, "moe": moe_dir}[model]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FUSE_ENV, "0")
+        one = build(path, quantization="int8")
+    try:
+        want_logits, want = prefill_logits(one), greedy(one)
+    finally:
+        one.shutdown()
+    llm = build(path, quantization="int8", **parallel)
+    try:
+        assert relative_error(prefill_logits(llm), want_logits) < TOLERANCE
+        assert greedy(llm) == want
+        layer = runner_of(llm).params["model"]["layers_0"]
+        for key in weight[:-1]:
+            layer = layer[key]
+        q, scale = layer[weight[-1]], layer[weight[-1] + "_scale"]
+        assert q.dtype == jax.numpy.int8
+        devices = parallel["tensor_parallel_size"]
+        assert set(bytes_per_device(q).values()) == {q.nbytes // devices}
+        assert set(bytes_per_device(scale).values()) == {scale.nbytes // devices}
+    finally:
+        llm.shutdown()
+
+
 def test_data_parallel_replicas(llama_dir, llama_reference):
     """Two replicas on disjoint devices, each with the whole model, same outputs."""
     llm = build(llama_dir, data_parallel_size=2)

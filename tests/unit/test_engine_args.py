@@ -42,6 +42,8 @@ VALID_FLAGS = [
      {"temperature": 0.5}),
     (["--quantization", "gguf"], "quantization", "gguf"),
     (["-q", "gguf"], "quantization", "gguf"),
+    (["--quantization", "int8"], "quantization", "int8"),
+    (["-q", "fp8"], "quantization", "fp8"),
     (["--skip-tokenizer-init"], "skip_tokenizer_init", True),
     (["--max-logprobs", "-1"], "max_logprobs", -1),
     (["--enforce-eager"], "enforce_eager", True),

@@ -8,24 +8,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jaxengine.runner.executables import ExecutableStore
 
-
-@pytest.fixture(autouse=True)
-def no_persistent_cache():
-    """JAX's persistent cache (an engine built earlier in the session may have turned
-    it on, over a directory that outlives the session) would hand these functions
-    back as cache hits, which the store rightly does not save."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", enabled)
+# A constant new to this run: JAX's persistent cache (which an engine built earlier in
+# the session may have pointed at a directory that outlives it) cannot hand the
+# function back as a cache hit, which the store rightly does not save.
+OFFSET = 3.0 + (time.time_ns() % 1000) / 1024
 
 
 def test_store_saves_loads_without_tracing_and_recompiles_a_corrupt_file(tmp_path):
-    fn = jax.jit(lambda acc, x: acc * x + 3.0, donate_argnums=(0,))
+    fn = jax.jit(lambda acc, x: acc * x + OFFSET, donate_argnums=(0,))
     x = jnp.arange(5.0)
     lowered = []
 
@@ -39,7 +32,7 @@ def test_store_saves_loads_without_tracing_and_recompiles_a_corrupt_file(tmp_pat
     assert len(lowered) == 1  # loaded: neither traced nor compiled
     for compiled in (first, again):
         acc = jnp.full(5, 2.0)
-        np.testing.assert_allclose(compiled(acc, x), 2.0 * np.arange(5.0) + 3.0)
+        np.testing.assert_allclose(compiled(acc, x), 2.0 * np.arange(5.0) + OFFSET)
         assert acc.is_deleted()  # donation survives the round trip
 
     ExecutableStore(tmp_path, "program B").compile("fn", 5, lower)  # another program
@@ -50,7 +43,7 @@ def test_store_saves_loads_without_tracing_and_recompiles_a_corrupt_file(tmp_pat
         path.write_bytes(b"not an executable")
     compiled = ExecutableStore(tmp_path, "program A").compile("fn", 5, lower)
     assert len(lowered) == 4
-    np.testing.assert_allclose(compiled(jnp.ones(5), x), np.arange(5.0) + 3.0)
+    np.testing.assert_allclose(compiled(jnp.ones(5), x), np.arange(5.0) + OFFSET)
 
 
 def test_store_keeps_its_directory_under_its_size_limit(tmp_path):

@@ -66,7 +66,14 @@ class Attention(nn.Module):
             sliding_window=self.spec.sliding_window,
             soft_cap=cfg.attn_logit_softcap,
         )  # [T, Hq, D]
-        o_proj = Linear(cfg.hidden_size, ("embed", "q_heads"), cfg.o_bias, cfg.dtype, name="o_proj")
+        o_proj = Linear(
+            cfg.hidden_size,
+            ("embed", "q_heads"),
+            cfg.o_bias,
+            cfg.dtype,
+            cfg.quantization,
+            name="o_proj",
+        )
         return o_proj(out.reshape(num_tokens, hq * d)), kv_cache
 
 
@@ -84,13 +91,20 @@ def _project_qkv(x: jax.Array, cfg: TransformerConfig) -> tuple[jax.Array, ...]:
     num_tokens, d = x.shape[0], cfg.head_dim
     rows = qkv_rows(cfg)
     if cfg.fused_projections:
-        fused = Linear(sum(rows), ("q_heads", "embed"), cfg.qkv_bias, cfg.dtype, name="qkv_proj")
+        fused = Linear(
+            sum(rows),
+            ("q_heads", "embed"),
+            cfg.qkv_bias,
+            cfg.dtype,
+            cfg.quantization,
+            name="qkv_proj",
+        )
         qkv = fused(x)  # [T, (Hq + 2 Hkv) D]
         parts = jnp.split(qkv, [rows[0], rows[0] + rows[1]], axis=-1)
     else:
         names = (("q_proj", "q_heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads"))
         parts = [
-            Linear(n, (axis, "embed"), cfg.qkv_bias, cfg.dtype, name=name)(x)
+            Linear(n, (axis, "embed"), cfg.qkv_bias, cfg.dtype, cfg.quantization, name=name)(x)
             for n, (name, axis) in zip(rows, names, strict=True)
         ]
     return tuple(p.reshape(num_tokens, p.shape[-1] // d, d) for p in parts)

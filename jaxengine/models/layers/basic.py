@@ -13,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxengine.models.layers import quant
+
 _INIT_STD = 0.02
 
 
@@ -21,23 +23,30 @@ def _normal(std: float = _INIT_STD):
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T (+ bias)`` with ``weight: [out, in]``."""
+    """``y = x @ weight.T (+ bias)`` with ``weight: [out, in]``.
+
+    ``quant`` ("int8", "fp8"; `layers.quant`): ``weight`` holds quantized values and
+    ``weight_scale: [out]`` their per-row float32 scales."""
 
     features: int
     axes: tuple[str, str]  # logical names of (out, in)
     use_bias: bool = False
     dtype: Any = jnp.float32
+    quant: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, in] -> [T, out]
-        in_features = x.shape[-1]
-        weight = self.param(
-            "weight",
-            nn.with_logical_partitioning(_normal(), self.axes),
-            (self.features, in_features),
-            self.dtype,
-        )
-        y = jax.lax.dot_general(x.astype(self.dtype), weight, (((x.ndim - 1,), (1,)), ((), ())))
+        shape = (self.features, x.shape[-1])
+        if self.quant is None:
+            init = nn.with_logical_partitioning(_normal(), self.axes)
+            weight = self.param("weight", init, shape, self.dtype)
+            y = jax.lax.dot_general(x.astype(self.dtype), weight, (((x.ndim - 1,), (1,)), ((), ())))
+        else:
+            init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes)
+            weight = self.param("weight", init, shape, quant.weight_dtype(self.quant))
+            ones = nn.with_logical_partitioning(nn.initializers.ones, self.axes[:1])
+            scale = self.param("weight_scale", ones, shape[:1], jnp.float32)
+            y = quant.quantized_linear(x, weight, scale, self.dtype)
         if self.use_bias:
             bias = self.param(
                 "bias",

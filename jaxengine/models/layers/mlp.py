@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.models.config import TransformerConfig
+from jaxengine.models.layers import quant
 from jaxengine.models.layers.basic import Linear, _normal, activation
 
 
@@ -29,19 +30,27 @@ class GatedMLP(nn.Module):
         width = self.intermediate_size or cfg.intermediate_size
 
         def proj(rows: int, name: str) -> jax.Array:
-            return Linear(rows, ("mlp", "embed"), cfg.mlp_bias, cfg.dtype, name=name)(x)
+            return Linear(
+                rows, ("mlp", "embed"), cfg.mlp_bias, cfg.dtype, cfg.quantization, name=name
+            )(x)
 
         if cfg.fused_projections:  # rows [gate; up], one matmul, split after
             gate, up = jnp.split(proj(2 * width, "gate_up_proj"), 2, axis=-1)  # [T, I] each
         else:
             gate, up = proj(width, "gate_proj"), proj(width, "up_proj")
         hidden = activation(cfg.hidden_act)(gate) * up  # [T, I]
-        return Linear(cfg.hidden_size, ("embed", "mlp"), cfg.mlp_bias, cfg.dtype, name="down_proj")(
-            hidden
+        down = Linear(
+            cfg.hidden_size,
+            ("embed", "mlp"),
+            cfg.mlp_bias,
+            cfg.dtype,
+            cfg.quantization,
+            name="down_proj",
         )
+        return down(hidden)
 
 
-def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, act, first_expert=0):
+def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, act, first_expert=0, scales=None):
     """Weighted sum of the routed experts' outputs, for the experts these weights hold.
 
     ``x [T, H]``, ``weights``/``experts [T, K]`` (routing), stacked weights
@@ -49,6 +58,8 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, act, first_expe
     ``first_expert .. first_expert + E'``. Rows are sorted by expert and each expert
     runs one `jax.lax.ragged_dot` group; routes to experts held elsewhere sort last,
     outside every group, and weigh zero. No token is dropped (no capacity limit).
+    ``scales`` (quantized experts, `layers.quant`): the per-row scales ``[E', out]``
+    of the three weights, applied to each row's result by its expert.
     Returns float32 ``[T, H]`` (partial sums when ``E'`` is a shard of the experts).
     """
     num_tokens, hidden = x.shape
@@ -58,11 +69,19 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, act, first_expe
     flat = jnp.where(mine, flat, local)
     order = jnp.argsort(flat)
     token_of = order // k  # [T*K], source token of each sorted row
-    xs = x[token_of].astype(w_gate.dtype)  # [T*K, H]
+    dtype = w_gate.dtype if scales is None else x.dtype
+    xs = x[token_of].astype(dtype)  # [T*K, H]
     group_sizes = jnp.bincount(flat, length=local + 1)[:local].astype(jnp.int32)  # [E']
-    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w_gate, 1, 2), group_sizes)  # [T*K, I]
-    up = jax.lax.ragged_dot(xs, jnp.swapaxes(w_up, 1, 2), group_sizes)
-    out = jax.lax.ragged_dot(act(gate) * up, jnp.swapaxes(w_down, 1, 2), group_sizes)
+    row_expert = jnp.minimum(flat[order], local - 1)  # [T*K]
+    s_gate, s_up, s_down = (None, None, None) if scales is None else scales
+
+    def expert_dot(h, w, s):  # [T*K, in] x [E', out, in] -> [T*K, out]
+        y = jax.lax.ragged_dot(h, jnp.swapaxes(w, 1, 2).astype(dtype), group_sizes)
+        return y if s is None else y * s[row_expert].astype(dtype)
+
+    gate = expert_dot(xs, w_gate, s_gate)  # [T*K, I]
+    up = expert_dot(xs, w_up, s_up)
+    out = expert_dot(act(gate) * up, w_down, s_down)
     row_weight = jnp.where(mine, weights.reshape(-1), 0.0)[order]
     out = jnp.where(row_weight[:, None] != 0, out.astype(jnp.float32), 0.0) * row_weight[:, None]
     return jnp.zeros((num_tokens, hidden), jnp.float32).at[token_of].add(out)
@@ -91,13 +110,25 @@ class SparseMoE(nn.Module):
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
 
-        def stacked(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
-            init = nn.with_logical_partitioning(_normal(), axes)
-            return self.param(name, init, shape, cfg.dtype)
+        def stacked(name: str, shape: tuple[int, ...], axes: tuple[str, ...]):
+            """The stacked weight, and its per-row scales when quantized."""
+            if cfg.quantization is None:
+                init = nn.with_logical_partitioning(_normal(), axes)
+                return self.param(name, init, shape, cfg.dtype), None
+            init = nn.with_logical_partitioning(nn.initializers.zeros, axes)
+            q = self.param(name, init, shape, quant.weight_dtype(cfg.quantization))
+            ones = nn.with_logical_partitioning(nn.initializers.ones, axes[:2])
+            return q, self.param(name + "_scale", ones, shape[:2], jnp.float32)
 
-        w_gate = stacked("experts_gate_proj", (e, width, hidden), ("expert", "mlp", "embed"))
-        w_up = stacked("experts_up_proj", (e, width, hidden), ("expert", "mlp", "embed"))
-        w_down = stacked("experts_down_proj", (e, hidden, width), ("expert", "embed", "mlp"))
+        w_gate, s_gate = stacked(
+            "experts_gate_proj", (e, width, hidden), ("expert", "mlp", "embed")
+        )
+        w_up, s_up = stacked("experts_up_proj", (e, width, hidden), ("expert", "mlp", "embed"))
+        w_down, s_down = stacked(
+            "experts_down_proj", (e, hidden, width), ("expert", "embed", "mlp")
+        )
+        scales = None if s_gate is None else (s_gate, s_up, s_down)
         fn = self.experts_fn or routed_experts
-        out = fn(x, weights, experts, w_gate, w_up, w_down, act=activation(cfg.hidden_act))
+        act = activation(cfg.hidden_act)
+        out = fn(x, weights, experts, w_gate, w_up, w_down, act=act, scales=scales)
         return out.astype(x.dtype)

@@ -1,0 +1,63 @@
+"""SmolLM2 with ``--quantization int8`` and ``fp8`` against float32 (the shared engine).
+
+Weight-only quantization changes the logits a little, so greedy outputs drift apart
+after some tokens; on the golden prompts most tokens must agree (the agreement is
+printed: run with ``-s`` to see it). The quantized engine compiles nothing after
+warm-up, and its projections hold a quarter of their float32 bytes.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxengine import LLM, SamplingParams
+from tests.engine.conftest import small_llm_kwargs
+from tests.engine.test_engine_golden import OTHERS, PREAMBLE, QUESTIONS
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+MIN_AGREEMENT = {"int8": 0.6, "fp8": 0.4}  # measured: see bench/README.md
+
+
+def agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    """Tokens before each output's first difference, over all tokens."""
+    same = 0
+    for g, w in zip(got, want, strict=True):
+        same += next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
+    return same / sum(len(w) for w in want)
+
+
+def quantized_bytes(params) -> tuple[int, int]:
+    """(bytes of the quantized weights and their scales, float32 bytes of the same)."""
+    leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    held = full = 0
+    for path, leaf in leaves.items():
+        if str(leaf.dtype) in ("int8", "float8_e4m3fn"):
+            scale = leaves[(*path[:-1], type(path[-1])(path[-1].key + "_scale"))]
+            held += leaf.nbytes + scale.nbytes
+            full += 4 * leaf.size
+    return held, full
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_greedy_outputs_agree_with_float32(method, small_llm, smollm2_gguf, tmp_path_factory):
+    tokenizer = small_llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(PREAMBLE + q)} for q in QUESTIONS]
+    prompts += [{"prompt_token_ids": tokenizer.encode(t)} for t in OTHERS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in small_llm.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model=str(smollm2_gguf), quantization=method, **small_llm_kwargs(tmp_path_factory))
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        share = agreement(got, want)
+        print(f"{method}: {share:.1%} of greedy tokens agree with float32")
+        assert share >= MIN_AGREEMENT[method]
+        assert llm.engine.executor.compiles_after_warmup == 0
+        held, full = quantized_bytes(llm.engine.executor.runner.params)
+        assert 0.25 < held / full < 0.26
+        assert np.mean([len(g) == NEW_TOKENS for g in got]) == 1.0
+    finally:
+        llm.engine.shutdown()
