@@ -131,6 +131,13 @@ def _model(hf_config: Any, dtype: Any, quantization: str | None, placement: Any)
     module, config = get_model(hf_config, dtype)
     if quantization in ONLINE_QUANTIZATION:
         config = dataclasses.replace(config, quantization=quantization)
+        if jax.default_backend() == "cpu":
+            logger.warning(
+                "--quantization %s on CPU: the weights take a quarter of the memory, but "
+                "XLA:CPU converts them in every step (batch-1 decode measured 4.4x slower "
+                "than float32, bench/README.md)",
+                quantization,
+            )
     if fuse_projections(placement):
         config = dataclasses.replace(config, fused_projections=True)
     return module.clone(config=config), config
