@@ -12,6 +12,7 @@ CacheDType = Literal[
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"
 ]
 PrefixCachingHashAlgo = Literal["builtin", "sha256"]
+FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 DEFAULT_BLOCK_SIZE = 16
 """Block size that EngineArgs.create_engine_config picks when --block-size is unset."""
@@ -41,8 +42,12 @@ class CacheConfig:
     kv_cache_dtype: CacheDType = "auto"
     """Data type for KV cache storage. If "auto", the model's data type (the dtype its
     weights are loaded in, see --dtype) is used; "bfloat16", "float16" and "float32"
-    store the cache in that type whatever the model's. The fp8 variants (fp8,
-    fp8_e4m3, fp8_e5m2, fp8_inc) are not supported yet."""
+    store the cache in that type whatever the model's. "fp8" (= "fp8_e4m3") and
+    "fp8_e5m2" store one byte per value with a scale of 1.0 (values saturate at the
+    format's largest), so the cache holds twice the tokens of a 16-bit one; attention
+    widens the pages after loading them. Per-tensor scales from a checkpoint or
+    computed from the data (vLLM's --calculate-kv-scales) are not there yet, nor
+    "fp8_inc"."""
     enable_prefix_caching: bool | None = None
     """Whether to enable prefix caching. Unset (None) means enabled."""
     prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"
@@ -59,10 +64,13 @@ class CacheConfig:
     def cache_dtype(self, model_dtype: str) -> str:
         """The concrete dtype name the KV cache is stored in.
 
-        "auto" -> `model_dtype` (e.g. "bfloat16"); any other value is returned as
-        given. The fp8 names never get here: `unsupported.py` refuses them first.
+        "auto" -> `model_dtype` (e.g. "bfloat16"); "fp8" and "fp8_e4m3" ->
+        "float8_e4m3fn", "fp8_e5m2" -> "float8_e5m2" (scale 1.0: values are stored as
+        they are, saturating at the format's largest); others as given.
         """
-        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return FP8_CACHE_DTYPES.get(self.kv_cache_dtype, self.kv_cache_dtype)
 
     @property
     def prefix_caching(self) -> bool:

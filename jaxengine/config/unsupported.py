@@ -15,7 +15,15 @@ from jaxengine.config.engine import EngineConfig
 SUPPORTED_QUANTIZATION = (None, "gguf", "int8", "fp8")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_TOKENIZER_MODES = ("auto", "slow")
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+SUPPORTED_KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "float16",
+    "float32",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+)
 SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 SUPPORTED_STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")
 

@@ -35,4 +35,14 @@ def interleave(k: jax.Array, v: jax.Array, dtype) -> jax.Array:
     """``[T, Hkv, D]`` K and V -> ``[T, 2 * Hkv, D]`` in the cache's order and dtype."""
     num_tokens, num_kv_heads, head_dim = k.shape
     kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
-    return kv.astype(dtype)
+    return to_cache_dtype(kv, dtype)
+
+
+def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
+    """``x`` stored as ``dtype``; into an 8-bit float cache (scale 1.0) values saturate
+    at the format's largest instead of becoming NaN (float8_e4m3fn has no infinity)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        largest = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -largest, largest)
+    return x.astype(dtype)

@@ -170,13 +170,14 @@ def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_
 
 
 def _gatherable(kv_cache: jax.Array) -> jax.Array:
-    """The cache as XLA's CPU backend gathers it well: 16-bit floats as uint16.
+    """The cache as XLA's CPU backend gathers it well: 16- and 8-bit floats as uints.
 
     XLA:CPU gathers bfloat16 by converting the whole operand to float32 first, a pass
     over the entire cache on every call; a same-width bitcast costs nothing.
     """
-    if kv_cache.dtype.itemsize == 2:
-        return jax.lax.bitcast_convert_type(kv_cache, jnp.uint16)
+    unsigned = {2: jnp.uint16, 1: jnp.uint8}.get(kv_cache.dtype.itemsize)
+    if unsigned is not None:
+        return jax.lax.bitcast_convert_type(kv_cache, unsigned)
     return kv_cache
 
 

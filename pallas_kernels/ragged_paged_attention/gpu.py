@@ -192,6 +192,7 @@ def _kernel(
         kv_mask = full_rows(n_ok[:, None])
         k = plgpu.load(kv_ref.at[row[:, None], d_idx], mask=kv_mask, other=0.0)  # [BN, Dp]
         v = plgpu.load(kv_ref.at[row[:, None] + 1, d_idx], mask=kv_mask, other=0.0)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # an 8-bit float cache, widened in SRAM
         s = jax.lax.dot_general(
             q,
             k,

@@ -229,7 +229,9 @@ def _kernel(
 
 
 def _online_softmax_step(q, k, v, mask, m_ref, l_ref, acc_ref, *, sm_scale, soft_cap):
-    """Folds one block of keys into the running max, denominator and accumulator."""
+    """Folds one block of keys into the running max, denominator and accumulator. An
+    8-bit float cache is widened to ``q``'s dtype here, in VMEM."""
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     s = jax.lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32

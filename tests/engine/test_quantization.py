@@ -1,9 +1,10 @@
-"""SmolLM2 with ``--quantization int8`` and ``fp8`` against float32 (the shared engine).
+"""SmolLM2 with ``--quantization int8``, ``fp8`` and ``--kv-cache-dtype fp8`` against
+float32 (the shared engine).
 
-Weight-only quantization changes the logits a little, so greedy outputs drift apart
-after some tokens; on the golden prompts most tokens must agree (the agreement is
-printed: run with ``-s`` to see it). The quantized engine compiles nothing after
-warm-up, and its projections hold a quarter of their float32 bytes.
+Quantization changes the logits a little, so greedy outputs drift apart after some
+tokens; on the golden prompts most tokens must agree (the agreement is printed: run
+with ``-s`` to see it). The quantized engine compiles nothing after warm-up; its
+projections hold a quarter of their float32 bytes, or its KV cache one byte a value.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from tests.engine.test_engine_golden import OTHERS, PREAMBLE, QUESTIONS
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 24
-MIN_AGREEMENT = {"int8": 0.6, "fp8": 0.4}  # measured: see bench/README.md
+CASES = {
+    "int8": dict(quantization="int8"),
+    "fp8": dict(quantization="fp8"),
+    "fp8_kv_cache": dict(kv_cache_dtype="fp8"),
+}
+MIN_AGREEMENT = {"int8": 0.6, "fp8": 0.4, "fp8_kv_cache": 0.45}  # measured: bench/README.md
 
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> float:
@@ -42,22 +48,26 @@ def quantized_bytes(params) -> tuple[int, int]:
     return held, full
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", sorted(CASES))
 def test_greedy_outputs_agree_with_float32(method, small_llm, smollm2_gguf, tmp_path_factory):
     tokenizer = small_llm.get_tokenizer()
     prompts = [{"prompt_token_ids": tokenizer.encode(PREAMBLE + q)} for q in QUESTIONS]
     prompts += [{"prompt_token_ids": tokenizer.encode(t)} for t in OTHERS]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in small_llm.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(model=str(smollm2_gguf), quantization=method, **small_llm_kwargs(tmp_path_factory))
+    llm = LLM(model=str(smollm2_gguf), **CASES[method], **small_llm_kwargs(tmp_path_factory))
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         share = agreement(got, want)
         print(f"{method}: {share:.1%} of greedy tokens agree with float32")
         assert share >= MIN_AGREEMENT[method]
         assert llm.engine.executor.compiles_after_warmup == 0
-        held, full = quantized_bytes(llm.engine.executor.runner.params)
-        assert 0.25 < held / full < 0.26
+        runner = llm.engine.executor.runner
+        if method == "fp8_kv_cache":
+            assert {str(c.dtype) for c in runner.kv_caches} == {"float8_e4m3fn"}
+        else:
+            held, full = quantized_bytes(runner.params)
+            assert 0.25 < held / full < 0.26
         assert np.mean([len(g) == NEW_TOKENS for g in got]) == 1.0
     finally:
         llm.engine.shutdown()

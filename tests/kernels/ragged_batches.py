@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
+from pallas_kernels.kv_cache_update.reference import to_cache_dtype
 from pallas_kernels.ragged_paged_attention import reference
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -72,10 +73,12 @@ class Batch:
     sliding_window: int | None
     soft_cap: float | None
 
-    def args(self, dtype=jnp.float32) -> tuple:
+    def args(self, dtype=jnp.float32, cache_dtype=None) -> tuple:
+        """The arguments in ``dtype`` (the cache in ``cache_dtype`` when given: an
+        8-bit float cache, stored as the engine stores it, saturating)."""
         return (
             jnp.asarray(self.q, dtype),
-            jnp.asarray(self.kv_cache, dtype),
+            to_cache_dtype(jnp.asarray(self.kv_cache), cache_dtype or dtype),
             jnp.asarray(self.seq_lens),
             jnp.asarray(self.page_table),
             jnp.asarray(self.query_start_loc),
@@ -135,14 +138,17 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def check_kernel(kernel, batch: Batch, dtype_name: str, **kernel_kwargs) -> float:
+def check_kernel(
+    kernel, batch: Batch, dtype_name: str, cache_dtype: str | None = None, **kernel_kwargs
+) -> float:
     """Runs `kernel` and the reference on `batch`; asserts closeness; returns the error.
 
-    Both see the same inputs (rounded to the dtype); the reference accumulates in
-    float32 like the kernels. Padding tokens must come out as exact zeros.
+    Both see the same inputs (rounded to the dtype; the cache to ``cache_dtype`` when
+    given); the reference accumulates in float32 like the kernels. Padding tokens
+    must come out as exact zeros.
     """
     dtype = jnp.dtype(dtype_name)
-    args = batch.args(dtype)
+    args = batch.args(dtype, cache_dtype)
     want = np.asarray(reference.ragged_paged_attention(*args, **batch.kwargs()), np.float32)
     got = kernel(*args, **batch.kwargs(), **kernel_kwargs)
     assert got.shape == batch.q.shape and got.dtype == dtype

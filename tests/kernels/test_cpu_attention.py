@@ -12,6 +12,7 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -63,6 +64,13 @@ def run_jitted(blocks: str):
 @example(shape=SMOLLM2_MIXED, seed=5, blocks="default", dtype="bfloat16")
 def test_matches_reference(shape, seed, blocks, dtype):
     check_kernel(run_jitted(blocks), build(shape, seed), dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("shape", [DECODE, SMOLLM2_MIXED], ids=["decode", "mixed"])
+def test_fp8_cache_matches_reference(shape, cache_dtype):
+    """``--kv-cache-dtype fp8``: 8-bit pages gathered as bytes, widened after."""
+    check_kernel(run_jitted("small"), build(shape, 11), "float32", cache_dtype)
 
 
 def test_one_compile_serves_every_batch_of_a_shape():

@@ -57,6 +57,24 @@ def test_writes_exactly_its_slots(name, dtype, num_tokens, hkv, head_dim):
     np.testing.assert_array_equal(untouched, SENTINEL)
 
 
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_an_fp8_cache_stores_rounded_saturated_values(name, cache_dtype):
+    dtype = jnp.dtype(cache_dtype)
+    largest = float(jnp.finfo(dtype).max)
+    cache = jnp.zeros((4, 8, 4, 16), dtype)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    k[0, 0, :4] = [1e6, -1e6, 2 * largest, 500.0]  # past the format's range: saturate
+    out = IMPLEMENTATIONS[name](cache, jnp.asarray(k), jnp.asarray(v), jnp.array([9, 17, 30]))
+    flat = np.asarray(out.astype(jnp.float32)).reshape(32, 4, 16)
+    want_k = np.clip(k, -largest, largest).astype(dtype).astype(np.float32)
+    np.testing.assert_array_equal(flat[[9, 17, 30], 0::2], want_k)
+    np.testing.assert_array_equal(flat[[9, 17, 30], 1::2], v.astype(dtype).astype(np.float32))
+    assert np.isfinite(flat).all()
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_kernel_lowers_for_its_device(platform):
     """Each kernel lowers to its custom call (Mosaic / Triton), Llama-3-8B layout, bf16."""

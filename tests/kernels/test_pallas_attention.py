@@ -50,6 +50,14 @@ def test_matches_reference(platform, dtype, shape, seed):
     check_kernel(KERNELS[platform], build(shape, seed), dtype, interpret=True)
 
 
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("shape", [DECODE, LONG_CHUNK, WINDOWED], ids=["decode", "chunk", "window"])
+def test_fp8_cache_matches_reference(platform, cache_dtype, shape):
+    """``--kv-cache-dtype fp8``: the kernels widen the 8-bit pages after loading them."""
+    check_kernel(KERNELS[platform], build(shape, 7), "float32", cache_dtype, interpret=True)
+
+
 # Small blocks: q blocks span requests, requests span many KV blocks.
 SMALL_BLOCKS = {
     "tpu": dict(block_q=8, pages_per_block=1, heads_per_block=1),

@@ -174,7 +174,7 @@ def test_default_engine_config_is_supported():
             {"distributed_executor_backend": "external_launcher"},
             "backend external_launcher",
         ),
-        ("cache_config", {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
+        ("cache_config", {"kv_cache_dtype": "fp8_inc"}, "--kv-cache-dtype fp8_inc"),
         ("cache_config", {"cpu_offload_gb": 2}, "--cpu-offload-gb 2"),
         ("model_config", {"quantization": "awq"}, "--quantization awq"),
         ("model_config", {"tokenizer_mode": "mistral"}, "--tokenizer-mode mistral"),

@@ -194,7 +194,7 @@ NOT_SUPPORTED_YET = [
         {"distributed_executor_backend": "external_launcher"},
         "--distributed-executor-backend external_launcher",
     ),
-    ({"kv_cache_dtype": "fp8_e5m2"}, "--kv-cache-dtype fp8_e5m2 is not supported yet"),
+    ({"kv_cache_dtype": "fp8_inc"}, "--kv-cache-dtype fp8_inc is not supported yet"),
     ({"quantization": "gptq"}, "--quantization gptq is not supported yet"),
     ({"load_format": "bitsandbytes"}, "--load-format bitsandbytes is not supported yet"),
     ({"tokenizer_mode": "custom"}, "--tokenizer-mode custom is not supported yet"),
