@@ -414,6 +414,15 @@ class SamplingParams:
         return SamplingType.RANDOM
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether any of presence, frequency or repetition penalty is not neutral."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         """`stop_token_ids` plus the EOS ids the engine added (banned by min_tokens)."""
         return self._all_stop_token_ids

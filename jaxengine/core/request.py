@@ -143,10 +143,9 @@ class Request:
     def length_reached_in_flight(self) -> bool:
         """Whether a token in flight will be the last one max_tokens allows (so no
         further step is worth scheduling before it arrives)."""
-        if not self.num_output_placeholders:
+        if not self.num_output_placeholders or self.max_tokens is None:
             return False
-        pending = self.num_output_placeholders
-        return self.max_tokens is not None and self.num_output_tokens + pending >= self.max_tokens
+        return self.num_output_tokens + self.num_output_placeholders >= self.max_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -198,13 +197,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 
 def needs_known_outputs(params: Any) -> bool:
     """Whether sampling with ``params`` reads the request's output tokens on the host."""
-    penalized = (
-        (getattr(params, "presence_penalty", 0) or 0) != 0
-        or (getattr(params, "frequency_penalty", 0) or 0) != 0
-        or (getattr(params, "repetition_penalty", 1) or 1) != 1
-    )
     return bool(
-        penalized
+        getattr(params, "has_penalties", False)
         or getattr(params, "bad_words", None)
         or getattr(params, "logits_processors", None)
         or getattr(params, "structured_outputs", None) is not None

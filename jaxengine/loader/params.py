@@ -24,7 +24,7 @@ from jaxengine.loader.errors import CheckpointError
 from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_param_path
-from jaxengine.models.layers.quant import is_quantized, method_of, quantize
+from jaxengine.models.layers.quant import is_quantized, method_of, quantize, scale_name
 from jaxengine.models.metadata import AttentionMetadata
 
 
@@ -198,7 +198,7 @@ def _fill(out: dict, path: tuple[str, ...], array: np.ndarray, leaf: Any, placem
         return
     q, scale = quantize(array, method_of(leaf.dtype), np)
     _tree_set(out, path, place(q, leaf.dtype, sharding))
-    scale_path = (*path[:-1], path[-1] + "_scale")
+    scale_path = (*path[:-1], scale_name(path[-1]))
     scale_sharding = _leaf_of(placement, scale_path) if placement else None
     _tree_set(out, scale_path, place(scale, np.float32, scale_sharding))
 

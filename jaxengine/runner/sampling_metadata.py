@@ -184,6 +184,11 @@ class SamplingRow:
     token_bitmask: np.ndarray | None = None
     """The grammar's allowed next tokens ([ceil(V / 32)] int32), or None."""
 
+    @property
+    def position(self) -> int:
+        """`step`, or the number of known output tokens when it is None."""
+        return len(self.output_token_ids) if self.step is None else self.step
+
 
 def request_seed(params: SamplingParams, engine_seed: int, request_counter: int) -> int:
     """The 64-bit seed of a request: its own `seed`, else a hash of the engine seed
@@ -219,14 +224,13 @@ def _prepare(row: SamplingRow, vocab_size: int, eos_token_id: int | None) -> _Pr
         prefix = len(word) - 1
         if prefix == 0 or (len(out) >= prefix and list(out[len(out) - prefix :]) == word[:-1]):
             banned.add(word[-1])
-    num_out = len(out) if row.step is None else row.step  # counts a token in flight
-    if num_out < p.min_tokens:
+    if row.position < p.min_tokens:
         banned |= p.all_stop_token_ids
         if eos_token_id is not None:
             banned.add(eos_token_id)
     for tok in banned:
         bias[tok] = -math.inf
-    penalized = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+    penalized = p.has_penalties
     pen_ids: list[int] = list(out) if penalized else []
     if p.repetition_penalty != 1:
         pen_ids += list(row.prompt_token_ids)
@@ -353,7 +357,7 @@ def _scalar_arrays(
         out["repetition_penalty"][i] = p.repetition_penalty
         seed = row.seed & _MASK64
         out["rng_key"][i] = (seed >> 32, seed & 0xFFFFFFFF)
-        out["rng_step"][i] = len(row.output_token_ids) if row.step is None else row.step
+        out["rng_step"][i] = row.position
     return out
 
 

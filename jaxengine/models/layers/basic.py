@@ -45,7 +45,7 @@ class Linear(nn.Module):
             init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes)
             weight = self.param("weight", init, shape, quant.weight_dtype(self.quant))
             ones = nn.with_logical_partitioning(nn.initializers.ones, self.axes[:1])
-            scale = self.param("weight_scale", ones, shape[:1], jnp.float32)
+            scale = self.param(quant.scale_name("weight"), ones, shape[:1], jnp.float32)
             y = quant.quantized_linear(x, weight, scale, self.dtype)
         if self.use_bias:
             bias = self.param(

@@ -118,7 +118,7 @@ class SparseMoE(nn.Module):
             init = nn.with_logical_partitioning(nn.initializers.zeros, axes)
             q = self.param(name, init, shape, quant.weight_dtype(cfg.quantization))
             ones = nn.with_logical_partitioning(nn.initializers.ones, axes[:2])
-            return q, self.param(name + "_scale", ones, shape[:2], jnp.float32)
+            return q, self.param(quant.scale_name(name), ones, shape[:2], jnp.float32)
 
         w_gate, s_gate = stacked(
             "experts_gate_proj", (e, width, hidden), ("expert", "mlp", "embed")

@@ -23,6 +23,11 @@ METHODS = {"int8": (jnp.dtype(jnp.int8), 127.0), "fp8": (jnp.dtype(jnp.float8_e4
 """Method -> (storage dtype, largest magnitude it holds)."""
 
 
+def scale_name(weight_name: str) -> str:
+    """The parameter holding the per-row scales of quantized parameter ``weight_name``."""
+    return f"{weight_name}_scale"
+
+
 def weight_dtype(method: str) -> Any:
     return METHODS[method][0]
 
