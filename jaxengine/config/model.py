@@ -12,7 +12,8 @@ ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
 # vLLM's quantization methods, and "int8" (weight-only int8). They all parse so that
 # a user gets "not supported yet" (see unsupported.py) rather than "invalid choice";
-# "gguf", "int8" and "fp8" run today.
+# "gguf", "int8", "fp8" and the checkpoint formats of `jaxengine.loader.quantized`
+# (gptq, awq, compressed-tensors, and their _marlin names) run today.
 QuantizationMethod = Literal[
     "aqlm", "awq", "awq_marlin", "auto-round", "bitblas", "bitsandbytes",
     "compressed-tensors", "deepspeedfp", "experts_int8", "fbgemm_fp8", "fp8", "gguf",

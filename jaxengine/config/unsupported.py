@@ -12,7 +12,9 @@ from typing import Any
 
 from jaxengine.config.engine import EngineConfig
 
-SUPPORTED_QUANTIZATION = (None, "gguf", "int8", "fp8")
+SUPPORTED_QUANTIZATION = (
+    None, "gguf", "int8", "fp8", "gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors",
+)  # fmt: skip
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_TOKENIZER_MODES = ("auto", "slow")
 SUPPORTED_KV_CACHE_DTYPES = (

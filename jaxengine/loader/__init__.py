@@ -26,7 +26,13 @@ import jax.numpy as jnp
 
 from jaxengine.config import LoadConfig, ModelConfig
 from jaxengine.loader.errors import CheckpointError
+from jaxengine.loader.quantized import (
+    CHECKPOINT_METHODS,
+    canonical_tensors,
+    checkpoint_quantization,
+)
 from jaxengine.loader.sources import ModelSource, resolve_model
+from jaxengine.models.layers.quant import QuantScheme
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +107,10 @@ def load_model(
         hf_overrides=model_config.hf_overrides,
         trust_remote_code=model_config.trust_remote_code,
     )
-    check_quantization(model_config.quantization, source, hf_config)
+    stored = checkpoint_format(model_config.quantization, source, hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
-    module, config = _model(hf_config, dtype, model_config.quantization, placement)
+    scheme = stored.scheme if stored else online_scheme(model_config.quantization)
+    module, config = _model(hf_config, dtype, scheme, placement)
     abstract = abstract_params(module, config)
     axes = logical_axes(abstract)
     shardings = placement(config, axes, nn.unbox(abstract)) if placement else None
@@ -112,6 +119,8 @@ def load_model(
     else:
         tensors = _checkpoint_tensors(source, load_config, max_parallel_loading_workers)
         where = str(source.gguf_file or source.path)
+        if stored is not None:
+            tensors = canonical_tensors(tensors, stored, where)
         params = params_from_tensors(module, config, tensors, where, abstract, shardings)
     logger.info(
         "loaded %s (%s, %s%s) in %.1fs",
@@ -124,23 +133,31 @@ def load_model(
     return LoadedModel(module, config, params, hf_config, source, axes)
 
 
-def _model(hf_config: Any, dtype: Any, quantization: str | None, placement: Any):
+def _model(hf_config: Any, dtype: Any, scheme: QuantScheme | None, placement: Any):
     """The Flax module and its config, quantized and fused as the load asks."""
     from jaxengine.models import get_model
 
     module, config = get_model(hf_config, dtype)
-    if quantization in ONLINE_QUANTIZATION:
-        config = dataclasses.replace(config, quantization=quantization)
-        if jax.default_backend() == "cpu":
-            logger.warning(
-                "--quantization %s on CPU: the weights take a quarter of the memory, but "
-                "XLA:CPU converts them in every step (batch-1 decode measured 4.4x slower "
-                "than float32, bench/README.md)",
-                quantization,
-            )
-    if fuse_projections(placement):
+    if scheme is not None:
+        config = dataclasses.replace(config, quantization=scheme)
+    # act-order's per-column groups differ between q, k and v: they stay apart
+    if fuse_projections(placement) and not (scheme and scheme.act_order):
         config = dataclasses.replace(config, fused_projections=True)
     return module.clone(config=config), config
+
+
+def online_scheme(quantization: str | None) -> QuantScheme | None:
+    """The scheme of an online ``--quantization`` (int8, fp8), None for the others."""
+    if quantization not in ONLINE_QUANTIZATION:
+        return None
+    if jax.default_backend() == "cpu":
+        logger.warning(
+            "--quantization %s on CPU: the weights take a quarter of the memory, but "
+            "XLA:CPU converts them in every step (batch-1 decode measured 4.4x slower "
+            "than float32, bench/README.md)",
+            quantization,
+        )
+    return QuantScheme(quantization)
 
 
 ONLINE_QUANTIZATION = ("int8", "fp8")
@@ -167,19 +184,26 @@ def fuse_projections(placement: Any) -> bool:
     return getattr(parallel, "tensor_parallel_size", None) == 1
 
 
-def check_quantization(requested: str | None, source: ModelSource, hf_config: Any) -> None:
-    """Refuses a ``--quantization`` the checkpoint does not match, and quantized
-    safetensors checkpoints (their ``quantization_config``), which do not run yet."""
+def checkpoint_format(requested: str | None, source: ModelSource, hf_config: Any):
+    """The quantized checkpoint's `CheckpointFormat` (None for a float or GGUF one);
+    refuses a ``--quantization`` the checkpoint does not match."""
     if requested == "gguf" and source.gguf_file is None:
         raise CheckpointError(f"{source.path}: --quantization gguf needs a .gguf model")
-    quant = getattr(hf_config, "quantization_config", None)
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    method = method or getattr(quant, "quant_method", None)
-    if source.gguf_file is None and method is not None:
-        raise NotImplementedError(
-            f"--quantization {method} is not supported yet (the quantization_config of "
-            f"{source.path})"
+    if source.gguf_file is not None:
+        return None
+    stored = checkpoint_quantization(
+        hf_config, None if requested in ONLINE_QUANTIZATION else requested
+    )
+    if stored is not None and requested in ONLINE_QUANTIZATION:
+        raise ValueError(
+            f"{source.path} is already quantized ({stored.method}): drop --quantization {requested}"
         )
+    if stored is None and requested in CHECKPOINT_METHODS:
+        raise CheckpointError(
+            f"{source.path}: --quantization {requested} needs a {requested} checkpoint "
+            "(config.json has no quantization_config)"
+        )
+    return stored
 
 
 def _checkpoint_tensors(source: ModelSource, load_config: LoadConfig, max_workers: int | None):

@@ -24,7 +24,7 @@ from jaxengine.loader.errors import CheckpointError
 from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_param_path
-from jaxengine.models.layers.quant import is_quantized, method_of, quantize, scale_name
+from jaxengine.models.layers.quant import METHODS, quantize
 from jaxengine.models.metadata import AttentionMetadata
 
 
@@ -57,6 +57,12 @@ def logical_axes(abstract: Any) -> Any:
 
 DUMMY_STD = 0.02  # the layers' own initializer scale (`layers.basic._INIT_STD`)
 DUMMY_QUANT_SCALE = 3 * DUMMY_STD / 127  # quantized dummy weights: 3 std at int8's largest
+DUMMY_INT4_SCALE = DUMMY_STD / 4.6  # uniform 0..15 has std 4.6; offset -7.5 scales centres it
+
+
+def is_quantized(dtype: Any) -> bool:
+    """Whether a parameter of ``dtype`` holds quantized values (`layers.quant`)."""
+    return any(np.dtype(dtype) == np.dtype(d) for d, _ in METHODS.values())
 
 
 def dummy_params(
@@ -82,19 +88,33 @@ def dummy_params(
     leaves = []
     for i, ((path, leaf), spec, sharding) in enumerate(zip(flat, specs, placed, strict=True)):
         name = getattr(path[-1], "key", str(path[-1]))
-        if name == "bias":
-            kind = "zeros"
-        elif tuple(spec) in (("norm",), ("head_dim",)):
-            kind = "norm"
-        elif is_quantized(leaf.dtype):
-            kind = "quantized"
-        elif name.endswith("_scale"):  # of a quantized weight
-            kind = "scale"
-        else:
-            kind = "normal"
+        kind = _dummy_kind(name, tuple(spec), leaf.dtype, config.quantization)
         fill = _dummy_fill(leaf.shape, np.dtype(leaf.dtype).name, kind, norm_value, sharding)
         leaves.append(fill(jax.random.fold_in(key, i)))
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+_DUMMY_SIDE = {
+    "scale": DUMMY_QUANT_SCALE,
+    "int4_scale": DUMMY_INT4_SCALE,
+    "int4_offset": -7.5 * DUMMY_INT4_SCALE,
+}
+"""Constant fills of quantized weights' side leaves, by `_dummy_kind`."""
+
+
+def _dummy_kind(name: str, spec: tuple, dtype: Any, scheme: Any) -> str:
+    if name == "bias" or name.endswith("_g_idx"):  # act-order groups: all columns in 0
+        return "zeros"
+    if spec in (("norm",), ("head_dim",)):
+        return "norm"
+    if np.dtype(dtype) == np.uint8:
+        return "int4"
+    if is_quantized(dtype):
+        return "quantized"
+    if scheme is not None and name.endswith(("_scale", "_offset")):  # of a quantized weight
+        side = name.rsplit("_", 1)[1]
+        return f"int4_{side}" if scheme.method == "int4" else side
+    return "normal"
 
 
 @functools.cache
@@ -104,8 +124,10 @@ def _dummy_fill(shape: tuple, dtype: str, kind: str, norm_value: float, sharding
             return jnp.zeros(shape, dtype)
         if kind == "norm":
             return jnp.full(shape, norm_value, dtype)
-        if kind == "scale":
-            return jnp.full(shape, DUMMY_QUANT_SCALE, dtype)
+        if kind in _DUMMY_SIDE:
+            return jnp.full(shape, _DUMMY_SIDE[kind], dtype)
+        if kind == "int4":
+            return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(dtype)
         normal = jax.random.normal(key, shape, jnp.float32)
         if kind == "quantized":  # q * DUMMY_QUANT_SCALE ~ normal(0, DUMMY_STD), clipped
             return jnp.clip(jnp.round(normal * DUMMY_STD / DUMMY_QUANT_SCALE), -127, 127).astype(
@@ -173,13 +195,14 @@ def params_from_tensors(
             continue
         path, index, parts, leaf = slot
         if index is None:
-            _fill(out, path, array, leaf, placement)
+            _fill(out, path, array, leaf, placement, config.quantization)
             continue
-        buffers.setdefault(path, np.empty(leaf.shape, np.float32))[index] = array
+        kept = array.dtype if array.dtype == leaf.dtype else np.float32  # quantized at _fill
+        buffers.setdefault(path, np.empty(leaf.shape, kept))[index] = array
         done = filled.setdefault(path, set())
         done.add(index if isinstance(index, int) else index.start)
         if len(done) == parts:
-            _fill(out, path, buffers.pop(path), leaf, placement)
+            _fill(out, path, buffers.pop(path), leaf, placement, config.quantization)
     missing = list(_unfilled(out))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -189,18 +212,26 @@ def params_from_tensors(
     return out
 
 
-def _fill(out: dict, path: tuple[str, ...], array: np.ndarray, leaf: Any, placement: Any) -> None:
-    """Places a complete leaf; a quantized one (`layers.quant`) is quantized here, its
-    per-row scales filling the sibling ``<name>_scale`` leaf."""
-    sharding = _leaf_of(placement, path) if placement else None
-    if not is_quantized(leaf.dtype):
-        _tree_set(out, path, place(array, leaf.dtype, sharding))
-        return
-    q, scale = quantize(array, method_of(leaf.dtype), np)
-    _tree_set(out, path, place(q, leaf.dtype, sharding))
-    scale_path = (*path[:-1], scale_name(path[-1]))
-    scale_sharding = _leaf_of(placement, scale_path) if placement else None
-    _tree_set(out, scale_path, place(scale, np.float32, scale_sharding))
+def _fill(
+    out: dict, path: tuple[str, ...], array: np.ndarray, leaf: Any, placement: Any, scheme: Any
+) -> None:
+    """Places a complete leaf. A float tensor for a quantized leaf (`layers.quant`) is
+    quantized here with the model's scheme, filling the sibling ``_scale`` leaves
+    too; a tensor stored in the leaf's own dtype (a quantized checkpoint) goes as is."""
+    if is_quantized(leaf.dtype) and np.dtype(array.dtype) != np.dtype(leaf.dtype):
+        leaves = quantize(array, scheme, np)
+    elif is_quantized(array.dtype) and not is_quantized(leaf.dtype):
+        raise CheckpointError(
+            f"{'.'.join(path)} is stored quantized ({array.dtype}); the model keeps it in "
+            f"{np.dtype(leaf.dtype).name}"
+        )
+    else:
+        leaves = {"": array}
+    for suffix, value in leaves.items():
+        target = (*path[:-1], path[-1] + suffix)
+        sharding = _leaf_of(placement, target) if placement else None
+        dtype = leaf.dtype if not suffix else value.dtype
+        _tree_set(out, target, place(value, dtype, sharding))
 
 
 def _slot(name: str, array: np.ndarray, config: TransformerConfig, shapes: Any, source: str):
@@ -223,7 +254,12 @@ def _slot(name: str, array: np.ndarray, config: TransformerConfig, shapes: Any, 
     if leaf is None:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             return None
+        if name.endswith(".bias") and not np.any(array):  # GPTQ writes zero biases
+            return None
         raise CheckpointError(f"{source}: tensor {name!r} has no place in the model")
+    if np.dtype(leaf.dtype) == np.uint8 and np.dtype(array.dtype) != np.uint8:
+        # a float weight for packed int4 (two per byte): the float shape, packed at _fill
+        leaf = jax.ShapeDtypeStruct((*leaf.shape[:-1], 2 * leaf.shape[-1]), leaf.dtype)
     if isinstance(index, int):
         parts, expected = leaf.shape[0], leaf.shape[1:]
     elif isinstance(index, slice):

@@ -103,10 +103,10 @@ class TransformerConfig:
     """MoE: renormalize the top-k routing weights to sum to one."""
     dtype: Any = jnp.float32
     """Parameter and activation dtype."""
-    quantization: str | None = None
-    """Weight-only quantization of the attention and MLP projections and the MoE
-    experts ("int8" or "fp8", `layers.quant`); embeddings, the LM head and the MoE
-    router keep ``dtype``."""
+    quantization: Any = None
+    """How the attention and MLP projections and the MoE experts are stored
+    (a `layers.quant.QuantScheme`: int8, fp8 or int4, per row or grouped), None for
+    ``dtype``; embeddings, the LM head and the MoE router keep ``dtype``."""
     fused_projections: bool = False
     """q/k/v run as one matmul over ``self_attn.qkv_proj`` and the dense MLP's gate/up
     as one over ``mlp.gate_up_proj``, weights concatenated along their output rows

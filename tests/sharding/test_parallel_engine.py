@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.loader import FUSE_ENV
 from sharding.mesh import stage_layers
+from tests.models.test_quantized_checkpoints import quantized_copy
 from tests.sharding.conftest import PROMPTS
 from tests.sharding.engine_checks import (
     build,
@@ -202,21 +203,28 @@ def test_moe_expert_parallel(moe_dir, moe_reference, expert_parallel, spec):
             dict(tensor_parallel_size=4, enable_expert_parallel=True),
             ("mlp", "experts_gate_proj"),
         ),
+        ("gptq", dict(tensor_parallel_size=2), ("self_attn", "o_proj", "weight")),
     ],
-    ids=["tp2", "ep4"],
+    ids=["int8-tp2", "int8-ep4", "gptq-act-order-tp2"],
 )
-def test_int8_weights_and_scales_split_like_float_ones(llama_dir, moe_dir, model, parallel, weight):
+def test_quantized_weights_and_scales_split_like_float_ones(
+    llama_dir, moe_dir, tmp_path, model, parallel, weight
+):
     """Quantized parameters shard as the float ones do (the scales by their rows or
-    experts), with the quantized one-device engine's outputs."""
-    path = {"llama": llama_dir, "moe": moe_dir}[model]
+    experts; a packed int4 row-parallel weight and its groups by their columns), with
+    the quantized one-device engine's outputs."""
+    if model == "gptq":
+        path, flags = quantized_copy(llama_dir, tmp_path / "gptq", "gptq-act-order"), {}
+    else:
+        path, flags = {"llama": llama_dir, "moe": moe_dir}[model], dict(quantization="int8")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(FUSE_ENV, "0")
-        one = build(path, quantization="int8")
+        one = build(path, **flags)
     try:
         want_logits, want = prefill_logits(one), greedy(one)
     finally:
         one.shutdown()
-    llm = build(path, quantization="int8", **parallel)
+    llm = build(path, **flags, **parallel)
     try:
         assert relative_error(prefill_logits(llm), want_logits) < TOLERANCE
         assert greedy(llm) == want
@@ -224,10 +232,11 @@ def test_int8_weights_and_scales_split_like_float_ones(llama_dir, moe_dir, model
         for key in weight[:-1]:
             layer = layer[key]
         q, scale = layer[weight[-1]], layer[weight[-1] + "_scale"]
-        assert q.dtype == jax.numpy.int8
+        assert q.dtype == (jax.numpy.uint8 if model == "gptq" else jax.numpy.int8)
         devices = parallel["tensor_parallel_size"]
         assert set(bytes_per_device(q).values()) == {q.nbytes // devices}
-        assert set(bytes_per_device(scale).values()) == {scale.nbytes // devices}
+        split = 1 if model == "gptq" else devices  # act-order: every device has every group
+        assert set(bytes_per_device(scale).values()) == {scale.nbytes // split}
     finally:
         llm.shutdown()
 

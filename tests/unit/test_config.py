@@ -176,7 +176,7 @@ def test_default_engine_config_is_supported():
         ),
         ("cache_config", {"kv_cache_dtype": "fp8_inc"}, "--kv-cache-dtype fp8_inc"),
         ("cache_config", {"cpu_offload_gb": 2}, "--cpu-offload-gb 2"),
-        ("model_config", {"quantization": "awq"}, "--quantization awq"),
+        ("model_config", {"quantization": "hqq"}, "--quantization hqq"),
         ("model_config", {"tokenizer_mode": "mistral"}, "--tokenizer-mode mistral"),
         ("load_config", {"load_format": "pt"}, "--load-format pt"),
     ],

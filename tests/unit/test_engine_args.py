@@ -195,7 +195,7 @@ NOT_SUPPORTED_YET = [
         "--distributed-executor-backend external_launcher",
     ),
     ({"kv_cache_dtype": "fp8_inc"}, "--kv-cache-dtype fp8_inc is not supported yet"),
-    ({"quantization": "gptq"}, "--quantization gptq is not supported yet"),
+    ({"quantization": "bitsandbytes"}, "--quantization bitsandbytes is not supported yet"),
     ({"load_format": "bitsandbytes"}, "--load-format bitsandbytes is not supported yet"),
     ({"tokenizer_mode": "custom"}, "--tokenizer-mode custom is not supported yet"),
     ({"cpu_offload_gb": 4}, "--cpu-offload-gb 4 is not supported yet"),

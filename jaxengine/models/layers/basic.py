@@ -25,14 +25,14 @@ def _normal(std: float = _INIT_STD):
 class Linear(nn.Module):
     """``y = x @ weight.T (+ bias)`` with ``weight: [out, in]``.
 
-    ``quant`` ("int8", "fp8"; `layers.quant`): ``weight`` holds quantized values and
-    ``weight_scale: [out]`` their per-row float32 scales."""
+    ``quant`` (a `layers.quant.QuantScheme`): ``weight`` holds quantized values and
+    ``weight_scale`` (and the scheme's other leaves) how to scale them."""
 
     features: int
     axes: tuple[str, str]  # logical names of (out, in)
     use_bias: bool = False
     dtype: Any = jnp.float32
-    quant: str | None = None
+    quant: quant.QuantScheme | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, in] -> [T, out]
@@ -42,11 +42,8 @@ class Linear(nn.Module):
             weight = self.param("weight", init, shape, self.dtype)
             y = jax.lax.dot_general(x.astype(self.dtype), weight, (((x.ndim - 1,), (1,)), ((), ())))
         else:
-            init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes)
-            weight = self.param("weight", init, shape, quant.weight_dtype(self.quant))
-            ones = nn.with_logical_partitioning(nn.initializers.ones, self.axes[:1])
-            scale = self.param(quant.scale_name("weight"), ones, shape[:1], jnp.float32)
-            y = quant.quantized_linear(x, weight, scale, self.dtype)
+            leaves = quantized_params(self, "weight", shape, self.axes, self.quant)
+            y = quant.quantized_linear(x, leaves, self.quant, self.dtype)
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -56,6 +53,20 @@ class Linear(nn.Module):
             )
             y = y + bias
         return y
+
+
+def quantized_params(
+    module: nn.Module, name: str, shape: tuple, axes: tuple, scheme: quant.QuantScheme
+) -> dict:
+    """Declares the leaves storing float weight ``name`` of ``shape`` under ``scheme``
+    (`quant.leaf_specs`: ``name`` and its ``_scale``...) on ``module``; returns them by
+    suffix. They start at zero (scales at one): a checkpoint or dummy fill replaces them."""
+    leaves = {}
+    for suffix, (leaf_shape, dtype, leaf_axes) in quant.leaf_specs(scheme, shape, axes).items():
+        fill = nn.initializers.ones if suffix == "_scale" else nn.initializers.zeros
+        init = nn.with_logical_partitioning(fill, leaf_axes)
+        leaves[suffix] = module.param(name + suffix, init, leaf_shape, dtype)
+    return leaves
 
 
 class Embed(nn.Module):

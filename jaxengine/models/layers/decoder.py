@@ -129,7 +129,7 @@ class CausalLM(nn.Module):
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight(\w*)$")  # weight_scale...
 _SKIPPED = ("rotary_emb.inv_freq",)
 
 
@@ -138,7 +138,8 @@ def hf_param_path(name: str) -> tuple[tuple[str, ...], int | None] | None:
 
     ``model.layers.3.self_attn.q_proj.weight`` -> ``(model, layers_3, self_attn,
     q_proj, weight)``; per-expert tensors ``...mlp.experts.5.up_proj.weight`` go to
-    the stacked ``experts_up_proj`` at index 5. Buffers that are not parameters
+    the stacked ``experts_up_proj`` at index 5 (``...up_proj.weight_scale`` to
+    ``experts_up_proj_scale``, `layers.quant`). Buffers that are not parameters
     (rotary caches) map to None.
     """
     if name.endswith(_SKIPPED):
@@ -148,7 +149,7 @@ def hf_param_path(name: str) -> tuple[tuple[str, ...], int | None] | None:
     expert = _EXPERT.search(name)
     if expert:
         index = int(expert.group(1))
-        name = name[: expert.start()] + f".experts_{expert.group(2)}"
+        name = name[: expert.start()] + f".experts_{expert.group(2)}{expert.group(3)}"
     return tuple(name.split(".")), index
 
 

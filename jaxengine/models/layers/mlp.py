@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers import quant
-from jaxengine.models.layers.basic import Linear, _normal, activation
+from jaxengine.models.layers.basic import Linear, _normal, activation, quantized_params
 
 
 class GatedMLP(nn.Module):
@@ -111,14 +111,16 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(axis=-1, keepdims=True)
 
         def stacked(name: str, shape: tuple[int, ...], axes: tuple[str, ...]):
-            """The stacked weight, and its per-row scales when quantized."""
-            if cfg.quantization is None:
+            """The stacked weight, and its per-row scales when quantized per row.
+            Grouped and int4 weights are dequantized here, to ``dtype``."""
+            scheme = cfg.quantization
+            if scheme is None:
                 init = nn.with_logical_partitioning(_normal(), axes)
                 return self.param(name, init, shape, cfg.dtype), None
-            init = nn.with_logical_partitioning(nn.initializers.zeros, axes)
-            q = self.param(name, init, shape, quant.weight_dtype(cfg.quantization))
-            ones = nn.with_logical_partitioning(nn.initializers.ones, axes[:2])
-            return q, self.param(quant.scale_name(name), ones, shape[:2], jnp.float32)
+            leaves = quantized_params(self, name, shape, axes, scheme)
+            if scheme.group_size or scheme.has_offset:
+                return quant.dequantize(leaves, scheme).astype(cfg.dtype), None
+            return leaves[""], leaves["_scale"]
 
         w_gate, s_gate = stacked(
             "experts_gate_proj", (e, width, hidden), ("expert", "mlp", "embed")

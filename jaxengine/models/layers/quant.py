@@ -1,67 +1,176 @@
-"""Weight-only quantization: int8 or float8 weights, one float scale per output channel.
+"""Weight-only quantization: the stored forms of a quantized weight and its matmul.
 
-``--quantization int8`` stores each linear weight ``[out, in]`` as int8 with a
-symmetric per-row scale (``w ~= q * scale[:, None]``, ``|q| <= 127``);
-``--quantization fp8`` as float8_e4m3fn with ``|q| <= 448`` (vLLM's dynamic fp8,
-weights only). The scale is per output channel, so it commutes with the dot:
-``x @ (q * s).T == (x @ q.T) * s``. `quantized_linear` computes the right side (the
-weight converted to the activation dtype inside the matmul, the scale applied to
-the ``[T, out]`` result), `dequantize` is its reference (the left side).
+A `QuantScheme` says how each linear weight ``[..., out, in]`` is stored; the float
+weight is always ``q * scale (+ offset)``, per output row or per group of
+``group_size`` input columns:
 
-`quantize` is the one quantizer, for numpy (the loader, host side) and jnp (dummy
-weights, on device) alike: pass the array module as ``xp``.
+- ``int8``: int8 values, ``|q| <= 127``, symmetric (``--quantization int8``,
+  compressed-tensors int8, GGUF Q8_0 with groups of 32);
+- ``fp8``: float8_e4m3fn values, ``|q| <= 448`` (``--quantization fp8``, vLLM's
+  dynamic fp8; compressed-tensors fp8 checkpoints);
+- ``int4``: unsigned 4-bit values 0..15, two per byte (column ``2k`` in the low
+  nibble of byte ``k``, ``2k + 1`` in the high one), always with an ``offset`` per
+  group or row (``w = q * scale + offset``), which holds symmetric
+  (``offset = -8 * scale``) and zero-point forms (AWQ, GPTQ, compressed-tensors
+  int4, GGUF Q4_0/Q4_1) alike.
+
+The leaves beside ``<w>`` are ``<w>_scale`` and ``<w>_offset`` (``[..., out]`` per
+row, ``[..., out, in / group_size]`` grouped) and, with ``act_order`` (GPTQ's
+``desc_act``), ``<w>_g_idx [in]``: each input column's group, in any order.
+
+`quantized_linear` is the matmul (the weight converted inside it, a per-row scale
+applied to the result); `dequantize` is its reference. `quantize` is the one
+quantizer, for numpy (the loader) and jnp (tests) alike: pass the module as ``xp``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-METHODS = {"int8": (jnp.dtype(jnp.int8), 127.0), "fp8": (jnp.dtype(jnp.float8_e4m3fn), 448.0)}
-"""Method -> (storage dtype, largest magnitude it holds)."""
+METHODS = {
+    "int8": (jnp.dtype(jnp.int8), 127.0),
+    "fp8": (jnp.dtype(jnp.float8_e4m3fn), 448.0),
+    "int4": (jnp.dtype(jnp.uint8), 15.0),
+}
+"""Method -> (storage dtype, largest value it holds)."""
+
+SUFFIXES = ("_scale", "_offset", "_g_idx")
+"""What a quantized weight's sibling leaves append to its name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    """How the linear weights of a model are stored (see the module docstring)."""
+
+    method: str
+    group_size: int = 0
+    """Input columns per scale; 0: one scale per output row."""
+    act_order: bool = False
+    """Groups given per input column by ``<w>_g_idx`` (GPTQ ``desc_act``)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown quantization method {self.method!r}")
+        if self.act_order and self.group_size <= 0:
+            raise ValueError("act-order needs a group size")
+
+    @property
+    def has_offset(self) -> bool:
+        return self.method == "int4"
+
+    def __str__(self) -> str:
+        group = f", group {self.group_size}" if self.group_size else ""
+        return f"{self.method}{group}{', act-order' if self.act_order else ''}"
 
 
 def scale_name(weight_name: str) -> str:
-    """The parameter holding the per-row scales of quantized parameter ``weight_name``."""
+    """The parameter holding the scales of quantized parameter ``weight_name``."""
     return f"{weight_name}_scale"
 
 
-def weight_dtype(method: str) -> Any:
-    return METHODS[method][0]
+def leaf_specs(scheme: QuantScheme, shape: tuple[int, ...], axes: tuple) -> dict:
+    """``{suffix: (shape, dtype, logical axes)}`` of the leaves storing a weight of
+    float ``shape [..., out, in]`` with logical ``axes``; suffix "" is the weight."""
+    *lead, out, inp = shape
+    packed = inp // 2 if scheme.method == "int4" else inp
+    specs = {"": ((*lead, out, packed), METHODS[scheme.method][0], axes)}
+    if scheme.group_size:
+        if inp % scheme.group_size or (scheme.method == "int4" and inp % 2):
+            raise ValueError(f"{inp} input columns do not split into groups of {scheme.group_size}")
+        in_axis = None if scheme.act_order else axes[-1]
+        side = ((*lead, out, inp // scheme.group_size), jnp.float32, (*axes[:-1], in_axis))
+    else:
+        side = ((*lead, out), jnp.float32, axes[:-1])
+    specs["_scale"] = side
+    if scheme.has_offset:
+        specs["_offset"] = side
+    if scheme.act_order:
+        specs["_g_idx"] = ((*lead, inp), jnp.int32, (*axes[:-2], axes[-1]))
+    return specs
 
 
-def is_quantized(dtype: Any) -> bool:
-    """Whether a parameter of ``dtype`` holds quantized values (with a sibling scale)."""
-    return any(jnp.dtype(dtype) == jnp.dtype(d) for d, _ in METHODS.values())
+def unpack_int4(packed: Any, xp: Any = jnp) -> Any:
+    """``[..., n / 2]`` bytes -> ``[..., n]`` values 0..15 (low nibble first)."""
+    low, high = packed & 15, packed >> 4
+    return xp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def method_of(dtype: Any) -> str:
-    return next(m for m, (d, _) in METHODS.items() if jnp.dtype(dtype) == jnp.dtype(d))
+def pack_int4(values: Any, xp: Any = jnp) -> Any:
+    """The inverse of `unpack_int4`: values 0..15 ``[..., n]`` -> bytes ``[..., n / 2]``."""
+    v = xp.asarray(values).astype(xp.uint8)
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(xp.uint8)
 
 
-def quantize(weight: Any, method: str, xp: Any) -> tuple[Any, Any]:
-    """``(q, scale)`` of ``weight [..., out, in]``: one float32 scale per output row
-    (``[..., out]``), the largest magnitude of the row mapped to the format's largest.
-    ``xp`` is numpy or jax.numpy."""
-    dtype, largest = METHODS[method]
+def _group_index(scheme: QuantScheme, inp: int, g_idx: Any, xp: Any) -> Any:
+    return g_idx if scheme.act_order else xp.arange(inp) // scheme.group_size
+
+
+def dequantize(leaves: dict, scheme: QuantScheme, xp: Any = jnp) -> Any:
+    """The float32 weight ``[..., out, in]`` of the ``leaves`` (`leaf_specs` suffixes
+    -> arrays): the reference of `quantized_linear`."""
+    q = leaves[""]
+    q = unpack_int4(q, xp) if scheme.method == "int4" else q
+    q = q.astype(xp.float32)
+    scale = xp.asarray(leaves["_scale"], dtype=xp.float32)
+    if not scheme.group_size:
+        w = q * scale[..., None]
+        return w + xp.asarray(leaves["_offset"])[..., None] if scheme.has_offset else w
+    groups = _group_index(scheme, q.shape[-1], leaves.get("_g_idx"), xp)
+    groups = xp.broadcast_to(groups[..., None, :], q.shape)  # [..., out, in]
+
+    def per_column(side: Any) -> Any:
+        return xp.take_along_axis(xp.asarray(side, dtype=xp.float32), groups, axis=-1)
+
+    w = q * per_column(scale)
+    return w + per_column(leaves["_offset"]) if scheme.has_offset else w
+
+
+def quantized_linear(x: jax.Array, leaves: dict, scheme: QuantScheme, dtype: Any) -> jax.Array:
+    """``x [T, in] @ dequantize(leaves).T`` -> ``[T, out]`` in ``dtype``.
+
+    Per-row scales commute with the dot (``x @ (q * s).T == (x @ q.T) * s``), so the
+    dot runs on the weight converted to ``dtype`` and the scale multiplies the
+    ``[T, out]`` result. Grouped or offset (int4) weights are dequantized to
+    ``dtype`` inside the computation, as the dot's operand."""
+    contract = (((x.ndim - 1,), (1,)), ((), ()))
+    if scheme.group_size or scheme.has_offset:
+        w = dequantize(leaves, scheme).astype(dtype)
+        return jax.lax.dot_general(x.astype(dtype), w, contract)
+    y = jax.lax.dot_general(x.astype(dtype), leaves[""].astype(dtype), contract)
+    return y * leaves["_scale"].astype(dtype)
+
+
+def quantize(weight: Any, scheme: QuantScheme | str, xp: Any) -> dict:
+    """The `leaf_specs` leaves (suffix -> array) of a float ``weight [..., out, in]``.
+
+    Symmetric per row or group for int8/fp8 (the largest magnitude mapped to the
+    format's largest); min/max per group for int4. ``xp`` is numpy or jax.numpy."""
+    scheme = QuantScheme(scheme) if isinstance(scheme, str) else scheme
+    dtype, largest = METHODS[scheme.method]
     w = xp.asarray(weight, dtype=xp.float32)
-    amax = xp.max(xp.abs(w), axis=-1)  # [..., out]
-    scale = xp.where(amax > 0, amax / largest, 1.0).astype(xp.float32)
-    scaled = xp.clip(w / scale[..., None], -largest, largest)
-    if method == "int8":
-        scaled = xp.round(scaled)
-    return scaled.astype(dtype), scale
-
-
-def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """The float32 weight ``q * scale`` (the reference of `quantized_linear`)."""
-    return q.astype(jnp.float32) * scale[..., None]
-
-
-def quantized_linear(x: jax.Array, q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``x [T, in] @ dequantize(q, scale).T`` -> ``[T, out]`` in ``dtype``: the dot on the
-    weight converted to ``dtype``, then the per-row scale on the result."""
-    y = jax.lax.dot_general(x.astype(dtype), q.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
-    return y * scale.astype(dtype)
+    *lead, out, inp = w.shape
+    group = scheme.group_size or inp
+    g = w.reshape(*lead, out, inp // group, group)
+    if scheme.method == "int4":
+        low, high = xp.min(g, axis=-1), xp.max(g, axis=-1)
+        scale = xp.where(high > low, (high - low) / largest, 1.0).astype(xp.float32)
+        q = xp.clip(xp.round((g - low[..., None]) / scale[..., None]), 0, largest)
+        q = pack_int4(q.reshape(*lead, out, inp), xp)
+        leaves = {"": q, "_scale": scale, "_offset": low.astype(xp.float32)}
+        if not scheme.group_size:
+            leaves = {"": q, "_scale": scale[..., 0], "_offset": low[..., 0].astype(xp.float32)}
+    else:
+        amax = xp.max(xp.abs(g), axis=-1)
+        scale = xp.where(amax > 0, amax / largest, 1.0).astype(xp.float32)
+        scaled = xp.clip(g / scale[..., None], -largest, largest)
+        if scheme.method == "int8":
+            scaled = xp.round(scaled)
+        q = scaled.reshape(*lead, out, inp).astype(dtype)
+        leaves = {"": q, "_scale": scale if scheme.group_size else scale[..., 0]}
+    if scheme.act_order:  # contiguous groups, spelled out per column
+        leaves["_g_idx"] = xp.broadcast_to(xp.arange(inp) // group, (*lead, inp)).astype(xp.int32)
+    return leaves

@@ -1,0 +1,289 @@
+"""Quantized safetensors checkpoints: GPTQ, AWQ and compressed-tensors.
+
+`checkpoint_quantization(hf_config, requested)` reads ``quantization_config`` from
+``config.json`` as vLLM does and returns a `CheckpointFormat`: the `QuantScheme` the
+model is built with and the tensor parts that store one linear weight.
+`canonical_tensors` then turns each weight's parts into the scheme's leaves
+(`layers.quant`: ``weight``, ``weight_scale``, ``weight_offset``, ``weight_g_idx``),
+repacked on the host once, so the device keeps the weight packed:
+
+- GPTQ (4 bits): ``qweight`` int32 ``[in / 8, out]`` (eight values per word along the
+  input, value ``i`` in bits ``4i``), ``qzeros`` int32 ``[groups, out / 8]`` packed the
+  same way along the output, ``scales [groups, out]``, ``g_idx [in]``;
+  ``w = (q - z) * s`` with ``z`` the stored zero plus one (the original "gptq" format;
+  ``gptq_v2`` stores ``z`` itself). ``desc_act`` keeps ``g_idx`` (act-order).
+- AWQ (4 bits, GEMM): ``qweight`` int32 ``[in, out / 8]`` and ``qzeros``
+  ``[groups, out / 8]`` packed along the output in AWQ's order (output ``8k + j`` in
+  nibble ``[0, 4, 1, 5, 2, 6, 3, 7][j]``), ``scales [groups, out]``; ``w = (q - z) * s``.
+- compressed-tensors: ``pack-quantized`` int4 (``weight_packed`` int32
+  ``[out, in / 8]``, value ``i`` in bits ``4i``, stored as signed value + 8;
+  ``weight_scale [out, groups]``; ``weight_zero_point`` packed along the output when
+  asymmetric; ``weight_g_idx`` with group act-order), ``int-quantized`` int8 and
+  ``float-quantized`` fp8 (``weight`` and ``weight_scale`` per channel or tensor).
+  Activation quantization (W8A8) is not applied: activations stay in the model
+  dtype, as vLLM runs such checkpoints on hardware without int8/fp8 matmuls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxengine.loader.errors import CheckpointError
+from jaxengine.models.layers.quant import QuantScheme, pack_int4
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_METHODS = {
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "compressed-tensors": "compressed-tensors",
+}
+"""``--quantization`` (and ``quant_method``) values of quantized checkpoints -> format."""
+
+AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+"""AWQ's nibble of output ``8k + j`` within a packed word: ``AWQ_ORDER[j]``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFormat:
+    """How a quantized checkpoint stores its linear weights."""
+
+    method: str  # "gptq" | "awq" | "compressed-tensors"
+    scheme: QuantScheme
+    required: tuple[str, ...]  # tensor suffixes that make up one weight
+    dropped: tuple[str, ...]  # tensor suffixes with nothing to give (this scheme)
+    convert: Callable[[dict], dict]  # parts by suffix -> leaves by suffix ("", "_scale"...)
+
+
+def quantization_config(hf_config: Any) -> dict | None:
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(vars(quant))
+    return quant
+
+
+def checkpoint_quantization(hf_config: Any, requested: str | None) -> CheckpointFormat | None:
+    """The checkpoint's quantized format, None for a float checkpoint.
+
+    Refuses a ``--quantization`` that differs from the checkpoint's (vLLM's check) and
+    a method, bit width or layout that is not supported, naming it."""
+    quant = quantization_config(hf_config)
+    if quant is None:
+        return None
+    method = str(quant.get("quant_method", "")).lower()
+    if method not in CHECKPOINT_METHODS:
+        raise NotImplementedError(
+            f"--quantization {method or '(unnamed)'} is not supported yet (the checkpoint's "
+            f"quantization_config); supported: {', '.join(sorted(set(CHECKPOINT_METHODS)))}"
+        )
+    if requested is not None and CHECKPOINT_METHODS.get(requested) != CHECKPOINT_METHODS[method]:
+        raise ValueError(
+            f"Quantization method specified in the model config ({method}) does not match "
+            f"the quantization method specified in the `quantization` argument ({requested})."
+        )
+    build = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors}
+    return build[CHECKPOINT_METHODS[method]](quant)
+
+
+def _refuse(method: str, what: str) -> NotImplementedError:
+    return NotImplementedError(f"{method} checkpoints with {what} are not supported")
+
+
+def _group(quant: dict, method: str) -> int:
+    group = int(quant.get("group_size", -1) or -1)
+    if group != -1 and group <= 0:
+        raise _refuse(method, f"group_size {group}")
+    return max(group, 0)
+
+
+def _gptq(quant: dict) -> CheckpointFormat:
+    if int(quant.get("bits", 4)) != 4:
+        raise _refuse("GPTQ", f"{quant.get('bits')}-bit weights")
+    if quant.get("lm_head"):
+        raise _refuse("GPTQ", "a quantized lm_head")
+    group = _group(quant, "GPTQ")
+    act_order = bool(quant.get("desc_act")) and group > 0
+    fmt = quant.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refuse("GPTQ", f"checkpoint_format {fmt!r}")
+    zero_shift = 1 if fmt == "gptq" else 0
+
+    def convert(parts: dict) -> dict:
+        q = _unpack_words(parts["qweight"], axis=0).T  # [out, in]
+        zeros = _unpack_words(parts["qzeros"], axis=1)[:, : q.shape[0]] + zero_shift
+        leaves = _int4_leaves(q, parts["scales"].T, zeros.T)
+        if act_order:
+            leaves["_g_idx"] = np.asarray(parts["g_idx"], np.int32)
+        return leaves
+
+    scheme = QuantScheme("int4", group, act_order)
+    parts = ("qweight", "qzeros", "scales")
+    if act_order:
+        return CheckpointFormat("gptq", scheme, (*parts, "g_idx"), (), convert)
+    return CheckpointFormat("gptq", scheme, parts, ("g_idx",), convert)
+
+
+def _awq(quant: dict) -> CheckpointFormat:
+    if int(quant.get("bits", quant.get("w_bit", 4))) != 4:
+        raise _refuse("AWQ", f"{quant.get('bits')}-bit weights")
+    version = str(quant.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse("AWQ", f"version {version!r} (only 'gemm')")
+    if not quant.get("zero_point", True):
+        raise _refuse("AWQ", "zero_point false")
+    group = _group(quant, "AWQ")
+
+    def convert(parts: dict) -> dict:
+        q = _unpack_words(parts["qweight"], axis=1, order=AWQ_ORDER)  # [in, out]
+        zeros = _unpack_words(parts["qzeros"], axis=1, order=AWQ_ORDER)
+        return _int4_leaves(q.T, parts["scales"].T, zeros.T)
+
+    scheme = QuantScheme("int4", group)
+    return CheckpointFormat("awq", scheme, ("qweight", "qzeros", "scales"), (), convert)
+
+
+def _unpack_words(words: np.ndarray, axis: int, order: Iterable[int] = range(8)) -> np.ndarray:
+    """int32 words of eight 4-bit values -> the values (0..15) along ``axis``, value
+    ``j`` of each word taken from nibble ``order[j]``."""
+    w = np.asarray(words).astype(np.uint32)
+    nibbles = np.stack([(w >> (4 * i)) & 15 for i in order], axis=axis + 1)
+    shape = list(w.shape)
+    shape[axis] *= 8
+    return nibbles.reshape(shape).astype(np.int32)
+
+
+def _int4_leaves(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> dict:
+    """Leaves of ``w = (q - zero) * scale``: q ``[out, in]`` (0..15), scales and
+    zeros ``[out, groups]`` (one group: per row)."""
+    scale = np.asarray(scales, np.float32)
+    offset = -np.asarray(zeros, np.float32) * scale
+    if scale.shape[-1] == 1:
+        scale, offset = scale[:, 0], offset[:, 0]
+    return {"": pack_int4(q, np), "_scale": scale, "_offset": offset}
+
+
+def _compressed_tensors(quant: dict) -> CheckpointFormat:
+    weights = _ct_weights(quant)
+    bits, kind = int(weights.get("num_bits", 8)), weights.get("type", "int")
+    strategy = weights.get("strategy", "channel")
+    if strategy not in ("channel", "group", "tensor"):
+        raise _refuse("compressed-tensors", f"strategy {strategy!r}")
+    group = int(weights.get("group_size") or 0) if strategy == "group" else 0
+    act_order = weights.get("actorder") == "group"
+    method = {(4, "int"): "int4", (8, "int"): "int8", (8, "float"): "fp8"}.get((bits, kind))
+    if method is None or (method != "int4" and not weights.get("symmetric", True)):
+        symmetric = "symmetric" if weights.get("symmetric", True) else "asymmetric"
+        raise _refuse("compressed-tensors", f"{symmetric} {bits}-bit {kind} weights")
+    if quant.get("config_groups") and any(
+        (g.get("input_activations") or {}).get("num_bits") for g in quant["config_groups"].values()
+    ):
+        logger.info("compressed-tensors: activations stay in the model dtype (weight-only)")
+    scheme = QuantScheme(method, group, act_order and group > 0)
+    if method == "int4":
+        required = ("weight_packed", "weight_scale")
+        required += () if weights.get("symmetric", True) else ("weight_zero_point",)
+        required += ("weight_g_idx",) if scheme.act_order else ()
+        dropped = ("weight_shape",) + (() if scheme.act_order else ("weight_g_idx",))
+        return CheckpointFormat("compressed-tensors", scheme, required, dropped, _ct_int4(scheme))
+    dropped = ("weight_zero_point", "input_scale", "input_zero_point")
+    return CheckpointFormat(
+        "compressed-tensors", scheme, ("weight", "weight_scale"), dropped, _ct_8bit(method)
+    )
+
+
+def _ct_weights(quant: dict) -> dict:
+    """The one weight scheme of the checkpoint's ``config_groups``."""
+    groups = quant.get("config_groups") or {}
+    schemes = [g.get("weights") for g in groups.values() if g.get("weights")]
+    if not schemes:
+        raise _refuse("compressed-tensors", "no weight quantization in config_groups")
+    if any(s != schemes[0] for s in schemes[1:]):
+        raise _refuse("compressed-tensors", "different weight schemes per layer group")
+    return schemes[0]
+
+
+def _ct_int4(scheme: QuantScheme) -> Callable[[dict], dict]:
+    def convert(parts: dict) -> dict:
+        q = _unpack_words(parts["weight_packed"], axis=1)  # [out, in]
+        scale = np.asarray(parts["weight_scale"], np.float32)
+        zero = parts.get("weight_zero_point")
+        if zero is None:  # symmetric: signed values stored + 8
+            zeros = np.full(scale.shape, 8, np.int32)
+        else:  # signed zero points, packed like the values along the output
+            zeros = _unpack_words(zero, axis=0)[: q.shape[0]]
+        leaves = _int4_leaves(q, scale, zeros)
+        if scheme.act_order:
+            leaves["_g_idx"] = np.asarray(parts["weight_g_idx"], np.int32)
+        return leaves
+
+    return convert
+
+
+def _ct_8bit(method: str) -> Callable[[dict], dict]:
+    stored = np.int8 if method == "int8" else ml_dtypes.float8_e4m3fn
+
+    def convert(parts: dict) -> dict:
+        weight = np.asarray(parts["weight"])
+        if weight.dtype != stored:
+            raise CheckpointError(f"{method} weights stored as {weight.dtype}")
+        zero = parts.get("weight_zero_point")
+        if zero is not None and np.any(np.asarray(zero) != 0):
+            raise _refuse("compressed-tensors", "asymmetric 8-bit weights")
+        scale = np.asarray(parts["weight_scale"], np.float32)
+        if scale.size == 1:  # per tensor: the same scale on every row
+            scale = np.full(weight.shape[:1], scale.reshape(()), np.float32)
+        elif scale.shape[-1] == 1:  # per channel [out, 1]
+            scale = scale[:, 0]
+        return {"": weight, "_scale": scale}
+
+    return convert
+
+
+def canonical_tensors(
+    tensors: Iterable[tuple[str, np.ndarray]], fmt: CheckpointFormat, source: str
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The checkpoint's tensors with each quantized weight's parts replaced by its
+    leaves (``<module>.weight``, ``<module>.weight_scale``...), emitted once all of
+    its parts have been read; other tensors pass through (a float ``weight`` too, for
+    formats whose quantized weight is also named ``weight``). A weight missing a part
+    is a `CheckpointError` naming it."""
+    pending: dict[str, dict[str, np.ndarray]] = {}
+    for name, array in tensors:
+        module, _, suffix = name.rpartition(".")
+        if suffix in fmt.dropped:
+            continue
+        if suffix not in fmt.required or (suffix == "weight" and _is_float(array)):
+            yield name, array
+            continue
+        parts = pending.setdefault(module, {})
+        parts[suffix] = array
+        if len(parts) == len(fmt.required):
+            yield from _emit(module, pending.pop(module), fmt, source)
+    for module, parts in pending.items():
+        missing = next(s for s in fmt.required if s not in parts)
+        raise CheckpointError(f"{source}: {module}.{missing} missing ({fmt.method} checkpoint)")
+
+
+def _is_float(array: np.ndarray) -> bool:
+    """A float tensor (bfloat16 too), not a quantized one (int8, float8)."""
+    dtype = np.dtype(array.dtype)
+    return dtype.kind == "f" or dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def _emit(module: str, parts: dict, fmt: CheckpointFormat, source: str):
+    try:
+        leaves = fmt.convert(parts)
+    except (ValueError, IndexError, KeyError) as e:
+        raise CheckpointError(
+            f"{source}: {module}: cannot read its {fmt.method} weight: {e}"
+        ) from e
+    for suffix, leaf in leaves.items():
+        yield f"{module}.weight{suffix}", leaf
