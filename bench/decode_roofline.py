@@ -14,6 +14,10 @@ over ``--copy-mib`` of the device's memory (`bench.kernels.copy_bandwidth`).
 
     python -m bench.decode_roofline                       # Llama-3-8B on the default device
     python -m bench.decode_roofline --layers 2 --tokens 16 # a quick check
+    python -m bench.decode_roofline --quantization int8    # int8 weights (or fp8)
+
+The weight bytes are those of the placed parameter tree, so quantized weights (and
+their scales) count at their stored size.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ def run(args: argparse.Namespace) -> dict:
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype=args.dtype,
+        quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.prompt_len + args.tokens + 16,
         max_num_seqs=1,
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     parser.add_argument("--small", action="store_true", help="a tiny config (tests)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", choices=["int8", "fp8"], default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
@@ -113,12 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     r = run(args)
     print(
-        "| device | weights (GiB) | batch-1 decode tok/s | ms/token | copy GB/s "
+        "| device | weights | weights (GiB) | batch-1 decode tok/s | ms/token | copy GB/s "
         "| roofline tok/s | fraction of roofline |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     print(
-        f"| {r['device']} | {r['weights_gib']:.2f} | {r['tokens_per_s']:.1f} "
+        f"| {r['device']} | {args.quantization or args.dtype} | {r['weights_gib']:.2f} "
+        f"| {r['tokens_per_s']:.1f} "
         f"| {r['ms_per_token']:.2f} | {r['copy_gb_s']:.0f} | {r['roofline_tokens_per_s']:.1f} "
         f"| {r['fraction']:.2f} |"
     )

@@ -144,6 +144,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _default("num_gpu_blocks_override")
     swap_space: float = _default("swap_space")
     kv_cache_dtype: CacheDType = _default("kv_cache_dtype")
+    calculate_kv_scales: bool = _default("calculate_kv_scales")
     enable_prefix_caching: bool | None = _default("enable_prefix_caching")
     prefix_caching_hash_algo: PrefixCachingHashAlgo = _default("prefix_caching_hash_algo")
     cpu_offload_gb: float = _default("cpu_offload_gb")

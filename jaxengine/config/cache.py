@@ -43,11 +43,15 @@ class CacheConfig:
     """Data type for KV cache storage. If "auto", the model's data type (the dtype its
     weights are loaded in, see --dtype) is used; "bfloat16", "float16" and "float32"
     store the cache in that type whatever the model's. "fp8" (= "fp8_e4m3") and
-    "fp8_e5m2" store one byte per value with a scale of 1.0 (values saturate at the
-    format's largest), so the cache holds twice the tokens of a 16-bit one; attention
-    widens the pages after loading them. Per-tensor scales from a checkpoint or
-    computed from the data (vLLM's --calculate-kv-scales) are not there yet, nor
-    "fp8_inc"."""
+    "fp8_e5m2" store one byte per value, so the cache holds twice the tokens of a
+    16-bit one: each layer stores k / k_scale and v / v_scale (per-tensor scales from
+    the checkpoint where it has them, else 1.0; values saturate at the format's
+    largest) and attention widens the pages after loading them. "fp8_inc" is not
+    supported yet."""
+    calculate_kv_scales: bool = False
+    """Compute the fp8 KV cache's k_scale and v_scale from the first forward pass
+    instead of taking them from the checkpoint. Not supported yet: the scales come
+    from the checkpoint or are 1.0."""
     enable_prefix_caching: bool | None = None
     """Whether to enable prefix caching. Unset (None) means enabled."""
     prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"

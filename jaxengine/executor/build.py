@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.config import EngineConfig
+from jaxengine.config.cache import FP8_CACHE_DTYPES
 from jaxengine.core.limits import SchedulerLimits
 from jaxengine.loader import LoadedModel, load_model
 from jaxengine.loader.hf_config import load_generation_config
@@ -126,6 +127,7 @@ def _load(config: EngineConfig, devices: Sequence[Any] | None):
         config.load_config,
         placement,
         max_parallel_loading_workers=parallel.max_parallel_loading_workers,
+        kv_cache_scales=config.cache_config.kv_cache_dtype in FP8_CACHE_DTYPES,
     )
     requested = config.attention_config.attention_backend
     backend = select_attention_backend(requested)

@@ -77,6 +77,7 @@ def load_model(
     placement: Callable[[Any, Any, Any], Any] | None = None,
     *,
     max_parallel_loading_workers: int | None = None,
+    kv_cache_scales: bool = False,
 ) -> LoadedModel:
     """Resolves, reads and builds the model that ``model_config`` names.
 
@@ -86,6 +87,8 @@ def load_model(
     is `ParallelConfig.max_parallel_loading_workers` (None: shards are memory-mapped).
     The model's q/k/v and gate/up projections are fused where `fuse_projections`
     allows (before the parameter tree, its axes and shardings are built).
+    ``kv_cache_scales`` (an fp8 KV cache) gives attention its per-tensor ``k_scale``
+    and ``v_scale``: the checkpoint's where it has them, else 1.
     """
     from jaxengine.loader.hf_config import load_hf_config
     from jaxengine.loader.params import (
@@ -110,14 +113,21 @@ def load_model(
     stored = checkpoint_format(model_config.quantization, source, hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
     scheme = stored.scheme if stored else online_scheme(model_config.quantization)
+    packed = source.gguf_file is not None and scheme is None and load_config.load_format != "dummy"
+    if packed:
+        scheme = gguf_scheme(source.gguf_file)
+        packed = scheme is not None
     module, config = _model(hf_config, dtype, scheme, placement)
+    if kv_cache_scales:
+        config = dataclasses.replace(config, kv_cache_scales=True)
+        module = module.clone(config=config)
     abstract = abstract_params(module, config)
     axes = logical_axes(abstract)
     shardings = placement(config, axes, nn.unbox(abstract)) if placement else None
     if load_config.load_format == "dummy":
         params = dummy_params(module, config, model_config.seed, shardings)
     else:
-        tensors = _checkpoint_tensors(source, load_config, max_parallel_loading_workers)
+        tensors = _checkpoint_tensors(source, load_config, max_parallel_loading_workers, packed)
         where = str(source.gguf_file or source.path)
         if stored is not None:
             tensors = canonical_tensors(tensors, stored, where)
@@ -144,6 +154,28 @@ def _model(hf_config: Any, dtype: Any, scheme: QuantScheme | None, placement: An
     if fuse_projections(placement) and not (scheme and scheme.act_order):
         config = dataclasses.replace(config, fused_projections=True)
     return module.clone(config=config), config
+
+
+GGUF_PACKED_ENV = "JAXENGINE_GGUF_PACKED"
+"""``1``: keep GGUF projections packed on CPU too; ``0``: dequantize them everywhere."""
+
+
+def gguf_scheme(path: Any) -> QuantScheme | None:
+    """The scheme a GGUF file's projections load as: packed (`gguf_packed`) on TPU and
+    GPU when every projection is Q8_0, or every one Q4_0/Q4_1; None (dequantized to
+    the model dtype at load) on CPU, where XLA converts packed weights in every step
+    (SmolLM2 Q4_1 decode measured several times slower, bench/README.md), and for
+    other types. ``$JAXENGINE_GGUF_PACKED`` overrides the backend's default."""
+    from jaxengine.loader.gguf_io import gguf_packed_method
+
+    default = "0" if jax.default_backend() == "cpu" else "1"
+    if os.environ.get(GGUF_PACKED_ENV, default) != "1":
+        return None
+    method, why = gguf_packed_method(path)
+    if method is None:
+        logger.info("%s: dequantizing the weights at load (%s)", path, why)
+        return None
+    return QuantScheme(method, 32)
 
 
 def online_scheme(quantization: str | None) -> QuantScheme | None:
@@ -206,7 +238,9 @@ def checkpoint_format(requested: str | None, source: ModelSource, hf_config: Any
     return stored
 
 
-def _checkpoint_tensors(source: ModelSource, load_config: LoadConfig, max_workers: int | None):
+def _checkpoint_tensors(
+    source: ModelSource, load_config: LoadConfig, max_workers: int | None, packed: bool
+):
     """The checkpoint's ``(hf_name, array)`` pairs, GGUF or safetensors."""
     from jaxengine.loader.gguf_io import iter_gguf
     from jaxengine.loader.safetensors_io import iter_safetensors
@@ -215,7 +249,7 @@ def _checkpoint_tensors(source: ModelSource, load_config: LoadConfig, max_worker
     if source.gguf_file is not None:
         if load_format not in ("auto", "gguf"):
             raise CheckpointError(f"{source.gguf_file}: a GGUF file needs --load-format gguf")
-        return iter_gguf(source.gguf_file)
+        return iter_gguf(source.gguf_file, packed=packed)
     if load_format == "gguf":
         raise CheckpointError(f"{source.path}: --load-format gguf but no .gguf file found")
     return iter_safetensors(

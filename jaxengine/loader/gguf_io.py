@@ -40,6 +40,7 @@ import gguf
 import numpy as np
 
 from jaxengine.loader.errors import CheckpointError
+from jaxengine.loader.gguf_packed import is_projection, packed_leaves, packed_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -248,24 +249,19 @@ def hf_name_map(arch: str, n_blocks: int) -> dict[str, str]:
     return out
 
 
-def iter_gguf(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
+def iter_gguf(path: str | os.PathLike, packed: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """Yields ``(hf_name, array)`` for every tensor of a GGUF file, lazily.
 
     Arrays are float32, in Hugging Face layout (``[out, in]`` for linear weights),
     owned (not views of the file) and equal to what ``transformers`` loads from the
     same file. Stacked MoE experts come out per expert (see the module docstring).
+    With ``packed`` (`gguf_packed_method` said yes) each projection comes out as its
+    `gguf_packed` leaves instead (``...q_proj.weight``, ``...q_proj.weight_scale``...).
     Raises `CheckpointError` naming the file for a corrupt or truncated file, an
     unsupported architecture, or a tensor with no Hugging Face name.
     """
-    header = read_gguf_header(path)
+    header, names = _named_header(path)
     md, arch = header.metadata, header.architecture
-    n_blocks = int(md.get(f"{arch}.block_count", 0))
-    names = hf_name_map(arch, n_blocks)
-    unknown = [t.name for t in header.tensors if _hf_name(t.name, names) is None]
-    unknown = [n for n in unknown if not _NOT_PARAMETERS.match(n)]
-    if unknown:
-        shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
-        raise CheckpointError(f"{header.path}: tensors with no Hugging Face name: {shown}")
     with header.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         if len(mm) < max((t.offset + t.n_bytes for t in header.tensors), default=0):
             raise CheckpointError(f"{header.path}: file was truncated while reading")
@@ -274,15 +270,51 @@ def iter_gguf(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
             if hf is None:
                 logger.debug("%s: skipping %s (not a model parameter)", header.path, info.name)
                 continue
-            weights = _to_hf_layout(dequantize_tensor(mm, info), info.name, arch, md)
-            experts = _STACKED_EXPERTS.match(hf.rsplit(".", 1)[0])
-            if experts is None:
-                yield hf, weights
-                continue
-            prefix, proj = experts.groups()
-            suffix = hf.rsplit(".", 1)[1]
-            for e in range(weights.shape[0]):  # [E, out, in] -> E tensors [out, in]
-                yield f"{prefix}.{e}.{proj}.{suffix}", weights[e]
+            if packed and is_projection(hf):
+                leaves = _packed_tensor(mm, info)
+            else:
+                leaves = {"": dequantize_tensor(mm, info)}
+            for suffix, leaf in leaves.items():
+                yield from _per_expert(hf + suffix, _to_hf_layout(leaf, info.name, arch, md))
+
+
+def _packed_tensor(buf: Any, info: GGUFTensorInfo) -> dict:
+    """`gguf_packed.packed_leaves` of one tensor, copied out of the file's map."""
+    raw = np.frombuffer(buf, np.uint8, info.n_bytes, info.offset)
+    return packed_leaves(raw, info.ggml_type, info.shape)
+
+
+def gguf_packed_method(path: str | os.PathLike) -> tuple[str | None, str]:
+    """``(method, why)``: how the file's projections load packed (`gguf_packed`), or
+    None and the reason they cannot."""
+    header, names = _named_header(path)
+    projections = [(hf, t.ggml_type) for t in header.tensors if (hf := _hf_name(t.name, names))]
+    return packed_scheme((hf, t) for hf, t in projections if is_projection(hf))
+
+
+def _named_header(path: str | os.PathLike) -> tuple[GGUFHeader, dict[str, str]]:
+    """The header and its GGUF -> Hugging Face module names; every tensor must have one."""
+    header = read_gguf_header(path)
+    arch = header.architecture
+    names = hf_name_map(arch, int(header.metadata.get(f"{arch}.block_count", 0)))
+    unknown = [t.name for t in header.tensors if _hf_name(t.name, names) is None]
+    unknown = [n for n in unknown if not _NOT_PARAMETERS.match(n)]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+        raise CheckpointError(f"{header.path}: tensors with no Hugging Face name: {shown}")
+    return header, names
+
+
+def _per_expert(hf: str, weights: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """One tensor, or a stacked ``[E, ...]`` experts tensor as E tensors."""
+    module, suffix = hf.rsplit(".", 1)
+    experts = _STACKED_EXPERTS.match(module)
+    if experts is None:
+        yield hf, weights
+        return
+    prefix, proj = experts.groups()
+    for e in range(weights.shape[0]):
+        yield f"{prefix}.{e}.{proj}.{suffix}", weights[e]
 
 
 def _hf_name(gguf_name: str, names: dict[str, str]) -> str | None:

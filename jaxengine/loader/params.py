@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.models.config import TransformerConfig
-from jaxengine.models.layers.attention import kv_cache_shape
+from jaxengine.models.layers.attention import KV_SCALES, kv_cache_shape
 from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_param_path
 from jaxengine.models.layers.quant import METHODS, quantize
 from jaxengine.models.metadata import AttentionMetadata
@@ -105,6 +105,8 @@ _DUMMY_SIDE = {
 def _dummy_kind(name: str, spec: tuple, dtype: Any, scheme: Any) -> str:
     if name == "bias" or name.endswith("_g_idx"):  # act-order groups: all columns in 0
         return "zeros"
+    if name in KV_SCALES:
+        return "ones"
     if spec in (("norm",), ("head_dim",)):
         return "norm"
     if np.dtype(dtype) == np.uint8:
@@ -124,6 +126,8 @@ def _dummy_fill(shape: tuple, dtype: str, kind: str, norm_value: float, sharding
             return jnp.zeros(shape, dtype)
         if kind == "norm":
             return jnp.full(shape, norm_value, dtype)
+        if kind == "ones":
+            return jnp.ones(shape, dtype)
         if kind in _DUMMY_SIDE:
             return jnp.full(shape, _DUMMY_SIDE[kind], dtype)
         if kind == "int4":
@@ -203,6 +207,7 @@ def params_from_tensors(
         done.add(index if isinstance(index, int) else index.start)
         if len(done) == parts:
             _fill(out, path, buffers.pop(path), leaf, placement, config.quantization)
+    _default_kv_scales(out, placement)
     missing = list(_unfilled(out))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -210,6 +215,15 @@ def params_from_tensors(
             f"{source}: {len(missing)} tensors missing from the checkpoint: {shown}"
         )
     return out
+
+
+def _default_kv_scales(out: dict, placement: Any, path: tuple[str, ...] = ()) -> None:
+    for key, value in out.items():
+        if isinstance(value, dict):
+            _default_kv_scales(value, placement, (*path, key))
+        elif value is None and key in KV_SCALES:
+            sharding = _leaf_of(placement, (*path, key)) if placement else None
+            out[key] = place(np.ones((), np.float32), np.float32, sharding)
 
 
 def _fill(
@@ -225,8 +239,8 @@ def _fill(
             f"{'.'.join(path)} is stored quantized ({array.dtype}); the model keeps it in "
             f"{np.dtype(leaf.dtype).name}"
         )
-    else:
-        leaves = {"": array}
+    else:  # (a per-tensor scale may be stored as [1])
+        leaves = {"": array.reshape(()) if leaf.shape == () else array}
     for suffix, value in leaves.items():
         target = (*path[:-1], path[-1] + suffix)
         sharding = _leaf_of(placement, target) if placement else None
@@ -256,6 +270,8 @@ def _slot(name: str, array: np.ndarray, config: TransformerConfig, shapes: Any, 
             return None
         if name.endswith(".bias") and not np.any(array):  # GPTQ writes zero biases
             return None
+        if path[-1] in KV_SCALES:  # the cache is not fp8: nothing uses them
+            return None
         raise CheckpointError(f"{source}: tensor {name!r} has no place in the model")
     if np.dtype(leaf.dtype) == np.uint8 and np.dtype(array.dtype) != np.uint8:
         # a float weight for packed int4 (two per byte): the float shape, packed at _fill
@@ -266,7 +282,7 @@ def _slot(name: str, array: np.ndarray, config: TransformerConfig, shapes: Any, 
         expected = (index.stop - index.start, *leaf.shape[1:])
     else:
         expected = leaf.shape
-    if tuple(array.shape) != tuple(expected):
+    if tuple(array.shape) != tuple(expected) and not (expected == () and array.size == 1):
         raise CheckpointError(
             f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
             f"the model expects {tuple(expected)}"

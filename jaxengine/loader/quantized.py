@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -257,6 +258,7 @@ def canonical_tensors(
     is a `CheckpointError` naming it."""
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, array in tensors:
+        name = _KV_SCALE.sub(r".\1_scale", name)
         module, _, suffix = name.rpartition(".")
         if suffix in fmt.dropped:
             continue
@@ -270,6 +272,11 @@ def canonical_tensors(
     for module, parts in pending.items():
         missing = next(s for s in fmt.required if s not in parts)
         raise CheckpointError(f"{source}: {module}.{missing} missing ({fmt.method} checkpoint)")
+
+
+_KV_SCALE = re.compile(r"\.([kv])_proj\.output_scale$")
+"""compressed-tensors' older name of the KV cache scales: ``self_attn.k_proj.output_scale``
+for ``self_attn.k_scale``."""
 
 
 def _is_float(array: np.ndarray) -> bool:

@@ -107,6 +107,9 @@ class TransformerConfig:
     """How the attention and MLP projections and the MoE experts are stored
     (a `layers.quant.QuantScheme`: int8, fp8 or int4, per row or grouped), None for
     ``dtype``; embeddings, the LM head and the MoE router keep ``dtype``."""
+    kv_cache_scales: bool = False
+    """Attention layers hold per-tensor ``k_scale`` and ``v_scale`` (an fp8 KV cache):
+    the cache stores ``k / k_scale`` and ``v / v_scale``."""
     fused_projections: bool = False
     """q/k/v run as one matmul over ``self_attn.qkv_proj`` and the dense MLP's gate/up
     as one over ``mlp.gate_up_proj``, weights concatenated along their output rows

@@ -180,3 +180,24 @@ def test_fused_and_dummy_quantized_models_run():
     assert all(len(t) == 3 for t in tokens)
     assert SMALL["vocab_size"] > max(max(t) for t in tokens)
     jax.block_until_ready(dummy)
+
+
+def test_kv_cache_scales_leave_the_attention_unchanged():
+    """With ``kv_cache_scales`` the cache stores ``k / k_scale`` and ``v / v_scale``
+    and attention undoes both: power-of-two scales give the unscaled model's logits
+    exactly (on a float cache; an fp8 cache then holds the scaled values)."""
+    module, config = build("llama3_rope", None)
+    params = random_params(module, config)
+    scaled_config = dataclasses.replace(config, kv_cache_scales=True)
+    scaled_module = module.clone(config=scaled_config)
+    scaled = jax.tree.map(lambda x: x, params)
+    for i in range(config.num_layers):
+        attention = scaled["model"][f"layers_{i}"]["self_attn"]
+        attention["k_scale"], attention["v_scale"] = jnp.float32(0.25), jnp.float32(4.0 * (i + 1))
+    want_tokens, want_logits = generate(module, config, params)
+    got_tokens, got_logits = generate(scaled_module, scaled_config, scaled)
+    assert got_tokens == want_tokens
+    for want, got in zip(want_logits, got_logits, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    dummy = dummy_params(scaled_module, scaled_config)
+    assert float(dummy["model"]["layers_0"]["self_attn"]["v_scale"]) == 1.0

@@ -246,3 +246,20 @@ def test_bad_quantized_checkpoints_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="--quantization gptq needs a gptq checkpoint"):
         write_checkpoint(tmp_path / "float", hf, None, tensors)
         load_model(ModelConfig(model=str(tmp_path / "float"), quantization="gptq"), LoadConfig())
+
+
+def test_kv_cache_scales_load_from_the_checkpoint_or_default_to_one(tmp_path):
+    """compressed-tensors' KV scales (``self_attn.k_scale``, or the older
+    ``k_proj.output_scale``) load for an fp8 cache, 1 where absent, ignored otherwise."""
+    module, config = build("llama3_rope", None)
+    tensors = dict(hf_tensors(random_params(module, config)))
+    tensors["model.layers.0.self_attn.k_scale"] = np.array([0.5], np.float32)
+    tensors["model.layers.1.self_attn.v_proj.output_scale"] = np.array(3.0, np.float32)
+    write_checkpoint(tmp_path / "ct", FAMILIES["llama3_rope"]().to_dict(), "ct-w8a8-fp8", tensors)
+    scaled = load_model(ModelConfig(model=str(tmp_path / "ct")), LoadConfig(), kv_cache_scales=True)
+    layers = scaled.params["model"]
+    assert float(layers["layers_0"]["self_attn"]["k_scale"]) == 0.5
+    assert float(layers["layers_1"]["self_attn"]["v_scale"]) == 3.0
+    assert float(layers["layers_1"]["self_attn"]["k_scale"]) == 1.0
+    plain = load_model(ModelConfig(model=str(tmp_path / "ct")), LoadConfig())
+    assert "k_scale" not in plain.params["model"]["layers_0"]["self_attn"]

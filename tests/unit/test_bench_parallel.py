@@ -16,10 +16,11 @@ def _rows(text: str) -> list[list[str]]:
 def test_decode_roofline_small(capsys):
     decode_roofline.main(
         ["--small", "--tokens", "8", "--prompt-len", "16", "--repeats", "1", "--copy-mib", "8"]
+        + ["--quantization", "int8"]
     )
     rows = [r for r in _rows(capsys.readouterr().out) if r[0] != "device"]
-    assert len(rows) == 1
-    tokens_per_s, fraction = float(rows[0][2]), float(rows[0][6])
+    assert len(rows) == 1 and rows[0][1] == "int8"
+    tokens_per_s, fraction = float(rows[0][3]), float(rows[0][7])
     assert tokens_per_s > 0 and 0 < fraction
 
 

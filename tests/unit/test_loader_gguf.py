@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
@@ -10,7 +11,14 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from jaxengine.loader.errors import CheckpointError
-from jaxengine.loader.gguf_io import gguf_metadata, hf_name_map, iter_gguf, read_gguf_header
+from jaxengine.loader.gguf_io import (
+    gguf_metadata,
+    gguf_packed_method,
+    hf_name_map,
+    iter_gguf,
+    read_gguf_header,
+)
+from jaxengine.models.layers.quant import QuantScheme, dequantize
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 4, 2, 16, 128, 96
 
@@ -258,3 +266,42 @@ def test_name_map_is_one_to_one(arch):
     assert len(set(names.values())) == len(names)
     assert names["token_embd"] == "model.embed_tokens"
     assert names["blk.2.attn_q"] == "model.layers.2.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(
+    "types, method",
+    [((Q.Q8_0,), "int8"), ((Q.Q4_0, Q.Q4_1), "int4")],
+    ids=["q8_0", "q4_0+q4_1"],
+)
+def test_projections_kept_packed_dequantize_to_the_same_weights(tiny_llama, types, method):
+    """Q8_0 / Q4_0 / Q4_1 projections load as `layers.quant` leaves (q and k rows
+    unpermuted like the float tensors) that dequantize to what `iter_gguf` gives."""
+    tmp_path, tensors, _ = tiny_llama
+    projections = [
+        n
+        for n in tensors
+        if re.search(r"\.(attn_[qkv]|attn_output|ffn_(gate|up|down))\.weight$", n)
+    ]
+    tensors = dict(tensors)
+    for i, name in enumerate(projections):
+        tensors[name] = (tensors[name][0], types[i % len(types)])
+    path = _write(tmp_path / "packed.gguf", "llama", tensors)
+    assert gguf_packed_method(path) == (method, "")
+    floats = dict(iter_gguf(path))
+    packed = dict(iter_gguf(path, packed=True))
+    scheme = QuantScheme(method, 32)
+    for name, value in floats.items():
+        if not name.endswith("_proj.weight"):
+            np.testing.assert_array_equal(packed[name], value, err_msg=name)
+            continue
+        leaves = {s: packed[name + s] for s in ("", "_scale", "_offset") if name + s in packed}
+        assert leaves[""].dtype == (np.uint8 if method == "int4" else np.int8)
+        got = dequantize(leaves, scheme, np)
+        np.testing.assert_allclose(got, value, rtol=1e-6, atol=1e-6, err_msg=name)
+    assert len(packed) == len(floats) + len(projections) * (2 if method == "int4" else 1)
+
+
+def test_mixed_projection_types_are_not_kept_packed(tiny_llama):
+    tmp_path, tensors, _ = tiny_llama
+    method, why = gguf_packed_method(_write(tmp_path / "mixed.gguf", "llama", tensors))
+    assert method is None and "BF16" in why and "Q5_0" in why

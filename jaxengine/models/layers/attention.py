@@ -21,6 +21,8 @@ from pallas_kernels.kv_cache_update import reference as kv_update
 from pallas_kernels.ragged_paged_attention import reference
 
 AttentionFn = Callable[..., jax.Array]
+KV_SCALES = ("k_scale", "v_scale")
+"""An fp8 KV cache's per-tensor scales (`TransformerConfig.kv_cache_scales`)."""
 
 
 class Attention(nn.Module):
@@ -54,6 +56,11 @@ class Attention(nn.Module):
         q = apply_rope(q, positions, self.spec.rope)
         k = apply_rope(k, positions, self.spec.rope)
 
+        if cfg.kv_cache_scales:  # the cache holds k / k_scale and v / v_scale
+            ones = nn.with_logical_partitioning(nn.initializers.ones, ())  # 1 unless given
+            k_scale, v_scale = (self.param(n, ones, (), jnp.float32) for n in KV_SCALES)
+            k, v = (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype)
+            q = (q * k_scale).astype(q.dtype)  # q . k_true == (q * k_scale) . k_stored
         kv_cache = self.update_fn(kv_cache, k, v, md.slot_mapping)
         out = self.attention_fn(
             q,
@@ -66,6 +73,8 @@ class Attention(nn.Module):
             sliding_window=self.spec.sliding_window,
             soft_cap=cfg.attn_logit_softcap,
         )  # [T, Hq, D]
+        if cfg.kv_cache_scales:  # p @ v_true == (p @ v_stored) * v_scale
+            out = (out * v_scale).astype(out.dtype)
         o_proj = Linear(
             cfg.hidden_size,
             ("embed", "q_heads"),
