@@ -184,6 +184,11 @@ class PipelineStages:
         targets = np.zeros(batch.token_ids.shape[0], np.int32)
         self._prompt_lp.lower(params[-1], hidden, targets).compile()
 
+    def kv_amax(self, params: list, caches: list, batch: PackedBatch, run: bool = True) -> Any:
+        raise NotImplementedError(
+            "--calculate-kv-scales is not supported with pipeline parallelism yet"
+        )
+
     def gather(self, caches: list, ids: np.ndarray) -> list[np.ndarray]:
         return [page for stage in caches for page in jax.device_get(self._gather(stage, ids))]
 

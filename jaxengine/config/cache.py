@@ -45,13 +45,14 @@ class CacheConfig:
     store the cache in that type whatever the model's. "fp8" (= "fp8_e4m3") and
     "fp8_e5m2" store one byte per value, so the cache holds twice the tokens of a
     16-bit one: each layer stores k / k_scale and v / v_scale (per-tensor scales from
-    the checkpoint where it has them, else 1.0; values saturate at the format's
-    largest) and attention widens the pages after loading them. "fp8_inc" is not
+    the checkpoint where it has them, or from --calculate-kv-scales, else 1.0; values
+    saturate at the format's largest) and attention widens the pages after loading
+    them. "fp8_inc" is not
     supported yet."""
     calculate_kv_scales: bool = False
     """Compute the fp8 KV cache's k_scale and v_scale from the first forward pass
-    instead of taking them from the checkpoint. Not supported yet: the scales come
-    from the checkpoint or are 1.0."""
+    (the largest |k| over 200 and |v| over 100, as vLLM) instead of taking them from
+    the checkpoint (or 1.0). Needs --kv-cache-dtype fp8 or fp8_e5m2."""
     enable_prefix_caching: bool | None = None
     """Whether to enable prefix caching. Unset (None) means enabled."""
     prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from jaxengine.config.attention import AttentionConfig
-from jaxengine.config.cache import CacheConfig
+from jaxengine.config.cache import FP8_CACHE_DTYPES, CacheConfig
 from jaxengine.config.compilation import CompilationConfig
 from jaxengine.config.load import LoadConfig
 from jaxengine.config.model import ModelConfig
@@ -65,6 +65,8 @@ class EngineConfig:
 
         if sched.async_scheduling:
             self._check_async_scheduling()
+        if self.cache_config.calculate_kv_scales:
+            self._check_calculate_kv_scales()
 
     def _check_async_scheduling(self) -> None:
         parallel = self.parallel_config
@@ -78,6 +80,19 @@ class EngineConfig:
             parallel.nnodes == 1 and parallel.distributed_executor_backend != "ray",
             "async_scheduling",
             "is not supported across hosts (--nnodes > 1 or the ray backend)",
+        )
+
+    def _check_calculate_kv_scales(self) -> None:
+        cache = self.cache_config
+        require(
+            cache.kv_cache_dtype in FP8_CACHE_DTYPES,
+            "calculate_kv_scales",
+            f"needs an fp8 KV cache (--kv-cache-dtype fp8), not {cache.kv_cache_dtype!r}",
+        )
+        require(
+            self.parallel_config.pipeline_parallel_size == 1,
+            "calculate_kv_scales",
+            "is not supported with pipeline parallelism yet",
         )
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:

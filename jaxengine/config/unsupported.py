@@ -42,7 +42,6 @@ UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool
         lambda v: v not in SUPPORTED_KV_CACHE_DTYPES,
     ),
     ("--cpu-offload-gb", lambda c: c.cache_config.cpu_offload_gb, lambda v: v != 0),
-    ("--calculate-kv-scales", lambda c: c.cache_config.calculate_kv_scales, bool),
     (
         "--quantization",
         lambda c: c.model_config.quantization,

@@ -292,6 +292,7 @@ def build_worker(
         logprobs_mode=mc.logprobs_mode,
         seed=mc.seed,
         eos_token_id=eos,
+        calculate_kv_scales=config.cache_config.calculate_kv_scales and model.kv_cache_scales,
     )
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
     store = executable_store(config, loaded, backend)

@@ -41,6 +41,7 @@ from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.runner.batch import PackedBatch, SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
+from jaxengine.runner.kv_scales import with_kv_scales
 from jaxengine.runner.program import Caches, Params, StageProgram, abstract_like
 from jaxengine.runner.request_table import RequestState, RequestTable
 from jaxengine.runner.sampler_functions import SamplerFunctions
@@ -74,6 +75,7 @@ class RunnerSettings:
     logprobs_mode: str = "raw_logprobs"
     seed: int = 0
     eos_token_id: int | None = None
+    calculate_kv_scales: bool = False  # `runner.kv_scales`
 
     @property
     def pages_per_req(self) -> int:
@@ -131,6 +133,7 @@ class ModelRunner:
         self._feed: _Feed | None = None
         # the ``fed_ids`` of a step with no token in flight
         self.no_feed = sampler.to_device(np.zeros(settings.max_num_seqs, np.int32))
+        self.calibrate_kv = settings.calculate_kv_scales  # until the first step
         self.guard = CompileGuard()
         self.compiles = CompileJobs(())  # none until `warmup` (``--enforce-eager``: never)
 
@@ -172,6 +175,12 @@ class ModelRunner:
         in the order traffic meets them: small batches first, greedy first."""
         caches = abstract_like(self.kv_caches)  # the real ones are donated by each step
         jobs, sizes = [], set()
+        if self.calibrate_kv:
+            largest = self.buckets.buckets[-1]
+            batch = self._pack([], largest)
+            jobs.append(
+                (("kv_amax",), lambda: self.program.kv_amax(self.params, caches, batch, False))
+            )
         for bucket in self.buckets.buckets:
             jobs.append((("step", bucket), lambda b=bucket: self._warm_bucket(b, caches)))
             if bucket.num_reqs not in sizes:
@@ -332,12 +341,25 @@ class ModelRunner:
         for r, i in enumerate(group):
             if fed[i] is not None:
                 batch.feed_rows[batch.query_start_loc[r + 1] - 1] = fed[i]
+        if self.calibrate_kv:
+            self._calibrate_kv_scales(mine)
         self.compiles.ensure(("step", bucket))
         logits, hidden, self.kv_caches = self.program.step(
             self.params, self.kv_caches, batch, fed_ids
         )
         result = self._sample(bucket, logits, [sampling[i] for i in group])
         return _Launched(group, bucket, hidden, result)
+
+    def _calibrate_kv_scales(self, chunks: list[SeqChunk]) -> None:
+        """Sets the KV scales from the first step's batch (`runner.kv_scales`), run in
+        the largest bucket (compiled at warm-up)."""
+        self.compiles.ensure(("kv_amax",))
+        batch = self._pack(chunks, self.buckets.buckets[-1])
+        amax = self.program.kv_amax(self.params, self.kv_caches, batch)
+        self.params = with_kv_scales(self.params, amax)
+        self.calibrate_kv = False
+        logger.info("KV cache scales calculated from the first batch (%d tokens)",
+                    sum(len(c.token_ids) for c in chunks))  # fmt: skip
 
     def _sample(self, bucket: Bucket, logits, rows: list):
         settings = self.settings

@@ -21,7 +21,13 @@ import numpy as np
 
 from jaxengine.runner.batch import PackedBatch
 from jaxengine.runner.executables import compile_ahead
-from jaxengine.runner.step import make_prompt_logprobs, make_step, make_swap_fns, step_inputs
+from jaxengine.runner.step import (
+    make_kv_calibration,
+    make_prompt_logprobs,
+    make_step,
+    make_swap_fns,
+    step_inputs,
+)
 
 if TYPE_CHECKING:
     from jax.sharding import Sharding
@@ -58,6 +64,12 @@ class StageProgram(Protocol):
     def precompile(self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any) -> None:
         """Compiles the step and prompt-logprobs functions for ``batch``'s shapes without
         running them (later calls with those shapes reuse the executables)."""
+        ...
+
+    def kv_amax(self, params: Params, caches: Caches, batch: PackedBatch, run: bool = True) -> Any:
+        """``--calculate-kv-scales``: each attention layer's largest |k| and |v| over
+        ``batch`` (`step.make_kv_calibration`), the caches left as they are; with
+        ``run`` False, compiles the function for ``batch``'s shapes and returns None."""
         ...
 
     def gather(self, caches: Caches, ids: np.ndarray) -> list[np.ndarray]:
@@ -121,6 +133,8 @@ class SingleStage:
         self.store = store
         self._logits_sharding = plan.replicated if plan is not None else None
         self._step = make_step(module, self._logits_sharding)
+        self._kv_amax = make_kv_calibration(module)
+        self._kv_amaxes: dict[Any, Any] = {}  # batch spec -> compiled calibration
         self._prompt_lp = make_prompt_logprobs(module, k)
         self._gather, self._scatter = make_swap_fns()
         self._steps: dict[Any, Any] = {}  # batch spec -> compiled step
@@ -163,6 +177,14 @@ class SingleStage:
             targets.shape[0],
             lambda: self._prompt_lp.lower(params, hidden, targets),
         )
+
+    def kv_amax(self, params: Params, caches: Caches, batch: PackedBatch, run: bool = True) -> Any:
+        buffers, spec = step_inputs(batch)
+        compiled = self._kv_amaxes.get(spec)
+        if compiled is None:
+            compiled = self._kv_amax.lower(params, caches, buffers, spec=spec).compile()
+            self._kv_amaxes[spec] = compiled
+        return compiled(params, caches, buffers) if run else None
 
     def _compile(self, name: str, key: Any, lower) -> Any:
         return compile_ahead(self.store, name, key, lower)

@@ -58,6 +58,21 @@ def make_step(module: Any, logits_sharding: Any = None):
     return jax.jit(step, donate_argnums=(1,), static_argnames=("spec",))
 
 
+def make_kv_calibration(module: Any):
+    """``fn(params, kv_caches, buffers, spec)`` -> the forward's ``kv_amax`` per
+    attention layer (`layers.attention`; a tree of ``[2]`` arrays: largest |k|, |v|).
+    The caches are not donated: the forward's writes are dropped."""
+
+    def fn(params, kv_caches, buffers, spec):
+        token_ids, positions, md, _, _ = unpack_tree(buffers, spec)
+        _, state = module.apply(
+            {"params": params}, token_ids, positions, kv_caches, md, mutable=["intermediates"]
+        )
+        return state["intermediates"]
+
+    return jax.jit(fn, static_argnames=("spec",))
+
+
 def make_sampler(num_slots: int, ids_sharding: Any = None):
     """``sampler(logits[R, V], buffers, spec, flags)`` -> `SamplerOutput` whose
     ``token_ids`` are padded to ``num_slots`` (the shape a next step's ``fed_ids``

@@ -89,7 +89,7 @@ VALID_FLAGS = [
     (["--enable-prefix-caching"], "enable_prefix_caching", True),
     (["--prefix-caching-hash-algo", "builtin"], "prefix_caching_hash_algo", "builtin"),
     (["--cpu-offload-gb", "0"], "cpu_offload_gb", 0.0),
-    (["--no-calculate-kv-scales"], "calculate_kv_scales", False),
+    (["--calculate-kv-scales", "--kv-cache-dtype", "fp8"], "calculate_kv_scales", True),
     (["--max-num-seqs", "8"], "max_num_seqs", 8),
     (["--max-num-batched-tokens", "1k"], "max_num_batched_tokens", 1000),
     (["--no-enable-chunked-prefill"], "enable_chunked_prefill", False),
@@ -200,7 +200,6 @@ NOT_SUPPORTED_YET = [
     ({"load_format": "bitsandbytes"}, "--load-format bitsandbytes is not supported yet"),
     ({"tokenizer_mode": "custom"}, "--tokenizer-mode custom is not supported yet"),
     ({"cpu_offload_gb": 4}, "--cpu-offload-gb 4 is not supported yet"),
-    ({"calculate_kv_scales": True}, "--calculate-kv-scales is not supported yet"),
     ({"code_revision": "v1"}, "--code-revision v1 is not supported yet"),
     ({"num_lookahead_slots": 4}, "--num-lookahead-slots 4 is not supported yet"),
 ]

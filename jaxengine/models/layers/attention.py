@@ -23,6 +23,10 @@ from pallas_kernels.ragged_paged_attention import reference
 AttentionFn = Callable[..., jax.Array]
 KV_SCALES = ("k_scale", "v_scale")
 """An fp8 KV cache's per-tensor scales (`TransformerConfig.kv_cache_scales`)."""
+KV_SCALE_RANGES = (200.0, 100.0)
+"""``--calculate-kv-scales``: k and v scales map the first batch's largest magnitude
+to these (vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT), leaving headroom below
+float8_e4m3fn's 448 for larger values later."""
 
 
 class Attention(nn.Module):
@@ -57,6 +61,7 @@ class Attention(nn.Module):
         k = apply_rope(k, positions, self.spec.rope)
 
         if cfg.kv_cache_scales:  # the cache holds k / k_scale and v / v_scale
+            self.sow("intermediates", "kv_amax", _kv_amax(k, v, md))  # --calculate-kv-scales
             ones = nn.with_logical_partitioning(nn.initializers.ones, ())  # 1 unless given
             k_scale, v_scale = (self.param(n, ones, (), jnp.float32) for n in KV_SCALES)
             k, v = (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype)
@@ -84,6 +89,17 @@ class Attention(nn.Module):
             name="o_proj",
         )
         return o_proj(out.reshape(num_tokens, hq * d)), kv_cache
+
+
+def _kv_amax(k: jax.Array, v: jax.Array, md: AttentionMetadata) -> jax.Array:
+    """``[2]``: the largest magnitudes of the batch's k and v (padding tokens left out)."""
+    real = jnp.arange(k.shape[0]) < md.query_start_loc[md.num_seqs]
+    return jnp.stack(
+        [
+            jnp.max(jnp.where(real[:, None, None], jnp.abs(x), 0.0)).astype(jnp.float32)
+            for x in (k, v)
+        ]
+    )
 
 
 def qkv_rows(config: TransformerConfig) -> tuple[int, int, int]:
