@@ -44,6 +44,7 @@ from jaxengine.config.load import LoadFormat
 from jaxengine.config.model import (
     LogprobsMode,
     ModelDType,
+    ModelImpl,
     QuantizationMethod,
     TokenizerMode,
 )
@@ -98,6 +99,7 @@ class EngineArgs:
     model: str = _default("model")
     tokenizer: str | None = _default("tokenizer")
     tokenizer_mode: TokenizerMode = _default("tokenizer_mode")
+    model_impl: ModelImpl = _default("model_impl")
     trust_remote_code: bool = _default("trust_remote_code")
     revision: str | None = _default("revision")
     code_revision: str | None = _default("code_revision")

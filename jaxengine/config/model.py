@@ -9,6 +9,7 @@ from jaxengine.config.utils import require, spec, validate_config
 
 TokenizerMode = Literal["auto", "slow", "mistral", "custom"]
 ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+ModelImpl = Literal["auto", "jax", "vllm", "transformers"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
 # vLLM's quantization methods, and "int8" (weight-only int8). They all parse so that
 # a user gets "not supported yet" (see unsupported.py) rather than "invalid choice";
@@ -39,6 +40,11 @@ class ModelConfig:
     tokenizer_mode: TokenizerMode = "auto"
     """Tokenizer mode: "auto" uses the fast tokenizer if available, "slow" always uses
     the slow tokenizer. "mistral" and "custom" are not supported yet."""
+    model_impl: ModelImpl = "auto"
+    """Which implementation of the model to use. "auto" runs the JAX (Flax) port when
+    the architecture has one and falls back to transformers' PyTorch model otherwise;
+    "jax" (or vLLM's "vllm") requires the JAX port; "transformers" always runs
+    transformers' model (`torch_fallback`), under the same scheduler and KV cache."""
     trust_remote_code: bool = False
     """Trust remote code (e.g. from Hugging Face) when loading the model config and
     tokenizer."""

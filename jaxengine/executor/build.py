@@ -23,6 +23,7 @@ from jaxengine.config.cache import FP8_CACHE_DTYPES
 from jaxengine.core.limits import SchedulerLimits
 from jaxengine.loader import LoadedModel, load_model
 from jaxengine.loader.hf_config import load_generation_config
+from jaxengine.models import UnsupportedArchitectureError
 from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
@@ -122,13 +123,7 @@ def _load(config: EngineConfig, devices: Sequence[Any] | None):
     if devices is None:
         devices = replica_devices(parallel)[0]
     placement = Placement(parallel, devices)
-    loaded = load_model(
-        config.model_config,
-        config.load_config,
-        placement,
-        max_parallel_loading_workers=parallel.max_parallel_loading_workers,
-        kv_cache_scales=config.cache_config.kv_cache_dtype in FP8_CACHE_DTYPES,
-    )
+    loaded = _load_model(config, placement)
     requested = config.attention_config.attention_backend
     backend = select_attention_backend(requested)
     logger.info(
@@ -145,6 +140,35 @@ def _load(config: EngineConfig, devices: Sequence[Any] | None):
         ", ".join(str(d) for d in placement.devices),
     )
     return placement, loaded, backend
+
+
+def _load_model(config: EngineConfig, placement: Placement) -> LoadedModel:
+    """The JAX model, or transformers' PyTorch one (`torch_fallback`) as
+    ``--model-impl`` asks: ``auto`` falls back when the architecture has no JAX port."""
+    impl = config.model_config.model_impl
+    if impl != "transformers":
+        try:
+            return load_model(
+                config.model_config,
+                config.load_config,
+                placement,
+                max_parallel_loading_workers=config.parallel_config.max_parallel_loading_workers,
+                kv_cache_scales=config.cache_config.kv_cache_dtype in FP8_CACHE_DTYPES,
+            )
+        except UnsupportedArchitectureError as e:
+            if impl != "auto":
+                raise
+            logger.info("--model-impl auto: using transformers' PyTorch model (%s)", e)
+    from torch_fallback.loader import load_torch_model
+
+    loaded = load_torch_model(config)
+    placement(loaded.config, {}, {})  # stage and tensor plans for the cache sizing
+    return loaded
+
+
+def is_torch(loaded: LoadedModel) -> bool:
+    """Whether the model is transformers' PyTorch one (`torch_fallback`)."""
+    return loaded.logical_axes is None
 
 
 def _host_side(config: EngineConfig, loaded: LoadedModel) -> tuple[EngineConfig, Any, dict]:
@@ -222,7 +246,7 @@ def executable_store(
     keyed by everything that shapes the program (None when the cache is off, and
     on multi-host engines)."""
     comp = config.compilation_config
-    if not comp.enable_compilation_cache or jax.process_count() > 1:
+    if not comp.enable_compilation_cache or jax.process_count() > 1 or is_torch(loaded):
         return None  # across hosts every process must compile the same program
     import os
 
@@ -246,7 +270,12 @@ def stage_program(
     k: int,
     store: ExecutableStore | None = None,
 ) -> StageProgram:
-    """One tensor group's program, or the pipeline's stages."""
+    """One tensor group's program, or the pipeline's stages (or the PyTorch model's)."""
+    if is_torch(loaded):
+        from torch_fallback.loader import torch_device
+        from torch_fallback.program import TorchProgram
+
+        return TorchProgram(loaded.module, k, torch_device())
     if placement.num_stages > 1:
         from sharding.pipeline import PipelineStages
 

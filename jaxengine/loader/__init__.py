@@ -85,10 +85,8 @@ def load_model(
     parameter (`sharding/`); each tensor then goes straight into its shards. Without
     it the parameters land on the default device. ``max_parallel_loading_workers``
     is `ParallelConfig.max_parallel_loading_workers` (None: shards are memory-mapped).
-    The model's q/k/v and gate/up projections are fused where `fuse_projections`
-    allows (before the parameter tree, its axes and shardings are built).
-    ``kv_cache_scales`` (an fp8 KV cache) gives attention its per-tensor ``k_scale``
-    and ``v_scale``: the checkpoint's where it has them, else 1.
+    q/k/v and gate/up are fused where `fuse_projections` allows. ``kv_cache_scales``
+    (an fp8 KV cache): attention's ``k_scale``/``v_scale``, from the checkpoint or 1.
     """
     from jaxengine.loader.hf_config import load_hf_config
     from jaxengine.loader.params import (
@@ -110,17 +108,9 @@ def load_model(
         hf_overrides=model_config.hf_overrides,
         trust_remote_code=model_config.trust_remote_code,
     )
-    stored = checkpoint_format(model_config.quantization, source, hf_config)
+    stored, scheme, packed = _weight_scheme(model_config, load_config, source, hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
-    scheme = stored.scheme if stored else online_scheme(model_config.quantization)
-    packed = source.gguf_file is not None and scheme is None and load_config.load_format != "dummy"
-    if packed:
-        scheme = gguf_scheme(source.gguf_file)
-        packed = scheme is not None
-    module, config = _model(hf_config, dtype, scheme, placement)
-    if kv_cache_scales:
-        config = dataclasses.replace(config, kv_cache_scales=True)
-        module = module.clone(config=config)
+    module, config = _model(hf_config, dtype, scheme, placement, kv_cache_scales)
     abstract = abstract_params(module, config)
     axes = logical_axes(abstract)
     shardings = placement(config, axes, nn.unbox(abstract)) if placement else None
@@ -143,11 +133,23 @@ def load_model(
     return LoadedModel(module, config, params, hf_config, source, axes)
 
 
-def _model(hf_config: Any, dtype: Any, scheme: QuantScheme | None, placement: Any):
+def _weight_scheme(model_config: ModelConfig, load_config: LoadConfig, source, hf_config):
+    """``(quantized checkpoint format or None, QuantScheme or None, GGUF kept packed)``."""
+    stored = checkpoint_format(model_config.quantization, source, hf_config)
+    scheme = stored.scheme if stored else online_scheme(model_config.quantization)
+    packed = source.gguf_file is not None and scheme is None and load_config.load_format != "dummy"
+    if packed:
+        scheme = gguf_scheme(source.gguf_file)
+        packed = scheme is not None
+    return stored, scheme, packed
+
+
+def _model(hf_config: Any, dtype: Any, scheme: QuantScheme | None, placement: Any, kv_scales: bool):
     """The Flax module and its config, quantized and fused as the load asks."""
     from jaxengine.models import get_model
 
     module, config = get_model(hf_config, dtype)
+    config = dataclasses.replace(config, kv_cache_scales=kv_scales)
     if scheme is not None:
         config = dataclasses.replace(config, quantization=scheme)
     # act-order's per-column groups differ between q, k and v: they stay apart

@@ -93,8 +93,11 @@ def abstract_output(compiled: Any, shape: jax.ShapeDtypeStruct, index: int) -> A
 def abstract_like(tree: Any) -> Any:
     """``tree``'s arrays as shapes to lower against, placed as they are (left unset on
     one device, as in `abstract_output`), so a compile made from them serves the
-    calls with the arrays themselves."""
-    return jax.tree_util.tree_map(lambda x: _placed(x, x.sharding), tree)
+    calls with the arrays themselves. Leaves that are no JAX arrays (a PyTorch
+    program's caches) stay as they are."""
+    return jax.tree_util.tree_map(
+        lambda x: _placed(x, x.sharding) if isinstance(x, jax.Array) else x, tree
+    )
 
 
 def _placed(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:

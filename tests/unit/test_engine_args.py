@@ -90,6 +90,7 @@ VALID_FLAGS = [
     (["--prefix-caching-hash-algo", "builtin"], "prefix_caching_hash_algo", "builtin"),
     (["--cpu-offload-gb", "0"], "cpu_offload_gb", 0.0),
     (["--calculate-kv-scales", "--kv-cache-dtype", "fp8"], "calculate_kv_scales", True),
+    (["--model-impl", "transformers"], "model_impl", "transformers"),
     (["--max-num-seqs", "8"], "max_num_seqs", 8),
     (["--max-num-batched-tokens", "1k"], "max_num_batched_tokens", 1000),
     (["--no-enable-chunked-prefill"], "enable_chunked_prefill", False),
