@@ -17,9 +17,7 @@ import numpy as np
 import torch
 
 from jaxengine.config import EngineConfig
-from jaxengine.loader import LoadedModel, resolve_dtype
-from jaxengine.loader.hf_config import load_hf_config
-from jaxengine.loader.sources import resolve_model
+from jaxengine.loader import LoadedModel, resolve_dtype, resolve_source
 from jaxengine.models.config import LayerSpec, RopeSpec, TransformerConfig
 from torch_fallback.attention import NAME, register
 from torch_fallback.program import TORCH_DTYPES
@@ -39,6 +37,7 @@ def check_fallback(config: EngineConfig) -> None:
     refused = {
         "--tensor-parallel-size": parallel.tensor_parallel_size != 1,
         "--pipeline-parallel-size": parallel.pipeline_parallel_size != 1,
+        "--nnodes": parallel.nnodes != 1 or parallel.distributed_executor_backend == "ray",
         "--async-scheduling": config.scheduler_config.async_scheduling,
         "--quantization": config.model_config.quantization not in (None, "gguf"),
         "--kv-cache-dtype": cache.kv_cache_dtype.startswith("fp8"),
@@ -53,15 +52,7 @@ def check_fallback(config: EngineConfig) -> None:
 def load_torch_model(config: EngineConfig) -> LoadedModel:
     mc, lc = config.model_config, config.load_config
     check_fallback(config)
-    source = resolve_model(
-        mc.model,
-        revision=mc.revision,
-        download_dir=lc.download_dir,
-        ignore_patterns=lc.ignore_patterns,
-    )
-    hf_config = load_hf_config(
-        source, hf_overrides=mc.hf_overrides, trust_remote_code=mc.trust_remote_code
-    )
+    source, hf_config = resolve_source(mc, lc)
     for name in _UNSUPPORTED_LOGIT_SCALING:
         if getattr(hf_config, name, None) not in (None, 1, 1.0):
             raise NotImplementedError(

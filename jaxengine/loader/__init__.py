@@ -88,7 +88,6 @@ def load_model(
     q/k/v and gate/up are fused where `fuse_projections` allows. ``kv_cache_scales``
     (an fp8 KV cache): attention's ``k_scale``/``v_scale``, from the checkpoint or 1.
     """
-    from jaxengine.loader.hf_config import load_hf_config
     from jaxengine.loader.params import (
         abstract_params,
         dummy_params,
@@ -97,17 +96,7 @@ def load_model(
     )
 
     start = time.perf_counter()
-    source = resolve_model(
-        model_config.model,
-        revision=model_config.revision,
-        download_dir=load_config.download_dir,
-        ignore_patterns=load_config.ignore_patterns,
-    )
-    hf_config = load_hf_config(
-        source,
-        hf_overrides=model_config.hf_overrides,
-        trust_remote_code=model_config.trust_remote_code,
-    )
+    source, hf_config = resolve_source(model_config, load_config)
     stored, scheme, packed = _weight_scheme(model_config, load_config, source, hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
     module, config = _model(hf_config, dtype, scheme, placement, kv_cache_scales)
@@ -131,6 +120,24 @@ def load_model(
         time.perf_counter() - start,
     )
     return LoadedModel(module, config, params, hf_config, source, axes)
+
+
+def resolve_source(model_config: ModelConfig, load_config: LoadConfig) -> tuple[ModelSource, Any]:
+    """The model's files and its Hugging Face config (`sources`, `hf_config`)."""
+    from jaxengine.loader.hf_config import load_hf_config
+
+    source = resolve_model(
+        model_config.model,
+        revision=model_config.revision,
+        download_dir=load_config.download_dir,
+        ignore_patterns=load_config.ignore_patterns,
+    )
+    hf_config = load_hf_config(
+        source,
+        hf_overrides=model_config.hf_overrides,
+        trust_remote_code=model_config.trust_remote_code,
+    )
+    return source, hf_config
 
 
 def _weight_scheme(model_config: ModelConfig, load_config: LoadConfig, source, hf_config):

@@ -60,11 +60,3 @@ def checkpoints(tmp_path_factory):
         return made[arch]
 
     return get
-
-
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from jaxengine import LLM, SamplingParams
-from tests.torch_fallback.conftest import CONFIGS, ENGINE_KWARGS, PROMPTS, hf_greedy
+from tests.models.hf_reference import hf_greedy
+from tests.torch_fallback.conftest import CONFIGS, ENGINE_KWARGS, PROMPTS
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -53,6 +54,24 @@ def test_preemption(swap, checkpoints):
     try:
         assert generate(llm) == want
         assert llm.engine.get_stats().num_preemptions > 0
+        check_done(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_smollm2_gguf_through_transformers_loader(smollm2_gguf, smollm2_hf, smollm2_tokenizer):
+    """A real model forced through the fallback: the default model's GGUF, read by
+    transformers' own GGUF loader, gives transformers' greedy tokens."""
+    from tests.engine.test_engine_golden import PREAMBLE, QUESTIONS
+
+    prompts = [smollm2_tokenizer.encode(PREAMBLE + q) for q in QUESTIONS[:3]]
+    want = [hf_greedy(smollm2_hf, p, 16) for p in prompts]
+    kwargs = {**ENGINE_KWARGS, "skip_tokenizer_init": False, "max_model_len": 256}
+    llm = LLM(model=str(smollm2_gguf), **{**kwargs, "num_gpu_blocks_override": 64})
+    try:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in out] == want
         check_done(llm)
     finally:
         llm.shutdown()
