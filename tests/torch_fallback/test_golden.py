@@ -41,8 +41,9 @@ def test_greedy_matches_transformers(arch, checkpoints):
 
 
 @pytest.mark.parametrize("swap", [0, 1], ids=["recompute", "swap"])
-def test_preemption(swap, checkpoints):
-    folder, model = checkpoints("gpt2")
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_preemption(arch, swap, checkpoints):
+    folder, model = checkpoints(arch)
     want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     kwargs = {
         **ENGINE_KWARGS,
