@@ -59,14 +59,20 @@ class TorchProgram:
             page_table=np.asarray(batch.page_table),
             num_seqs=int(batch.num_seqs),
         )
-        ids = torch.as_tensor(batch.token_ids, dtype=torch.long, device=self.device)[None]
-        positions = torch.as_tensor(batch.positions, dtype=torch.long, device=self.device)[None]
+        real = int(batch.query_start_loc[batch.num_seqs])  # the bucket's padding is skipped
+        step.slot_mapping = step.slot_mapping[:real]
+        ids = torch.as_tensor(batch.token_ids[:real], dtype=torch.long, device=self.device)
+        positions = torch.as_tensor(batch.positions[:real], dtype=torch.long, device=self.device)
         with torch.inference_mode(), current(step):
-            out = params.base_model(input_ids=ids, position_ids=positions, use_cache=False)
-            hidden = out.last_hidden_state[0]  # [T, H], after the final norm
+            out = params.base_model(
+                input_ids=ids[None], position_ids=positions[None], use_cache=False
+            )
+            hidden = out.last_hidden_state[0]  # [real, H], after the final norm
             rows = torch.as_tensor(batch.logits_indices, dtype=torch.long, device=self.device)
-            logits = self._logits(hidden[rows])
-        return jax.device_put(logits), hidden, caches
+            logits = self._logits(hidden[rows.clamp(max=max(real - 1, 0))])
+            padded = hidden.new_zeros((len(batch.token_ids), hidden.shape[1]))
+            padded[:real] = hidden  # [T, H]: prompt logprobs index the bucket's rows
+        return jax.device_put(logits), padded, caches
 
     def _logits(self, hidden: torch.Tensor) -> np.ndarray:
         logits = self.model.get_output_embeddings()(hidden).float()
