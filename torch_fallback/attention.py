@@ -33,14 +33,25 @@ _state = threading.local()
 
 @dataclasses.dataclass
 class PagedStep:
-    """One forward's pages and where its tokens go."""
+    """One forward's pages and where its tokens go: ``slot_mapping [T]`` and, per
+    request, ``(first token, end token, seq_len, its page ids)``."""
 
     caches: list[torch.Tensor]  # per layer [P, S, 2 * Hkv, D]
     slot_mapping: torch.Tensor  # [T] int64
-    query_start_loc: np.ndarray  # [R + 1]
-    seq_lens: np.ndarray  # [R]
-    page_table: np.ndarray  # [R, pages_per_req]
-    num_seqs: int
+    requests: list[tuple[int, int, int, torch.Tensor]]
+
+    @classmethod
+    def of(cls, caches: list, batch: Any, num_tokens: int, device: Any) -> PagedStep:
+        """The step of a `PackedBatch`'s first ``num_tokens`` (its real ones)."""
+        page_size = caches[0].shape[1]
+        requests = []
+        for r in range(int(batch.num_seqs)):
+            start, end = int(batch.query_start_loc[r]), int(batch.query_start_loc[r + 1])
+            length = int(batch.seq_lens[r])
+            pages = np.asarray(batch.page_table[r, : -(-length // page_size)])
+            requests.append((start, end, length, torch.as_tensor(pages, device=device)))
+        slots = np.asarray(batch.slot_mapping[:num_tokens], np.int64)
+        return cls(caches, torch.as_tensor(slots, device=device), requests)
 
 
 @contextlib.contextmanager
@@ -74,10 +85,7 @@ def paged_attention(
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.zeros_like(q)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    for r in range(step.num_seqs):
-        start, end = int(step.query_start_loc[r]), int(step.query_start_loc[r + 1])
-        length = int(step.seq_lens[r])
-        ids = torch.as_tensor(step.page_table[r, : -(-length // page_size)], dtype=torch.long)
+    for start, end, length, ids in step.requests:
         held = cache[ids].reshape(-1, cache.shape[2], head_dim)[:length].to(q.dtype)
         out[start:end] = _attend(q[start:end], held, scale, window, softcap)
     return out.unsqueeze(0), None

@@ -51,16 +51,8 @@ class TorchProgram:
     def step(self, params: Any, caches: list, batch: PackedBatch, fed_ids: Any):
         """``(logits [R, V] as a JAX array, hidden [T, H] torch, caches)``; ``fed_ids``
         is not read (async scheduling is refused with this implementation)."""
-        step = PagedStep(
-            caches=caches,
-            slot_mapping=torch.as_tensor(batch.slot_mapping, dtype=torch.long, device=self.device),
-            query_start_loc=np.asarray(batch.query_start_loc),
-            seq_lens=np.asarray(batch.seq_lens),
-            page_table=np.asarray(batch.page_table),
-            num_seqs=int(batch.num_seqs),
-        )
         real = int(batch.query_start_loc[batch.num_seqs])  # the bucket's padding is skipped
-        step.slot_mapping = step.slot_mapping[:real]
+        step = PagedStep.of(caches, batch, real, self.device)
         ids = torch.as_tensor(batch.token_ids[:real], dtype=torch.long, device=self.device)
         positions = torch.as_tensor(batch.positions[:real], dtype=torch.long, device=self.device)
         with torch.inference_mode(), current(step):
@@ -70,9 +62,7 @@ class TorchProgram:
             hidden = out.last_hidden_state[0]  # [real, H], after the final norm
             rows = torch.as_tensor(batch.logits_indices, dtype=torch.long, device=self.device)
             logits = self._logits(hidden[rows.clamp(max=max(real - 1, 0))])
-            padded = hidden.new_zeros((len(batch.token_ids), hidden.shape[1]))
-            padded[:real] = hidden  # [T, H]: prompt logprobs index the bucket's rows
-        return jax.device_put(logits), padded, caches
+        return jax.device_put(logits), hidden, caches
 
     def _logits(self, hidden: torch.Tensor) -> np.ndarray:
         logits = self.model.get_output_embeddings()(hidden).float()
@@ -82,7 +72,12 @@ class TorchProgram:
 
     def prompt_logprobs(self, params: Any, hidden: torch.Tensor, targets: np.ndarray) -> Any:
         """Row ``t``'s logprob of ``targets[t]`` and top-``k``, ``PROMPT_LOGPROBS_ROWS``
-        rows of logits at a time (the JAX sampler's `prompt_logprobs`)."""
+        rows of logits at a time (the JAX sampler's `prompt_logprobs`). ``hidden`` has
+        the step's real tokens; the bucket's padding rows past them come back zero."""
+        if hidden.shape[0] < len(targets):
+            hidden = torch.cat(
+                [hidden, hidden.new_zeros(len(targets) - hidden.shape[0], hidden.shape[1])]
+            )
         parts = []
         with torch.inference_mode():
             for start in range(0, hidden.shape[0], PROMPT_LOGPROBS_ROWS):

@@ -61,7 +61,8 @@ class Attention(nn.Module):
         k = apply_rope(k, positions, self.spec.rope)
 
         if cfg.kv_cache_scales:  # the cache holds k / k_scale and v / v_scale
-            self.sow("intermediates", "kv_amax", _kv_amax(k, v, md))  # --calculate-kv-scales
+            if self.is_mutable_collection("intermediates"):  # --calculate-kv-scales' pass
+                self.sow("intermediates", "kv_amax", _kv_amax(k, v, md))
             ones = nn.with_logical_partitioning(nn.initializers.ones, ())  # 1 unless given
             k_scale, v_scale = (self.param(n, ones, (), jnp.float32) for n in KV_SCALES)
             k, v = (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype)

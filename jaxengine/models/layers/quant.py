@@ -105,10 +105,6 @@ def pack_int4(values: Any, xp: Any = jnp) -> Any:
     return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(xp.uint8)
 
 
-def _group_index(scheme: QuantScheme, inp: int, g_idx: Any, xp: Any) -> Any:
-    return g_idx if scheme.act_order else xp.arange(inp) // scheme.group_size
-
-
 def dequantize(leaves: dict, scheme: QuantScheme, xp: Any = jnp) -> Any:
     """The float32 weight ``[..., out, in]`` of the ``leaves`` (`leaf_specs` suffixes
     -> arrays): the reference of `quantized_linear`."""
@@ -119,14 +115,19 @@ def dequantize(leaves: dict, scheme: QuantScheme, xp: Any = jnp) -> Any:
     if not scheme.group_size:
         w = q * scale[..., None]
         return w + xp.asarray(leaves["_offset"])[..., None] if scheme.has_offset else w
-    groups = _group_index(scheme, q.shape[-1], leaves.get("_g_idx"), xp)
-    groups = xp.broadcast_to(groups[..., None, :], q.shape)  # [..., out, in]
+    if scheme.act_order:  # each column's group, in any order: a gather
+        groups = xp.broadcast_to(leaves["_g_idx"][..., None, :], q.shape)  # [..., out, in]
 
-    def per_column(side: Any) -> Any:
-        return xp.take_along_axis(xp.asarray(side, dtype=xp.float32), groups, axis=-1)
+        def per_column(side: Any) -> Any:
+            return xp.take_along_axis(xp.asarray(side, dtype=xp.float32), groups, axis=-1)
 
-    w = q * per_column(scale)
-    return w + per_column(leaves["_offset"]) if scheme.has_offset else w
+        w = q * per_column(scale)
+        return w + per_column(leaves["_offset"]) if scheme.has_offset else w
+    # contiguous groups: a broadcast over [..., out, G, group_size]
+    g = q.reshape(*q.shape[:-1], scale.shape[-1], scheme.group_size) * scale[..., None]
+    if scheme.has_offset:
+        g = g + xp.asarray(leaves["_offset"], dtype=xp.float32)[..., None]
+    return g.reshape(q.shape)
 
 
 def quantized_linear(x: jax.Array, leaves: dict, scheme: QuantScheme, dtype: Any) -> jax.Array:
