@@ -67,11 +67,6 @@ class QuantScheme:
         return f"{self.method}{group}{', act-order' if self.act_order else ''}"
 
 
-def scale_name(weight_name: str) -> str:
-    """The parameter holding the scales of quantized parameter ``weight_name``."""
-    return f"{weight_name}_scale"
-
-
 def leaf_specs(scheme: QuantScheme, shape: tuple[int, ...], axes: tuple) -> dict:
     """``{suffix: (shape, dtype, logical axes)}`` of the leaves storing a weight of
     float ``shape [..., out, in]`` with logical ``axes``; suffix "" is the weight."""
