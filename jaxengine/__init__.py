@@ -17,6 +17,7 @@ _LAZY = {
     "StructuredOutputsParams": "jaxengine.sampling_params",
     "RequestOutput": "jaxengine.outputs",
     "CompletionOutput": "jaxengine.outputs",
+    "LoRARequest": "jaxengine.lora",
 }
 
 __all__ = ["__version__", *_LAZY]

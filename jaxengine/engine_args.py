@@ -25,6 +25,7 @@ from jaxengine.config import (
     CompilationConfig,
     EngineConfig,
     LoadConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -41,6 +42,7 @@ from jaxengine.config.arg_utils import (
 from jaxengine.config.attention import AttentionBackendName
 from jaxengine.config.cache import BlockSize, CacheDType, PrefixCachingHashAlgo
 from jaxengine.config.load import LoadFormat
+from jaxengine.config.lora import LoRADType
 from jaxengine.config.model import (
     LogprobsMode,
     ModelDType,
@@ -69,6 +71,7 @@ CONFIG_CLASSES: dict[str, type] = {
     "compilation_config": CompilationConfig,
     "attention_config": AttentionConfig,
     "structured_outputs_config": StructuredOutputsConfig,
+    "lora_config": LoRAConfig,
 }
 
 
@@ -171,6 +174,13 @@ class EngineArgs:
     structured_outputs_config: dict = _default("structured_outputs_config")
     reasoning_parser: str = _default("reasoning_parser")
     reasoning_parser_plugin: str = _default("reasoning_parser_plugin")
+    # LoRAConfig
+    enable_lora: bool = _default("enable_lora")
+    max_loras: int = _default("max_loras")
+    max_lora_rank: int = _default("max_lora_rank")
+    max_cpu_loras: int | None = _default("max_cpu_loras")
+    lora_dtype: LoRADType = _default("lora_dtype")
+    fully_sharded_loras: bool = _default("fully_sharded_loras")
 
     def __post_init__(self) -> None:
         """Validates every value against its config field, then cross-field rules."""

@@ -34,8 +34,11 @@ class ShardingPlan:
     @classmethod
     def create(cls, mesh: Mesh, config: Any, *, expert_parallel: bool = False) -> ShardingPlan:
         tp = mesh.shape["tensor"]
+        lora = getattr(config, "lora", None)
         rules = make_rules(
-            expert_parallel=expert_parallel, replicate_kv_heads=config.num_kv_heads < tp
+            expert_parallel=expert_parallel,
+            replicate_kv_heads=config.num_kv_heads < tp,
+            fully_sharded_loras=lora is not None and lora.fully_sharded,
         )
         return cls(mesh, rules, config.num_kv_heads, expert_parallel)
 

@@ -31,13 +31,23 @@ TENSOR_PARALLEL_RULES: Rules = (
     ("expert", None),
     ("norm", None),
     ("head_dim", None),
+    ("lora", None),  # adapter slots
+    ("lora_rank", None),  # A's rank rows of a column-parallel projection
 )
 
 
-def make_rules(*, expert_parallel: bool = False, replicate_kv_heads: bool = False) -> Rules:
-    """The rules for one engine: experts over `tensor` with expert parallelism, and
-    KV projections replicated when there are fewer KV heads than tensor devices."""
+def make_rules(
+    *,
+    expert_parallel: bool = False,
+    replicate_kv_heads: bool = False,
+    fully_sharded_loras: bool = False,
+) -> Rules:
+    """The rules for one engine: experts over `tensor` with expert parallelism, KV
+    projections replicated when there are fewer KV heads than tensor devices, and
+    LoRA A's rank rows over `tensor` with ``--fully-sharded-loras``."""
     table = dict(TENSOR_PARALLEL_RULES)
+    if fully_sharded_loras:
+        table["lora_rank"] = "tensor"
     if expert_parallel:
         table["expert"] = "tensor"
     if replicate_kv_heads:

@@ -10,6 +10,7 @@ from jaxengine.config.cache import CacheConfig
 from jaxengine.config.compilation import CompilationConfig
 from jaxengine.config.engine import EngineConfig
 from jaxengine.config.load import LoadConfig
+from jaxengine.config.lora import LoRAConfig
 from jaxengine.config.model import ModelConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import SchedulerConfig
@@ -22,6 +23,7 @@ __all__ = [
     "CompilationConfig",
     "EngineConfig",
     "LoadConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",

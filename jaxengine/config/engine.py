@@ -9,6 +9,7 @@ from jaxengine.config.attention import AttentionConfig
 from jaxengine.config.cache import FP8_CACHE_DTYPES, CacheConfig
 from jaxengine.config.compilation import CompilationConfig
 from jaxengine.config.load import LoadConfig
+from jaxengine.config.lora import LoRAConfig
 from jaxengine.config.model import ModelConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import MIN_UNCHUNKED_BATCHED_TOKENS, SchedulerConfig
@@ -42,6 +43,8 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig
     )
     """Constrained decoding and reasoning."""
+    lora_config: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    """LoRA adapters (`--enable-lora`)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -67,6 +70,22 @@ class EngineConfig:
             self._check_async_scheduling()
         if self.cache_config.calculate_kv_scales:
             self._check_calculate_kv_scales()
+        if self.lora_config.enable_lora:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        require(
+            self.parallel_config.pipeline_parallel_size == 1,
+            "enable_lora",
+            "LoRA adapters are not supported with pipeline parallelism yet "
+            f"(--pipeline-parallel-size {self.parallel_config.pipeline_parallel_size})",
+        )
+        require(
+            self.model_config.model_impl in ("auto", "jax"),
+            "enable_lora",
+            f"LoRA adapters need the JAX model (--model-impl {self.model_config.model_impl} "
+            "runs PyTorch modules, which hold no adapter slots)",
+        )
 
     def _check_async_scheduling(self) -> None:
         parallel = self.parallel_config
@@ -118,4 +137,5 @@ _CLASSES = {
     "compilation_config": CompilationConfig,
     "attention_config": AttentionConfig,
     "structured_outputs_config": StructuredOutputsConfig,
+    "lora_config": LoRAConfig,
 }

@@ -46,6 +46,9 @@ class SchedulerLimits:
     prefix_caching_hash_algo: str = "builtin"
     num_host_blocks: int = 0
     """Host blocks for swap preemption; 0 means recompute preemption only."""
+    max_loras: int = 0
+    """Distinct LoRA adapters among running requests (``--max-loras``; 0: LoRA off).
+    A waiting request whose adapter would be one more stays waiting."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

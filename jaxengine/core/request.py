@@ -81,6 +81,7 @@ class Request:
         priority: int | None = None,
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
@@ -96,6 +97,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
         """Optional salt mixed into the first block's hash: prefix-cache isolation."""
+        self.lora_request = lora_request
+        """The `LoRARequest` it runs with (None: the base model)."""
 
         sp = sampling_params
         self.max_tokens: int | None = getattr(sp, "max_tokens", None)
@@ -119,6 +122,19 @@ class Request:
         self.stop_reason: int | str | None = None
         """The stop token id or stop string that finished the request, if any."""
         self.num_preemptions = 0
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
+
+    @property
+    def prefix_salt(self) -> Any:
+        """What the first block's hash mixes in (`kv_cache.hashing`): the cache salt and
+        the adapter, so requests of different adapters never share cached pages."""
+        if self.lora_request is None:
+            return self.cache_salt
+        lora = self.lora_request
+        return (self.cache_salt, "lora", lora.lora_int_id, lora.lora_name, lora.lora_path)
 
     # ---- sizes -------------------------------------------------------------------
     @property

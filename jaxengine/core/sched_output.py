@@ -44,6 +44,8 @@ class NewRequestData:
     num_computed_tokens: int
     """Tokens already in the cache (prefix hit) = the first scheduled position."""
     eos_token_id: int | None = None
+    lora_request: Any = None
+    """The `LoRARequest` it runs with (None: the base model)."""
 
 
 @dataclass(frozen=True)
@@ -132,3 +134,9 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    """Running requests per LoRA adapter name."""
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    """Waiting requests per LoRA adapter name."""
+    max_lora: int = 0
+    """``--max-loras`` (0: LoRA off)."""

@@ -197,6 +197,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
+            running_lora_adapters=_lora_counts(self.running),
+            waiting_lora_adapters=_lora_counts(self.waiting),
+            max_lora=self.limits.max_loras,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -288,6 +291,8 @@ class Scheduler:
         grammar = self._grammar_verdict(req)
         if grammar is not None:
             return grammar
+        if not self._lora_fits(req):
+            return _Verdict.SKIP
         if req.num_output_placeholders:  # preempted while a token was in flight
             return _Verdict.SKIP
         swapped = req.status is _RS.SWAPPED
@@ -317,6 +322,14 @@ class Scheduler:
         req.status = _RS.RUNNING
         self.running.append(req)
         return _Verdict.ADMIT
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether ``req``'s adapter is running already or one more fits ``max_loras``."""
+        if req.lora_request is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        lora_id = req.lora_request.lora_int_id
+        return lora_id in running or len(running) < self.limits.max_loras
 
     def _grammar_verdict(self, req: Request) -> _Verdict | None:
         """SKIP while a new request's grammar compiles; GONE (finished, reported at the
@@ -361,6 +374,7 @@ class Scheduler:
                         block_ids,
                         start,
                         req.eos_token_id,
+                        req.lora_request,
                     )
                 )
             else:
@@ -443,3 +457,12 @@ class Scheduler:
                 self.waiting.remove(req)
         self._release(done)
         return outputs
+
+
+def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per adapter name (requests of the base model left out)."""
+    counts: dict[str, int] = {}
+    for req in requests:
+        if req.lora_request is not None:
+            counts[req.lora_name] = counts.get(req.lora_name, 0) + 1
+    return counts

@@ -67,9 +67,21 @@ class DataParallelEngine:
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         return self.replicas[0].tokenize(prompt)
 
-    def prepare(self, prompt: str | list[int] | dict, params: SamplingParams) -> PreparedPrompt:
-        """Tokenizes and validates (every replica runs the same model and limits)."""
-        return self.replicas[0].prepare(prompt, params)
+    def prepare(
+        self, prompt: str | list[int] | dict, params: SamplingParams, lora_request: Any = None
+    ) -> PreparedPrompt:
+        """Tokenizes and validates (every replica runs the same model and limits; the
+        others read an adapter when a request of it first runs there)."""
+        return self.replicas[0].prepare(prompt, params, lora_request)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        return all([replica.add_lora(lora_request) for replica in self.replicas])
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return all([replica.remove_lora(lora_id) for replica in self.replicas])
+
+    def list_loras(self) -> set[int]:
+        return self.replicas[0].list_loras()
 
     def add_request(
         self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, **kwargs: Any

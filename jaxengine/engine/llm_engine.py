@@ -40,6 +40,7 @@ class PreparedPrompt(NamedTuple):
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    lora_request: Any = None  # a `LoRARequest`, None for the base model
 
 
 class PromptTooLongError(ValueError):
@@ -99,14 +100,32 @@ class LLMEngine:
             return prompt, list(self.tokenizer.encode(prompt))
         return None, [int(t) for t in prompt]
 
-    def prepare(self, prompt: str | list[int] | dict, params: SamplingParams) -> PreparedPrompt:
-        """Tokenizes, truncates and validates a prompt; raises ValueError if it is bad."""
+    def prepare(
+        self, prompt: str | list[int] | dict, params: SamplingParams, lora_request: Any = None
+    ) -> PreparedPrompt:
+        """Tokenizes, truncates and validates a prompt, and reads its LoRA adapter
+        (`add_lora`); raises ValueError if either is bad."""
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > 0:
             ids = ids[-params.truncate_prompt_tokens :]
         params = self._prepare_params(params, len(ids))
         self._check_prompt(ids, params)
-        return PreparedPrompt(text, ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        return PreparedPrompt(text, ids, params, lora_request)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Reads and checks a LoRA adapter onto the host (`LoRAAdapterError`, a
+        ValueError, when it cannot be served); False when its id is known already."""
+        return self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter; False when the id is unknown."""
+        return self.executor.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters added."""
+        return self.executor.list_loras()
 
     def add_request(
         self,
@@ -116,9 +135,10 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> None:
         """Validates and queues a request; raises ValueError (nothing queued) if bad."""
-        prepared = self.prepare(prompt, params)
+        prepared = self.prepare(prompt, params, lora_request)
         self.add_prepared(request_id, prepared, arrival_time=arrival_time, priority=priority)
 
     def add_prepared(
@@ -132,9 +152,9 @@ class LLMEngine:
         """Queues a prompt that `prepare` accepted (one sequence per ``n``)."""
         if request_id in self.outputs.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        text, ids, params = prepared
+        text, ids, params, lora = prepared
         arrival = time.time() if arrival_time is None else arrival_time
-        child_ids = self.outputs.add(request_id, text, ids, params, arrival)
+        child_ids = self.outputs.add(request_id, text, ids, params, arrival, lora)
         for index, child in enumerate(child_ids):
             child_params = params
             if params.n > 1:
@@ -143,7 +163,14 @@ class LLMEngine:
                 if params.seed is not None:
                     child_params.seed = params.seed + index
             self.scheduler.add_request(
-                Request(child, ids, child_params, priority=priority, eos_token_id=self.eos_token_id)
+                Request(
+                    child,
+                    ids,
+                    child_params,
+                    priority=priority,
+                    eos_token_id=self.eos_token_id,
+                    lora_request=lora,
+                )
             )
 
     def _prepare_params(self, params: SamplingParams, num_prompt: int) -> SamplingParams:

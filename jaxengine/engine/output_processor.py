@@ -64,6 +64,7 @@ class RequestState:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    lora_request: Any = None
 
     @property
     def finished(self) -> bool:
@@ -101,6 +102,7 @@ class OutputProcessor:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
+        lora_request: Any = None,
     ) -> list[str]:
         """Registers a request; returns the scheduler ids of its sequences."""
         sequences = []
@@ -124,6 +126,7 @@ class OutputProcessor:
             params,
             sequences,
             RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time),
+            lora_request=lora_request,
         )
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
@@ -312,6 +315,7 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
+            lora_request=state.lora_request,
         )
 
     def _forget(self, state: RequestState) -> None:

@@ -26,6 +26,7 @@ replica behind a `DPAsyncLLM` (`entrypoints.dp_async_llm`), all sharing its tabl
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import queue
@@ -115,9 +116,22 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
 
-    def prepare(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
-        """Tokenizes and validates (raises ValueError, nothing queued)."""
-        return self.engine.prepare(prompt, params)
+    def prepare(
+        self, prompt: Any, params: SamplingParams, lora_request: Any = None
+    ) -> PreparedPrompt:
+        """Tokenizes and validates, and reads the LoRA adapter if one is given (raises
+        ValueError, nothing queued)."""
+        return self.engine.prepare(prompt, params, lora_request)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Reads and checks an adapter (off the event loop; `LLMEngine.add_lora`)."""
+        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await asyncio.to_thread(self.engine.remove_lora, lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     async def generate(
         self,
@@ -126,6 +140,7 @@ class AsyncLLM:
         request_id: str,
         *,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs (by its ``output_kind``) until it finishes.
 
@@ -135,7 +150,7 @@ class AsyncLLM:
         """
         prepared = prompt if isinstance(prompt, PreparedPrompt) else None
         if prepared is None:
-            prepared = self.prepare(prompt, sampling_params)
+            prepared = self.prepare(prompt, sampling_params, lora_request)
         stream = self.streams.open(request_id, self.rank)
         self._commands.put(_Add(request_id, prepared, priority, time.time()))
         try:

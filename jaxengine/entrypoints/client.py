@@ -114,9 +114,20 @@ class EngineClient(Protocol):
         """Raises `EngineDeadError` when the engine cannot serve."""
         ...
 
-    def prepare(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
-        """Tokenizes and validates (raises ValueError, nothing queued)."""
+    def prepare(
+        self, prompt: Any, params: SamplingParams, lora_request: Any = None
+    ) -> PreparedPrompt:
+        """Tokenizes and validates, and reads the `LoRARequest`'s adapter if one is
+        given (raises ValueError, nothing queued)."""
         ...
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Reads and checks an adapter (`LoRAAdapterError`); False if already added."""
+        ...
+
+    async def remove_lora(self, lora_id: int) -> bool: ...
+
+    async def list_loras(self) -> set[int]: ...
 
     def generate(
         self,

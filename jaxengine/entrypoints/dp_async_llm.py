@@ -28,6 +28,7 @@ one module that imports both.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -131,9 +132,22 @@ class DPAsyncLLM:
 
     # ------------------------------------------------------------------ requests
 
-    def prepare(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
-        """Tokenizes and validates (raises ValueError, nothing queued)."""
-        return self.engine.prepare(prompt, params)
+    def prepare(
+        self, prompt: Any, params: SamplingParams, lora_request: Any = None
+    ) -> PreparedPrompt:
+        """Tokenizes and validates, and reads the LoRA adapter if one is given (raises
+        ValueError, nothing queued)."""
+        return self.engine.prepare(prompt, params, lora_request)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Reads and checks an adapter (off the event loop; `LLMEngine.add_lora`)."""
+        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await asyncio.to_thread(self.engine.remove_lora, lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     async def generate(
         self,
@@ -142,11 +156,12 @@ class DPAsyncLLM:
         request_id: str,
         *,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """`AsyncLLM.generate` on the replica the balancer picks for this prompt."""
         prepared = prompt if isinstance(prompt, PreparedPrompt) else None
         if prepared is None:
-            prepared = self.prepare(prompt, sampling_params)
+            prepared = self.prepare(prompt, sampling_params, lora_request)
         if self.streams.owner_of(request_id) is not None:
             raise ValueError(f"duplicate request id {request_id!r}")
         rank = self.balancer.choose(prepared.token_ids, self._routing_loads())

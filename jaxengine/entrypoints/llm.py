@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from jaxengine.engine_args import EngineArgs
+from jaxengine.lora import LoRARequest
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -37,6 +38,15 @@ def _as_prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLi
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one tokenized prompt
     return prompts
+
+
+def _per_prompt(value: Any, count: int, what: str) -> list:
+    """``value`` for each of ``count`` prompts: one value for all, or a list of one each."""
+    if value is None or not isinstance(value, Sequence):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{len(value)} {what} for {count} prompts: give one or one each")
+    return list(value)
 
 
 class LLM:
@@ -57,6 +67,16 @@ class LLM:
         self._ids = itertools.count()
         # garbage collection shuts the engine down too (a notebook's `del llm`)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads and checks an adapter ahead of its first request (`LLMEngine.add_lora`)."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -79,12 +99,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generates completions for ``prompts`` (texts, token-id lists or dicts)."""
+        """Generates completions for ``prompts`` (texts, token-id lists or dicts);
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None:
+        the base model; needs ``enable_lora=True``)."""
         prompt_list = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params, use_tqdm, priority)
+        loras = _per_prompt(lora_request, len(prompt_list), "LoRA requests")
+        return self._run(prompt_list, params, use_tqdm, priority, loras)
 
     def chat(
         self,
@@ -97,6 +121,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of conversations.
 
@@ -125,7 +150,8 @@ class LLM:
             for conversation in conversations
         ]
         params = self._params_list(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm, None)
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
+        return self._run(prompts, params, use_tqdm, None, loras)
 
     # ------------------------------------------------------------------ details
 
@@ -140,13 +166,14 @@ class LLM:
             )
         return list(sampling_params)
 
-    def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(self, prompts, params, use_tqdm, priority, loras=None) -> list[RequestOutput]:
         engine = self.engine
         prepared = []  # validate every prompt before queueing any
-        for prompt, p in zip(prompts, params, strict=True):
+        loras = loras or [None] * len(prompts)
+        for prompt, p, lora in zip(prompts, params, loras, strict=True):
             p = p.clone()
             p.output_kind = RequestOutputKind.FINAL_ONLY
-            prepared.append(engine.prepare(prompt, p))
+            prepared.append(engine.prepare(prompt, p, lora))
         ids = []
         try:
             for i, ready in enumerate(prepared):

@@ -15,6 +15,10 @@ config, tokenizer, cache size, scheduler limits). Then:
   next step before it asks). The local executor returns before the device is done;
   executors that drive other hosts run the step first (`DoneStep`). At most one
   submitted step may be unread when the next is submitted;
+- ``add_lora(lora_request)`` reads and checks a LoRA adapter on the host (raises
+  `LoRAAdapterError` when it cannot be served), ``remove_lora(lora_id)`` forgets one,
+  ``list_loras()`` gives the registered ids (``--enable-lora``; without it, adding
+  raises ValueError);
 - ``check_health()`` raises when a worker is gone;
 - ``compiles_after_warmup`` counts compilations that escaped warm-up (0 when none);
 - ``shutdown()`` stops the workers and releases every device buffer. It is
@@ -27,7 +31,7 @@ host drives follower hosts over sockets, ``--nnodes`` > 1) and `RayExecutor`
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 
@@ -52,6 +56,12 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
 
     def submit(self, scheduler_output: SchedulerOutput) -> StepResult: ...
+
+    def add_lora(self, lora_request: Any) -> bool: ...
+
+    def remove_lora(self, lora_id: int) -> bool: ...
+
+    def list_loras(self) -> set[int]: ...
 
     def check_health(self) -> None: ...
 

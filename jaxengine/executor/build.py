@@ -23,13 +23,16 @@ from jaxengine.config.cache import FP8_CACHE_DTYPES
 from jaxengine.core.limits import SchedulerLimits
 from jaxengine.loader import LoadedModel, load_model
 from jaxengine.loader.hf_config import load_generation_config
+from jaxengine.lora.store import AdapterStore
 from jaxengine.models import UnsupportedArchitectureError
 from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import kv_cache_shape
+from jaxengine.models.layers.lora import LoRASpec, target_shapes
 from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
 from jaxengine.runner.buckets import default_token_buckets
 from jaxengine.runner.executables import ExecutableStore
 from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, plan_kv_cache
+from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
 from jaxengine.runner.program import SingleStage, StageProgram
 from jaxengine.runner.sampler_functions import SamplerFunctions
@@ -154,6 +157,7 @@ def _load_model(config: EngineConfig, placement: Placement) -> LoadedModel:
                 placement,
                 max_parallel_loading_workers=config.parallel_config.max_parallel_loading_workers,
                 kv_cache_scales=config.cache_config.kv_cache_dtype in FP8_CACHE_DTYPES,
+                lora=lora_spec(config),
             )
         except UnsupportedArchitectureError as e:
             if impl != "auto":
@@ -164,6 +168,25 @@ def _load_model(config: EngineConfig, placement: Placement) -> LoadedModel:
     loaded = load_torch_model(config)
     placement(loaded.config, {}, {})  # stage and tensor plans for the cache sizing
     return loaded
+
+
+def lora_spec(config: EngineConfig) -> LoRASpec | None:
+    """The adapter slots ``--enable-lora`` asks for (dtype None: the model's)."""
+    lc = config.lora_config
+    if not lc.enable_lora:
+        return None
+    dtype = None if lc.lora_dtype == "auto" else jnp.dtype(lc.lora_dtype)
+    return LoRASpec(lc.max_loras, lc.max_lora_rank, dtype, lc.fully_sharded_loras)
+
+
+def lora_slots(config: EngineConfig, loaded: LoadedModel) -> LoRASlots | None:
+    """The runner's adapter slots and host store (None without ``--enable-lora``)."""
+    lc = config.lora_config
+    if not lc.enable_lora:
+        return None
+    targets = target_shapes(loaded.config)
+    store = AdapterStore(targets, lc.max_lora_rank, lc.max_loras, lc.cpu_loras)
+    return LoRASlots(store, loaded.params)
 
 
 def is_torch(loaded: LoadedModel) -> bool:
@@ -335,7 +358,9 @@ def build_worker(
         logits_sharding=program.logits_sharding,
         store=store,
     )
-    runner = ModelRunner(program, loaded.params, settings, sampler)
+    runner = ModelRunner(program, loaded.params, settings, sampler, lora_slots(config, loaded))
+    if config.lora_config.enable_lora:
+        limits = dataclasses.replace(limits, max_loras=config.lora_config.max_loras)
     host = HostParts(
         config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits
     )

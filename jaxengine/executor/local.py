@@ -25,6 +25,20 @@ class LocalExecutor:
         self.check_health()
         return self.runner.launch(scheduler_output)
 
+    def add_lora(self, lora_request) -> bool:
+        return self._store().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._store().remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._store().list()
+
+    def _store(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        return self.runner.lora.store
+
     def check_health(self) -> None:
         if self.closed:
             raise RuntimeError("the executor is shut down")

@@ -67,6 +67,12 @@ class RayWorker:
     def warmup(self, progress: bool) -> None:
         self.runner.warmup(progress=progress and self.rank == 0)
 
+    def lora(self, method: str, *args: object) -> object:
+        """``add``, ``remove`` or ``list`` on this worker's adapter store."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        return getattr(self.runner.lora.store, method)(*args)
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput | None:
         result = self.runner.execute(out)
         return result if self.rank == 0 else None
@@ -148,6 +154,15 @@ class RayExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> DoneStep:
         """Runs the step now: every worker steps in lockstep."""
         return DoneStep(self.execute(scheduler_output))
+
+    def add_lora(self, lora_request) -> bool:
+        return self._all("lora", "add", lora_request)[0]
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._all("lora", "remove", lora_id)[0]
+
+    def list_loras(self) -> set[int]:
+        return self._all("lora", "list")[0]
 
     def check_health(self) -> None:
         """Raises when a worker has died (Ray raises for a dead actor)."""

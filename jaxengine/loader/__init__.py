@@ -32,6 +32,7 @@ from jaxengine.loader.quantized import (
     checkpoint_quantization,
 )
 from jaxengine.loader.sources import ModelSource, resolve_model
+from jaxengine.models.layers.lora import LoRASpec
 from jaxengine.models.layers.quant import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ def load_model(
     *,
     max_parallel_loading_workers: int | None = None,
     kv_cache_scales: bool = False,
+    lora: LoRASpec | None = None,
 ) -> LoadedModel:
     """Resolves, reads and builds the model that ``model_config`` names.
 
@@ -87,6 +89,7 @@ def load_model(
     is `ParallelConfig.max_parallel_loading_workers` (None: shards are memory-mapped).
     q/k/v and gate/up are fused where `fuse_projections` allows. ``kv_cache_scales``
     (an fp8 KV cache): attention's ``k_scale``/``v_scale``, from the checkpoint or 1.
+    ``lora``: adapter slots on every projection (zero; its dtype None: the model's).
     """
     from jaxengine.loader.params import (
         abstract_params,
@@ -99,7 +102,9 @@ def load_model(
     source, hf_config = resolve_source(model_config, load_config)
     stored, scheme, packed = _weight_scheme(model_config, load_config, source, hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
-    module, config = _model(hf_config, dtype, scheme, placement, kv_cache_scales)
+    if lora is not None and lora.dtype is None:
+        lora = dataclasses.replace(lora, dtype=dtype)
+    module, config = _model(hf_config, dtype, scheme, placement, kv_cache_scales, lora)
     abstract = abstract_params(module, config)
     axes = logical_axes(abstract)
     shardings = placement(config, axes, nn.unbox(abstract)) if placement else None
@@ -151,16 +156,18 @@ def _weight_scheme(model_config: ModelConfig, load_config: LoadConfig, source, h
     return stored, scheme, packed
 
 
-def _model(hf_config: Any, dtype: Any, scheme: QuantScheme | None, placement: Any, kv_scales: bool):
-    """The Flax module and its config, quantized and fused as the load asks."""
+def _model(hf_config: Any, dtype: Any, scheme: QuantScheme | None, placement: Any,
+           kv_scales: bool, lora: LoRASpec | None):  # fmt: skip
+    """The Flax module and its config, quantized, fused and with adapter slots as the
+    load asks (adapters hold q, k, v and gate, up apart: no fusion with LoRA)."""
     from jaxengine.models import get_model
 
     module, config = get_model(hf_config, dtype)
-    config = dataclasses.replace(config, kv_cache_scales=kv_scales)
+    config = dataclasses.replace(config, kv_cache_scales=kv_scales, lora=lora)
     if scheme is not None:
         config = dataclasses.replace(config, quantization=scheme)
     # act-order's per-column groups differ between q, k and v: they stay apart
-    if fuse_projections(placement) and not (scheme and scheme.act_order):
+    if fuse_projections(placement) and not (scheme and scheme.act_order) and lora is None:
         config = dataclasses.replace(config, fused_projections=True)
     return module.clone(config=config), config
 

@@ -24,6 +24,7 @@ from jaxengine.loader.errors import CheckpointError
 from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import KV_SCALES, kv_cache_shape
 from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_param_path
+from jaxengine.models.layers.lora import LORA_LEAVES
 from jaxengine.models.layers.quant import METHODS, quantize
 from jaxengine.models.metadata import AttentionMetadata
 
@@ -107,6 +108,8 @@ def _dummy_kind(name: str, spec: tuple, dtype: Any, scheme: Any) -> str:
         return "zeros"
     if name in KV_SCALES:
         return "ones"
+    if name in LORA_LEAVES:  # empty adapter slots
+        return "zeros"
     if spec in (("norm",), ("head_dim",)):
         return "norm"
     if np.dtype(dtype) == np.uint8:
@@ -207,7 +210,7 @@ def params_from_tensors(
         done.add(index if isinstance(index, int) else index.start)
         if len(done) == parts:
             _fill(out, path, buffers.pop(path), leaf, placement, config.quantization)
-    _default_kv_scales(out, placement)
+    _default_leaves(out, placement, shapes=shapes)
     missing = list(_unfilled(out))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -217,13 +220,19 @@ def params_from_tensors(
     return out
 
 
-def _default_kv_scales(out: dict, placement: Any, path: tuple[str, ...] = ()) -> None:
+def _default_leaves(out: dict, placement: Any, path: tuple[str, ...] = (), shapes=None) -> None:
+    """Fills what no checkpoint holds: KV scales of 1, and empty LoRA slots (zeros,
+    shaped and typed as ``shapes`` says)."""
     for key, value in out.items():
         if isinstance(value, dict):
-            _default_kv_scales(value, placement, (*path, key))
+            _default_leaves(value, placement, (*path, key), shapes)
         elif value is None and key in KV_SCALES:
             sharding = _leaf_of(placement, (*path, key)) if placement else None
             out[key] = place(np.ones((), np.float32), np.float32, sharding)
+        elif value is None and key in LORA_LEAVES:
+            leaf = _leaf_of(shapes, (*path, key))
+            sharding = _leaf_of(placement, (*path, key)) if placement else None
+            out[key] = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
 
 
 def _fill(

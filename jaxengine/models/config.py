@@ -110,6 +110,9 @@ class TransformerConfig:
     kv_cache_scales: bool = False
     """Attention layers hold per-tensor ``k_scale`` and ``v_scale`` (an fp8 KV cache):
     the cache stores ``k / k_scale`` and ``v / v_scale``."""
+    lora: Any = None
+    """Adapter slots on every attention and dense-MLP projection (a
+    `layers.lora.LoRASpec`), None without LoRA."""
     fused_projections: bool = False
     """q/k/v run as one matmul over ``self_attn.qkv_proj`` and the dense MLP's gate/up
     as one over ``mlp.gate_up_proj``, weights concatenated along their output rows

@@ -76,7 +76,9 @@ class Gemma3DecoderLayer(nn.Module):
         attn = Attention(cfg, self.spec, **(self.attention_kwargs or {}), name="self_attn")
         h, kv_cache = attn(RMSNorm(**norm, name="input_layernorm")(x), positions, kv_cache, md)
         x = x + RMSNorm(**norm, name="post_attention_layernorm")(h)
-        h = GatedMLP(cfg, name="mlp")(RMSNorm(**norm, name="pre_feedforward_layernorm")(x))
+        h = GatedMLP(cfg, name="mlp")(
+            RMSNorm(**norm, name="pre_feedforward_layernorm")(x), md.lora_slots
+        )
         return x + RMSNorm(**norm, name="post_feedforward_layernorm")(h), kv_cache
 
 

@@ -29,3 +29,4 @@ class AttentionMetadata:
     page_table: jax.Array  # [R, M] int32: page ids per request
     slot_mapping: jax.Array  # [T] int32: page * page_size + offset for each token
     num_seqs: jax.Array  # [] int32: number of real requests
+    lora_slots: jax.Array | None = None  # [T] int32: each token's adapter slot (0: none)

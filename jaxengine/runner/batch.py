@@ -25,6 +25,7 @@ class SeqChunk:
     token_ids: Sequence[int]
     num_computed: int
     page_ids: Sequence[int]
+    lora_slot: int = 0  # its adapter's slot (`models.layers.lora`; 0: the base model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +41,12 @@ class PackedBatch:
     num_seqs: np.ndarray  # [] int32
     logits_indices: np.ndarray  # [R] int32: last new token of each request
     feed_rows: np.ndarray  # [T] int32: row of the previous step's sampled ids, or -1
+    lora_slots: np.ndarray  # [T] int32: each token's adapter slot (0: none, and padding)
 
     def metadata_fields(self) -> dict[str, np.ndarray]:
         """The fields of `AttentionMetadata`, by name."""
         names = ("seq_lens", "query_start_loc", "page_table", "slot_mapping", "num_seqs")
+        names += ("lora_slots",)
         return {name: getattr(self, name) for name in names}
 
 
@@ -66,8 +69,7 @@ def pack_batch(
             f"{len(chunks)} requests with {total} tokens do not fit a bucket of "
             f"{num_reqs} requests and {num_tokens} tokens"
         )
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
+    token_ids, positions, lora_slots = np.zeros((3, num_tokens), np.int32)
     slot_mapping = np.full(num_tokens, NULL_PAGE * page_size, np.int32)
     seq_lens = np.zeros(num_reqs, np.int32)
     query_start_loc = np.zeros(num_reqs + 1, np.int32)
@@ -89,6 +91,7 @@ def pack_batch(
         positions[start:end] = pos
         slot_mapping[start:end] = pages[pos // page_size] * page_size + pos % page_size
         seq_lens[r] = seq_len
+        lora_slots[start:end] = chunk.lora_slot
         page_table[r, : len(pages)] = pages
         logits_indices[r] = max(end - 1, 0)
         start = end
@@ -104,4 +107,5 @@ def pack_batch(
         num_seqs=np.asarray(len(chunks), np.int32),
         logits_indices=logits_indices,
         feed_rows=np.full(num_tokens, -1, np.int32),
+        lora_slots=lora_slots,
     )

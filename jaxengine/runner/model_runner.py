@@ -42,6 +42,7 @@ from jaxengine.runner.batch import PackedBatch, SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
 from jaxengine.runner.kv_scales import with_kv_scales
+from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.runner.program import Caches, Params, StageProgram, abstract_like
 from jaxengine.runner.request_table import RequestState, RequestTable
 from jaxengine.runner.sampler_functions import SamplerFunctions
@@ -111,8 +112,11 @@ class ModelRunner:
         params: Params,
         settings: RunnerSettings,
         sampler: SamplerFunctions,
+        lora: LoRASlots | None = None,
     ) -> None:
+        """``lora``: the adapter slots (``--enable-lora``), None without LoRA."""
         self.program = program
+        self.lora = lora
         self.settings = settings
         self.sampler = sampler
         self.params = program.place_params(params)
@@ -175,6 +179,8 @@ class ModelRunner:
         in the order traffic meets them: small batches first, greedy first."""
         caches = abstract_like(self.kv_caches)  # the real ones are donated by each step
         jobs, sizes = [], set()
+        if self.lora is not None:
+            jobs.append((("lora_write",), lambda: self.lora.precompile(self.params)))
         if self.calibrate_kv:
             largest = self.buckets.buckets[-1]
             batch = self._pack([], largest)
@@ -227,7 +233,8 @@ class ModelRunner:
                 return PendingStep(self, out, [], [], [], [], [], None)
             states = [self.table[r] for r in order]
             feed, self._feed = self._feed, None
-            chunks, fed = self._chunks(out, order, states, feed)
+            slots = self._lora_slots(states)
+            chunks, fed = self._chunks(out, order, states, feed, slots)
             sampling = self._sampling_rows(out, order, states, fed)
             groups = self.program.micro_batches([len(c.token_ids) for c in chunks])
             if len(groups) > 1 and any(f is not None for f in fed):
@@ -241,13 +248,24 @@ class ModelRunner:
                 self._feed = _Feed(launched[0].result[0], rows) if rows else None
             return PendingStep(self, out, order, states, chunks, launched, sampling, self._feed)
 
-    def _chunks(self, out: SchedulerOutput, order: list[str], states: list, feed: _Feed | None):
-        """Each request's `SeqChunk` (its computed count advanced past it) and the row
-        of ``feed`` that gives its last token's id, or None when the id is known."""
+    def _lora_slots(self, states: list[RequestState]) -> list[int]:
+        """Each request's adapter slot, the adapters it needs written in first."""
+        if self.lora is None:
+            return [0] * len(states)
+        self.compiles.ensure(("lora_write",))
+        self.params, slots = self.lora.assign(self.params, [s.lora_request for s in states])
+        return slots
+
+    def _chunks(self, out: SchedulerOutput, order: list[str], states: list, feed, slots: list):
+        """Each request's `SeqChunk` (its computed count advanced past it, its adapter
+        slot set) and the row of ``feed`` (a `_Feed` or None) that gives its last
+        token's id, or None when the id is known."""
         chunks, fed = [], []
-        for req_id, state in zip(order, states, strict=True):
+        for req_id, state, slot in zip(order, states, slots, strict=True):
             n = out.num_scheduled_tokens[req_id]
             chunk = self.table.chunk(state, n)
+            if slot:
+                chunk = dataclasses.replace(chunk, lora_slot=slot)
             row = None
             if len(chunk.token_ids) < n:
                 row = None if feed is None else feed.rows.get(req_id)

@@ -11,6 +11,7 @@ rows as views. Numpy only.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,7 @@ class RequestState:
     row: int  # its row of the block table
     num_pages: int = 0
     num_computed: int = 0
+    lora_request: Any = None  # its `LoRARequest`, None for the base model
 
     @property
     def output_ids(self) -> list[int]:
@@ -65,6 +67,7 @@ class RequestTable:
                 seed=seed,
                 row=self._take_row(),
                 num_computed=new.num_computed_tokens,
+                lora_request=new.lora_request,
             )
             self._set_pages(state, new.block_ids, append=False)
             self.requests[new.req_id] = state

@@ -110,6 +110,12 @@ VALID_FLAGS = [
      {"disable_any_whitespace": True}),
     (["--reasoning-parser", "qwen3"], "reasoning_parser", "qwen3"),
     (["--reasoning-parser-plugin", "my_parsers.py"], "reasoning_parser_plugin", "my_parsers.py"),
+    (["--enable-lora"], "enable_lora", True),
+    (["--enable-lora", "--max-loras", "4"], "max_loras", 4),
+    (["--enable-lora", "--max-lora-rank", "64"], "max_lora_rank", 64),
+    (["--enable-lora", "--max-cpu-loras", "8"], "max_cpu_loras", 8),
+    (["--enable-lora", "--lora-dtype", "bfloat16"], "lora_dtype", "bfloat16"),
+    (["--enable-lora", "--fully-sharded-loras"], "fully_sharded_loras", True),
 ]  # fmt: skip
 
 

@@ -72,7 +72,7 @@ def extend_block_hashes(
     num_tokens: int,
     block_size: int,
     hash_fn: HashFn,
-    cache_salt: str | None = None,
+    cache_salt: Any = None,
 ) -> list[BlockHash]:
     """Append the hashes of the full blocks in `token_ids[:num_tokens]` not yet hashed.
 

@@ -88,7 +88,7 @@ class KVCacheManager:
             num_tokens,
             self.block_size,
             self.hash_fn,
-            request.cache_salt,
+            request.prefix_salt,
         )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

@@ -52,7 +52,7 @@ class Attention(nn.Module):
         cfg = self.config
         num_tokens = x.shape[0]
         hq, d = cfg.num_heads, cfg.head_dim
-        q, k, v = _project_qkv(x, cfg)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        q, k, v = _project_qkv(x, cfg, md.lora_slots)  # [T, Hq, D], [T, Hkv, D] x 2
         if cfg.qk_norm:
             norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
             q = RMSNorm(**norm, axis_name="head_dim", name="q_norm")(q)
@@ -87,9 +87,10 @@ class Attention(nn.Module):
             cfg.o_bias,
             cfg.dtype,
             cfg.quantization,
+            cfg.lora,
             name="o_proj",
         )
-        return o_proj(out.reshape(num_tokens, hq * d)), kv_cache
+        return o_proj(out.reshape(num_tokens, hq * d), md.lora_slots), kv_cache
 
 
 def _kv_amax(k: jax.Array, v: jax.Array, md: AttentionMetadata) -> jax.Array:
@@ -109,11 +110,12 @@ def qkv_rows(config: TransformerConfig) -> tuple[int, int, int]:
     return config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d
 
 
-def _project_qkv(x: jax.Array, cfg: TransformerConfig) -> tuple[jax.Array, ...]:
+def _project_qkv(x: jax.Array, cfg: TransformerConfig, lora_slots=None) -> tuple[jax.Array, ...]:
     """q, k, v as ``[T, heads, D]``: three matmuls, or one over the fused ``qkv_proj``.
 
     The fused weight keeps the ``q_heads`` logical axis on its rows; that is right
-    only unsplit (tensor size 1), which is when the loader fuses."""
+    only unsplit (tensor size 1), which is when the loader fuses (never with LoRA:
+    adapters hold q, k and v apart)."""
     num_tokens, d = x.shape[0], cfg.head_dim
     rows = qkv_rows(cfg)
     if cfg.fused_projections:
@@ -130,7 +132,9 @@ def _project_qkv(x: jax.Array, cfg: TransformerConfig) -> tuple[jax.Array, ...]:
     else:
         names = (("q_proj", "q_heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads"))
         parts = [
-            Linear(n, (axis, "embed"), cfg.qkv_bias, cfg.dtype, cfg.quantization, name=name)(x)
+            Linear(
+                n, (axis, "embed"), cfg.qkv_bias, cfg.dtype, cfg.quantization, cfg.lora, name=name
+            )(x, lora_slots)
             for n, (name, axis) in zip(rows, names, strict=True)
         ]
     return tuple(p.reshape(num_tokens, p.shape[-1] // d, d) for p in parts)

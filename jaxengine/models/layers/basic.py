@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.models.layers import quant
+from jaxengine.models.layers.lora import LoRASpec, lora_delta
 
 _INIT_STD = 0.02
 
@@ -26,17 +27,20 @@ class Linear(nn.Module):
     """``y = x @ weight.T (+ bias)`` with ``weight: [out, in]``.
 
     ``quant`` (a `layers.quant.QuantScheme`): ``weight`` holds quantized values and
-    ``weight_scale`` (and the scheme's other leaves) how to scale them."""
+    ``weight_scale`` (and the scheme's other leaves) how to scale them. ``lora`` (a
+    `layers.lora.LoRASpec`): adapter slots ``lora_a``/``lora_b``, applied per token
+    by ``lora_slots [T]`` when given (`layers.lora.lora_delta`)."""
 
     features: int
     axes: tuple[str, str]  # logical names of (out, in)
     use_bias: bool = False
     dtype: Any = jnp.float32
     quant: quant.QuantScheme | None = None
+    lora: LoRASpec | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, in] -> [T, out]
-        shape = (self.features, x.shape[-1])
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
+        shape = (self.features, x.shape[-1])  # x: [T, in] -> [T, out]
         if self.quant is None:
             init = nn.with_logical_partitioning(_normal(), self.axes)
             weight = self.param("weight", init, shape, self.dtype)
@@ -44,6 +48,10 @@ class Linear(nn.Module):
         else:
             leaves = quantized_params(self, "weight", shape, self.axes, self.quant)
             y = quant.quantized_linear(x, leaves, self.quant, self.dtype)
+        if self.lora is not None:
+            a, b = lora_params(self, shape, self.axes, self.lora)
+            if lora_slots is not None:
+                y = y + lora_delta(x, lora_slots, a, b).astype(y.dtype)
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -67,6 +75,20 @@ def quantized_params(
         init = nn.with_logical_partitioning(fill, leaf_axes)
         leaves[suffix] = module.param(name + suffix, init, leaf_shape, dtype)
     return leaves
+
+
+def lora_params(module: nn.Module, shape: tuple, axes: tuple, spec: LoRASpec):
+    """Declares the adapter slots of a ``[out, in]`` weight: ``lora_a [S, r, in]`` and
+    ``lora_b [S, out, r]``, zero until adapters are written in. A's rank rows are
+    split over the tensor axis only with ``fully_sharded`` and an unsplit input
+    (a column-parallel projection; `sharding.rules`)."""
+    (out, inp), (out_axis, in_axis) = shape, axes
+    rank_axis = "lora_rank" if spec.fully_sharded and in_axis == "embed" else None
+    a_init = nn.with_logical_partitioning(nn.initializers.zeros, ("lora", rank_axis, in_axis))
+    b_init = nn.with_logical_partitioning(nn.initializers.zeros, ("lora", out_axis, None))
+    a = module.param("lora_a", a_init, (spec.num_slots, spec.max_rank, inp), spec.dtype)
+    b = module.param("lora_b", b_init, (spec.num_slots, out, spec.max_rank), spec.dtype)
+    return a, b
 
 
 class Embed(nn.Module):

@@ -39,10 +39,8 @@ class DecoderLayer(nn.Module):
         x = x + h
         h = RMSNorm(**norm, name="post_attention_layernorm")(x)
         if self.spec.moe:
-            mlp = SparseMoE(cfg, **(self.moe_kwargs or {}), name="mlp")
-        else:
-            mlp = GatedMLP(cfg, name="mlp")
-        return x + mlp(h), kv_cache
+            return x + SparseMoE(cfg, **(self.moe_kwargs or {}), name="mlp")(h), kv_cache
+        return x + GatedMLP(cfg, name="mlp")(h, md.lora_slots), kv_cache
 
 
 class DecoderModel(nn.Module):

@@ -25,14 +25,15 @@ class GatedMLP(nn.Module):
     intermediate_size: int | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, H] -> [T, H]
-        cfg = self.config
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
+        cfg = self.config  # x: [T, H] -> [T, H]; lora_slots: `layers.lora`
         width = self.intermediate_size or cfg.intermediate_size
 
         def proj(rows: int, name: str) -> jax.Array:
             return Linear(
-                rows, ("mlp", "embed"), cfg.mlp_bias, cfg.dtype, cfg.quantization, name=name
-            )(x)
+                rows, ("mlp", "embed"), cfg.mlp_bias, cfg.dtype, cfg.quantization, cfg.lora,
+                name=name,
+            )(x, lora_slots)  # fmt: skip
 
         if cfg.fused_projections:  # rows [gate; up], one matmul, split after
             gate, up = jnp.split(proj(2 * width, "gate_up_proj"), 2, axis=-1)  # [T, I] each
@@ -45,9 +46,10 @@ class GatedMLP(nn.Module):
             cfg.mlp_bias,
             cfg.dtype,
             cfg.quantization,
+            cfg.lora,
             name="down_proj",
         )
-        return down(hidden)
+        return down(hidden, lora_slots)
 
 
 def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, act, first_expert=0, scales=None):
