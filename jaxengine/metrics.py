@@ -12,6 +12,11 @@ After every engine step the engine hands each stat logger the scheduler's snapsh
   stays quiet. With data parallelism each replica has its own, its lines prefixed
   ``Engine 000:`` as in vLLM.
 
+With LoRA on (``SchedulerStats.max_lora`` > 0) there is also vLLM's
+``lora_requests_info``: one series per engine, labelled ``max_lora`` and the
+comma-joined names of the adapters with ``running_lora_adapters`` and
+``waiting_lora_adapters`` requests, whose value is the time of the latest snapshot.
+
 `SchedulerStats` counters (preemptions, prefix-cache queries and hits) are cumulative;
 both loggers turn them into deltas. A value lower than the last one seen means the
 source was reset (e.g. a new scheduler): the new value itself is then the delta.
@@ -170,11 +175,24 @@ class PrometheusStatLogger:
             )
             for index in engine_indexes
         }
+        self._lora_info: Gauge | None = None  # registered on the first LoRA snapshot
 
     def _make(self, cls: type, name: str, help_: str, buckets=None):
         """One metric labelled with the model's name and the engine's index."""
         kwargs = {} if buckets is None else {"buckets": buckets}
         return cls(PREFIX + name, help_, _LABELS, registry=self.registry, **kwargs)
+
+    def _lora_gauge(self) -> Gauge:
+        """vLLM's ``lora_requests_info`` (the caller holds the lock); registered only
+        once LoRA shows up, so a server without it exposes no empty family."""
+        if self._lora_info is None:
+            self._lora_info = Gauge(
+                PREFIX + "lora_requests_info",
+                "Running stats on lora requests.",
+                (*_LABELS, *_LORA_LABELS),
+                registry=self.registry,
+            )
+        return self._lora_info
 
     def for_engine(self, engine_idx: int) -> _EngineStatLogger:
         """A stat logger that records into this one as engine ``engine_idx``."""
@@ -193,11 +211,14 @@ class PrometheusStatLogger:
         if scheduler_stats is not None:
             with self._lock:
                 metrics.record_scheduler(scheduler_stats)
+                if scheduler_stats.max_lora > 0:
+                    metrics.record_lora(scheduler_stats, self._lora_gauge(), time.time())
         if iteration_stats is not None:
             metrics.record_iteration(iteration_stats)
 
 
 _LABELS = ("model_name", "engine")
+_LORA_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
 
 
 @dataclasses.dataclass
@@ -210,6 +231,8 @@ class _EngineMetrics:
     step: dict
     success: dict  # finish reason -> counter child
     last_cumulative: dict
+    labels: tuple[str, str] = ("", "")  # (model_name, engine)
+    lora_labels: tuple[str, ...] | None = None  # of the engine's lora_requests_info series
 
     @classmethod
     def of(cls, labels, gauges, cumulative, request_histograms, step, success) -> _EngineMetrics:
@@ -224,6 +247,7 @@ class _EngineMetrics:
             # every reason exposed from the start, at 0
             success={reason: success.labels(*labels, reason) for reason in FINISH_REASONS},
             last_cumulative={field: 0 for _, field, _ in _CUMULATIVE_COUNTERS},
+            labels=labels,
         )
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
@@ -234,6 +258,22 @@ class _EngineMetrics:
             current = getattr(stats, field)
             counter.inc(_delta(current, self.last_cumulative[field]))
             self.last_cumulative[field] = current
+
+    def record_lora(self, stats: SchedulerStats, gauge: Gauge, now: float) -> None:
+        """Sets this engine's ``lora_requests_info`` series to ``now`` (the caller
+        holds the lock). Unlike vLLM, which keeps every label set it has seen, a new
+        set of adapters replaces the engine's previous series: the family stays one
+        series per engine however many adapter combinations come and go."""
+        labels = (
+            *self.labels,
+            str(stats.max_lora),
+            ",".join(sorted(stats.waiting_lora_adapters)),
+            ",".join(sorted(stats.running_lora_adapters)),
+        )
+        if self.lora_labels is not None and self.lora_labels != labels:
+            gauge.remove(*self.lora_labels)
+        gauge.labels(*labels).set(now)
+        self.lora_labels = labels
 
     def record_iteration(self, stats: IterationStats) -> None:
         step = self.step

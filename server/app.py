@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI routes, tokenization, health, metrics, and middleware.
 
 `build_app(engine, args)` wires the handlers to an `EngineClient` (an `AsyncLLM`, or
-a `DPAsyncLLM` with ``--data-parallel-size`` > 1); `server/launch.py` serves it with
-uvicorn. Every error leaves the app in OpenAI's error shape (see `server/errors.py`);
-none of them stops the server.
+a `DPAsyncLLM` with ``--data-parallel-size`` > 1); `server/launch.py` adds the
+``--lora-modules`` adapters (`server/lora.py`) and serves it with uvicorn. Every
+error leaves the app in OpenAI's error shape (see `server/errors.py`); none of them
+stops the server.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxengine.entrypoints.client import EngineClient, EngineDeadError
 from jaxengine.version import __version__
 from server.errors import APIError, error_response, validation_message
+from server.lora import add_lora_routes, runtime_updating_allowed
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -125,6 +127,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> N
     _add_generation_routes(app, ctx, chat)
     _add_token_routes(app, ctx, chat)
     _add_status_routes(app, ctx, metrics, args)
+    if runtime_updating_allowed():
+        if ctx.engine.config.lora_config.enable_lora:
+            add_lora_routes(app, ctx.models)
+        else:
+            logger.warning("runtime LoRA updating is allowed, but LoRA is off (--enable-lora)")
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:
@@ -141,22 +148,7 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler)
 
     @app.get("/v1/models")
     async def show_models():
-        root = ctx.engine.config.model_config.model
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "jaxengine",
-                    "root": root,
-                    "parent": None,
-                    "max_model_len": ctx.engine.max_model_len,
-                }
-                for name in ctx.options.served_model_names
-            ],
-        }
+        return {"object": "list", "data": ctx.models.cards()}
 
 
 def _add_token_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:

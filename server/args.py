@@ -12,6 +12,7 @@ from typing import Any
 
 from jaxengine.config.arg_utils import parse_json
 from jaxengine.engine_args import EngineArgs
+from server.lora import check_lora_modules, parse_lora_module
 
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -41,6 +42,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_http_args(g.add_argument)
     _add_api_args(g.add_argument)
     _add_tool_args(g.add_argument)
+    add_lora_args(g.add_argument)
     _add_logging_args(g.add_argument)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL, background_compile=True)
@@ -135,6 +137,21 @@ def _add_tool_args(add: Any) -> None:
     )
 
 
+def add_lora_args(add: Any) -> None:
+    """LoRA adapters served from start-up (vLLM's flag)."""
+    add(
+        "--lora-modules",
+        type=parse_lora_module,
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="MODULE",
+        help="LoRA adapters to serve (needs --enable-lora), each as name=path or as JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request selects one by '
+        "its name in the model field. May be repeated",
+    )
+
+
 def _add_logging_args(add: Any) -> None:
     """Logs, stats and headless nodes."""
     add("--max-log-len", type=int, default=None, help="characters of prompt text to log")
@@ -153,12 +170,14 @@ def _add_logging_args(add: Any) -> None:
 
 def check_server_args(args: argparse.Namespace) -> None:
     """Frontend flags that cannot work (ValueError), checked before the engine loads:
-    auto tool choice without a parser, an unknown parser name, a broken plugin."""
+    auto tool choice without a parser, an unknown parser name, a broken plugin,
+    ``--lora-modules`` without ``--enable-lora`` or with a name twice."""
     from server.serving import tool_parser_class
 
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser to be set")
     tool_parser_class(args.tool_call_parser, args.tool_parser_plugin)
+    check_lora_modules(getattr(args, "lora_modules", []), getattr(args, "enable_lora", False))
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -133,6 +134,14 @@ def uvicorn_config(app, args: argparse.Namespace):
     )
 
 
+async def _serve(server: Any, models: Any, lora_modules: Sequence[Any], where: str) -> None:
+    """Adds the ``--lora-modules`` adapters (a bad one raises: no socket was opened),
+    then serves until interrupted."""
+    await models.add_static(lora_modules)
+    logger.info("serving %s at %s", [card["id"] for card in models.cards()], where)
+    await server.serve()
+
+
 def serve(args: argparse.Namespace) -> int:
     """Runs `jaxengine serve` until interrupted."""
     import uvicorn
@@ -149,8 +158,8 @@ def serve(args: argparse.Namespace) -> int:
         app = build_app(engine, args, metrics=metrics, stats_logs=stats_logs)
         server = uvicorn.Server(uvicorn_config(app, args))
         where = args.uds or f"http://{args.host or '0.0.0.0'}:{args.port}"
-        logger.info("serving %s at %s", engine.config.model_config.served_model_names, where)
-        asyncio.run(server.serve())
+        modules = getattr(args, "lora_modules", [])
+        asyncio.run(_serve(server, app.state.ctx.models, modules, where))
     finally:
         engine.shutdown()
     return 0

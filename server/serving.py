@@ -19,9 +19,11 @@ from starlette.requests import Request
 
 from jaxengine.engine.llm_engine import PreparedPrompt
 from jaxengine.entrypoints.client import EngineClient
+from jaxengine.lora import LoRARequest
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from server.errors import APIError, error_body
+from server.lora import ServingModels
 from server.protocol import GENERATION_CONFIG_DEFAULTS
 
 logger = logging.getLogger("jaxengine.server")
@@ -52,11 +54,15 @@ class ServerOptions:
 
 
 class ServingContext:
-    """The engine (one, or several data-parallel replicas) and options behind every handler."""
+    """The engine (one, or several data-parallel replicas) and options behind every
+    handler, and the model names (served names and LoRA adapters) requests address."""
 
-    def __init__(self, engine: EngineClient, options: ServerOptions) -> None:
+    def __init__(
+        self, engine: EngineClient, options: ServerOptions, models: ServingModels | None = None
+    ) -> None:
         self.engine = engine
         self.options = options
+        self.models = models or ServingModels(engine, options.served_model_names)
         self.tokenizer = engine.tokenizer
         gen = engine.generation_config or {}
         self.default_sampling = {
@@ -94,12 +100,13 @@ class ServingContext:
         return self.options.served_model_names[0]
 
     def check_model(self, name: str | None) -> str:
-        """The served name a request addresses; 404 for an unknown one."""
-        if name is None or name == "":
-            return self.model_name
-        if name not in self.options.served_model_names:
-            raise APIError(f"The model `{name}` does not exist.", 404, "model")
-        return name
+        """The name a request addresses (a served name or a LoRA adapter's); 404 for
+        an unknown one."""
+        return self.models.resolve(name)[0]
+
+    def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """(the name to echo, the LoRA adapter it runs with or None); 404 if unknown."""
+        return self.models.resolve(name)
 
     def need_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -118,9 +125,15 @@ class ServingContext:
                 text = self.tokenizer.decode(prompt)
         return {"prompt": text, "prompt_token_ids": list(prompt)}
 
-    def prepare(self, prompts: Sequence[dict], params: SamplingParams) -> list[PreparedPrompt]:
-        """Validates every prompt (ValueError -> 400) before any is queued."""
-        return [self.engine.prepare(p, params) for p in prompts]
+    def prepare(
+        self,
+        prompts: Sequence[dict],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> list[PreparedPrompt]:
+        """Validates every prompt (ValueError -> 400) before any is queued; the
+        prepared prompts carry ``lora_request`` (None: the base model)."""
+        return [self.engine.prepare(p, params, lora_request=lora_request) for p in prompts]
 
     def log_request(self, request_id: str, prepared: Sequence[PreparedPrompt]) -> None:
         if not self.options.enable_log_requests:

@@ -79,8 +79,8 @@ class ChatHandler:
 
     async def create(self, request: ChatCompletionRequest, raw_request=None):
         ctx = self.ctx
-        model = ctx.check_model(request.model)
         choice = resolve_tool_choice(request, ctx.auto_tool_choice)
+        model, lora = ctx.resolve_model(request.model)
         tool_parser = ctx.tool_parser() if choice.mode == "auto" else None
         if tool_parser is not None:
             request = tool_parser.adjust_request(request)
@@ -91,7 +91,7 @@ class ChatHandler:
             ctx.default_sampling,
             {"structured_outputs": self._constraint(request, choice)},
         )
-        prepared = ctx.prepare([{"prompt_token_ids": ids}], params)
+        prepared = ctx.prepare([{"prompt_token_ids": ids}], params, lora)
         request_id = request.request_id or R.random_id("chatcmpl")
         ctx.log_request(request_id, prepared)
         streams = ctx.streams(request_id, prepared, request.priority)

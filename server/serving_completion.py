@@ -25,7 +25,7 @@ class CompletionHandler:
     async def create(self, request: CompletionRequest, raw_request=None):
         """A response dict, or an async iterator of SSE lines when streaming."""
         ctx = self.ctx
-        model = ctx.check_model(request.model)
+        model, lora = ctx.resolve_model(request.model)
         logprobs = request.logprobs
         extra: dict[str, Any] = {
             "structured_outputs": structured_outputs_params(request, ctx.structured_config)
@@ -34,7 +34,7 @@ class CompletionHandler:
             extra["prompt_logprobs"] = logprobs
         params = request.sampling_params(request.max_tokens, logprobs, ctx.default_sampling, extra)
         prompts = [ctx.tokenize(p, request.add_special_tokens) for p in request.prompts()]
-        prepared = ctx.prepare(prompts, params)
+        prepared = ctx.prepare(prompts, params, lora)
         request_id = request.request_id or R.random_id("cmpl")
         ctx.log_request(request_id, prepared)
         streams = ctx.streams(request_id, prepared, request.priority)

@@ -15,7 +15,7 @@ import sys
 
 def register(subparsers) -> None:
     from jaxengine.engine_args import EngineArgs
-    from server.args import CONTENT_FORMATS
+    from server.args import CONTENT_FORMATS, add_lora_args
 
     parser = subparsers.add_parser(
         "run-batch",
@@ -31,6 +31,7 @@ def register(subparsers) -> None:
     add("--enable-prompt-tokens-details", action="store_true")
     add("--max-log-len", type=int, default=None)
     add("--enable-log-requests", action="store_true")
+    add_lora_args(add)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run, enable_force_include_usage=False)
 
@@ -60,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxengine.engine_args import EngineArgs
     from jaxengine.entrypoints.dp_async_llm import async_engine_from_args
     from server.app import server_options
+    from server.lora import check_lora_modules
     from server.run_batch import run_batch
     from server.serving import ServingContext
 
@@ -68,12 +70,18 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"run-batch: cannot read {args.input_file}: {e}", file=sys.stderr)
         return 1
+    check_lora_modules(args.lora_modules, args.enable_lora)
     engine = async_engine_from_args(EngineArgs.from_cli_args(args))
     try:
         ctx = ServingContext(engine, server_options(args, engine))
         count = sum(1 for line in lines if line.strip())
+
+        async def with_adapters(bar):
+            await ctx.models.add_static(args.lora_modules)  # a line's model may name one
+            return await run_batch(ctx, lines, bar)
+
         with tqdm(total=count, desc="Running batch", disable=args.output_file == "-") as bar:
-            records = asyncio.run(run_batch(ctx, lines, bar))
+            records = asyncio.run(with_adapters(bar))
     finally:
         engine.shutdown()
     _write(args.output_file, [json.dumps(r, ensure_ascii=False) for r in records])
