@@ -86,7 +86,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "(bench/structured.py)",
     )
     parser.add_argument(
-        "--rounds", type=positive_int, default=2, help="rounds of --structured-outputs"
+        "--lora",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="jaxengine alone: the base model against an engine with --max-loras N whose "
+        "requests go round-robin over N random adapters, alternated for --rounds rounds "
+        "(bench/lora.py)",
+    )
+    parser.add_argument(
+        "--lora-rank", type=positive_int, default=16, help="rank of the --lora adapters"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=2,
+        help="rounds of --structured-outputs or --lora",
     )
 
 
@@ -156,6 +171,10 @@ def run(args: argparse.Namespace, command: str) -> int:
         from bench.structured import run_structured
 
         return run_structured(args, files, prompts, command)
+    if args.lora:
+        from bench.lora import run_lora
+
+        return run_lora(args, files, prompts, command)
     opts = PeerOptions(
         model=files,
         threads=args.threads,

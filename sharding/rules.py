@@ -32,7 +32,7 @@ TENSOR_PARALLEL_RULES: Rules = (
     ("norm", None),
     ("head_dim", None),
     ("lora", None),  # adapter slots
-    ("lora_rank", None),  # A's rank rows of a column-parallel projection
+    ("lora_rank", None),  # A's slot columns of a column-parallel projection
 )
 
 
@@ -44,7 +44,7 @@ def make_rules(
 ) -> Rules:
     """The rules for one engine: experts over `tensor` with expert parallelism, KV
     projections replicated when there are fewer KV heads than tensor devices, and
-    LoRA A's rank rows over `tensor` with ``--fully-sharded-loras``."""
+    LoRA A's slot columns over `tensor` with ``--fully-sharded-loras``."""
     table = dict(TENSOR_PARALLEL_RULES)
     if fully_sharded_loras:
         table["lora_rank"] = "tensor"

@@ -29,8 +29,8 @@ class LoRAConfig:
     """Data type for LoRA. If auto, will default to base model dtype."""
     fully_sharded_loras: bool = False
     """By default, only half of the LoRA computation is sharded with tensor
-    parallelism (B's output rows of q/k/v/gate/up, A's input columns of o/down).
-    Enabling this shards A's rank rows of q/k/v/gate/up too, gathering the small
+    parallelism (B's output columns of q/k/v/gate/up, A's input rows of o/down).
+    Enabling this shards A's slot columns of q/k/v/gate/up too, gathering the small
     rank-wide activations instead of holding A whole on every device."""
 
     def __post_init__(self) -> None:

@@ -1,9 +1,11 @@
 """Writing LoRA adapters into the device's adapter slots, between steps.
 
 The slots are parameters (`models.layers.lora`): every target projection's
-``lora_a [S, r, in]`` and ``lora_b [S, out, r]``. `LoRASlots.write` replaces one
-slot of every stack in one compiled call (the stacks donated, so XLA updates them in
-place; the slot index is an argument, so any slot uses the same executable), with
+``lora_a [in, L*r]`` and ``lora_b [L*r, out]`` (PEFT's A and B, transposed, one
+block of r columns or rows per slot).
+`LoRASlots.write` replaces one slot of every stack in one compiled call (the stacks
+donated, so XLA updates them in place; the slot index is an argument, so any slot
+uses the same executable), with
 zeros for projections the adapter leaves alone. It is compiled at warm-up: swapping
 adapters never compiles.
 """
@@ -45,7 +47,7 @@ class LoRASlots:
         stacks = tuple(leaves[i] for i in self._index)
         values = self._values(stacks, weights)
         fn = self._compiled or self._write
-        new = fn(stacks, np.int32(slot), values)
+        new = fn(stacks, np.int32(slot - 1), values)  # slot s lives in block s - 1
         for i, leaf in zip(self._index, new, strict=True):
             leaves[i] = leaf
         return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -54,24 +56,34 @@ class LoRASlots:
         """Compiles `write` for these stacks (warm-up)."""
         leaves = jax.tree_util.tree_leaves(params)
         stacks = tuple(leaves[i] for i in self._index)
-        values = tuple(jax.ShapeDtypeStruct(s.shape[1:], np.float32) for s in stacks)
+        values = tuple(jax.ShapeDtypeStruct(self._value_shape(s, i), np.float32)
+                       for i, s in enumerate(stacks))  # fmt: skip
         self._compiled = self._write.lower(stacks, np.int32(0), values).compile()
+
+    def _value_shape(self, stack: Any, i: int) -> tuple[int, int]:
+        """One slot's block of stack ``i`` (A's ``[in, r]``, B's ``[r, out]``)."""
+        rows, cols = stack.shape
+        loras = self.store.max_loras
+        return (rows, cols // loras) if i % 2 == 0 else (rows // loras, cols)
 
     def _values(self, stacks: tuple, weights: Weights) -> tuple[np.ndarray, ...]:
         values = []
         for j, module in enumerate(self.modules):
             pair = weights.get(module)
             for k in range(2):
-                shape = stacks[2 * j + k].shape[1:]
-                values.append(np.zeros(shape, np.float32) if pair is None else pair[k])
+                shape = self._value_shape(stacks[2 * j + k], 2 * j + k)
+                values.append(np.zeros(shape, np.float32) if pair is None else pair[k].T)
         return tuple(values)
 
 
-def _write(stacks, slot, values):
-    return tuple(
-        stack.at[slot].set(value.astype(stack.dtype))
-        for stack, value in zip(stacks, values, strict=True)
-    )
+def _write(stacks, block, values):
+    """Each A's columns and each B's rows of slot block ``block``."""
+    out = []
+    for i, (stack, value) in enumerate(zip(stacks, values, strict=True)):
+        value = value.astype(stack.dtype)
+        start = (0, block * value.shape[1]) if i % 2 == 0 else (block * value.shape[0], 0)
+        out.append(jax.lax.dynamic_update_slice(stack, value, start))
+    return tuple(out)
 
 
 def _stack_indices(params: Any, modules: list[str]) -> list[int]:

@@ -169,8 +169,9 @@ def test_lora_flag_refusals(kwargs, message):
 
 @pytest.mark.parametrize("fully_sharded", [False, True])
 def test_tensor_parallel_matches_one_device(tiny_base, adapters, fully_sharded):
-    """Two tensor devices (B split with the projection's rows, A with o/down's
-    columns; A's rank rows too with --fully-sharded-loras) give the one-device tokens."""
+    """Two tensor devices (B split with the projection's outputs, A with o/down's
+    inputs; A's slot columns too with --fully-sharded-loras) give the one-device
+    tokens."""
     names = [None, "a1", "a3", "a1"]
     loras = [adapters[n][0] if n else None for n in names]
     kwargs = dict(ENGINE_KWARGS, tensor_parallel_size=2, fully_sharded_loras=fully_sharded)

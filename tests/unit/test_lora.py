@@ -31,14 +31,15 @@ TARGETS = {
 def test_lora_delta_matches_the_gather_reference():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((13, 6)).astype(np.float32)
-    a = rng.standard_normal((4, 3, 6)).astype(np.float32)
-    b = rng.standard_normal((4, 5, 3)).astype(np.float32)
-    a[0], b[0] = 0, 0  # slot 0: the base model
-    slots = rng.integers(0, 4, 13).astype(np.int32)
-    got = jax.jit(lora_delta)(x, slots, a, b)
-    np.testing.assert_allclose(got, lora_delta_reference(x, slots, a, b), rtol=1e-5, atol=1e-5)
+    a = rng.standard_normal((6, 4 * 3)).astype(np.float32)  # 4 slots of rank 3
+    b = rng.standard_normal((4 * 3, 5)).astype(np.float32)
+    slots = rng.integers(0, 5, 13).astype(np.int32)  # 0: the base model, 1..4: a slot
+    got = jax.jit(lora_delta, static_argnums=4)(x, slots, a, b, 4)
+    want = lora_delta_reference(x, slots, a, b, 4)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(got)[slots == 0])
-    half = lora_delta(jnp.asarray(x, jnp.bfloat16), slots, a.astype(jnp.bfloat16), b)
+    np.testing.assert_allclose(got[slots == 2], (x @ a[:, 3:6] @ b[3:6])[slots == 2], rtol=1e-5)
+    half = lora_delta(jnp.asarray(x, jnp.bfloat16), slots, a.astype(jnp.bfloat16), b, 4)
     assert half.dtype == jnp.float32
 
 

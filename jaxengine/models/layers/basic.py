@@ -51,7 +51,7 @@ class Linear(nn.Module):
         if self.lora is not None:
             a, b = lora_params(self, shape, self.axes, self.lora)
             if lora_slots is not None:
-                y = y + lora_delta(x, lora_slots, a, b).astype(y.dtype)
+                y = y + lora_delta(x, lora_slots, a, b, self.lora.max_loras).astype(y.dtype)
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -78,16 +78,17 @@ def quantized_params(
 
 
 def lora_params(module: nn.Module, shape: tuple, axes: tuple, spec: LoRASpec):
-    """Declares the adapter slots of a ``[out, in]`` weight: ``lora_a [S, r, in]`` and
-    ``lora_b [S, out, r]``, zero until adapters are written in. A's rank rows are
-    split over the tensor axis only with ``fully_sharded`` and an unsplit input
-    (a column-parallel projection; `sharding.rules`)."""
+    """Declares the adapter slots of a ``[out, in]`` weight: ``lora_a [in, L*r]`` and
+    ``lora_b [L*r, out]`` (`layers.lora`), zero until adapters are written in. A's
+    slot columns are split over the tensor axis only with ``fully_sharded`` and an
+    unsplit input (a column-parallel projection; `sharding.rules`)."""
     (out, inp), (out_axis, in_axis) = shape, axes
+    width = spec.max_loras * spec.max_rank
     rank_axis = "lora_rank" if spec.fully_sharded and in_axis == "embed" else None
-    a_init = nn.with_logical_partitioning(nn.initializers.zeros, ("lora", rank_axis, in_axis))
-    b_init = nn.with_logical_partitioning(nn.initializers.zeros, ("lora", out_axis, None))
-    a = module.param("lora_a", a_init, (spec.num_slots, spec.max_rank, inp), spec.dtype)
-    b = module.param("lora_b", b_init, (spec.num_slots, out, spec.max_rank), spec.dtype)
+    a_init = nn.with_logical_partitioning(nn.initializers.zeros, (in_axis, rank_axis))
+    b_init = nn.with_logical_partitioning(nn.initializers.zeros, ("lora", out_axis))
+    a = module.param("lora_a", a_init, (inp, width), spec.dtype)
+    b = module.param("lora_b", b_init, (width, out), spec.dtype)
     return a, b
 
 
