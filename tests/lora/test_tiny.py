@@ -182,3 +182,17 @@ def test_tensor_parallel_matches_one_device(tiny_base, adapters, fully_sharded):
         assert out.outputs[0].token_ids == hf_greedy(
             _reference(adapters, tiny_base, name), prompt, 10
         )
+
+
+def test_async_scheduling_with_adapters(tiny_base, adapters):
+    """With --async-scheduling, adapters swapping between steps that are in flight
+    still give each request its adapter's tokens."""
+    names = ["a1", "a2", "a3", None, "a4", "a1"]
+    prompts = [PROMPTS[i % 4] for i in range(len(names))]
+    with LLM(model=tiny_base[0], **ENGINE_KWARGS, async_scheduling=True) as llm:
+        outputs = _generate(llm, prompts, [adapters[n][0] if n else None for n in names])
+        assert llm.engine.executor.compiles_after_warmup == 0
+    for prompt, out, name in zip(prompts, outputs, names, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(
+            _reference(adapters, tiny_base, name), prompt, 10
+        )

@@ -33,7 +33,7 @@ class LoRASpec:
     max_rank: int
     dtype: Any = jnp.float32
     fully_sharded: bool = False
-    """A's rank rows are split over the tensor axis for column-parallel projections
+    """A's slot columns are split over the tensor axis for column-parallel projections
     (`sharding.rules`); otherwise A is whole on every device there."""
 
 
