@@ -26,7 +26,6 @@ replica behind a `DPAsyncLLM` (`entrypoints.dp_async_llm`), all sharing its tabl
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import queue
@@ -38,7 +37,7 @@ from typing import Any
 from jaxengine.config import EngineConfig
 from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
 from jaxengine.engine.stats import IterationStats
-from jaxengine.entrypoints.client import EngineDeadError, StatLogger
+from jaxengine.entrypoints.client import EngineDeadError, EngineFront, StatLogger
 from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
@@ -48,7 +47,7 @@ __all__ = ["AsyncLLM", "EngineDeadError"]
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFront):
     """An `LLMEngine` stepped on a background thread, with async per-request streams.
 
     Implements `EngineClient`, and `ReplicaClient` as data-parallel rank ``rank``:
@@ -115,23 +114,6 @@ class AsyncLLM:
             raise EngineDeadError("the engine thread is not running")
 
     # ------------------------------------------------------------------ requests
-
-    def prepare(
-        self, prompt: Any, params: SamplingParams, lora_request: Any = None
-    ) -> PreparedPrompt:
-        """Tokenizes and validates, and reads the LoRA adapter if one is given (raises
-        ValueError, nothing queued)."""
-        return self.engine.prepare(prompt, params, lora_request)
-
-    async def add_lora(self, lora_request: Any) -> bool:
-        """Reads and checks an adapter (off the event loop; `LLMEngine.add_lora`)."""
-        return await asyncio.to_thread(self.engine.add_lora, lora_request)
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        return await asyncio.to_thread(self.engine.remove_lora, lora_id)
-
-    async def list_loras(self) -> set[int]:
-        return self.engine.list_loras()
 
     async def generate(
         self,

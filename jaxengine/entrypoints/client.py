@@ -7,13 +7,15 @@ behind `DPAsyncLLM` is a `ReplicaClient`, the subset that makes sense for one
 replica: an `AsyncLLM` on this node or a `RemoteReplica` on another
 (`entrypoints.dp_remote`).
 
-`dp_async_llm.async_engine` (and `async_engine_from_args`) build the right client
-for a config. This module imports no implementation, so every one of them can
+`EngineFront` holds what both async fronts do the same way (prompt preparation,
+LoRA adapters). `dp_async_llm.async_engine` (and `async_engine_from_args`) build
+the right client for a config. This module imports no implementation, so every one of them can
 import it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +31,31 @@ if TYPE_CHECKING:
 class EngineDeadError(RuntimeError):
     """The engine (or a data-parallel replica) stopped after an error; the server must
     be restarted."""
+
+
+class EngineFront:
+    """What both async fronts (`AsyncLLM`, `DPAsyncLLM`) ask of their ``engine`` (an
+    `LLMEngine` or `DataParallelEngine`) outside its thread: preparing prompts and
+    LoRA adapters."""
+
+    engine: Any
+
+    def prepare(
+        self, prompt: Any, params: SamplingParams, lora_request: Any = None
+    ) -> PreparedPrompt:
+        """Tokenizes and validates, and reads the LoRA adapter if one is given (raises
+        ValueError, nothing queued)."""
+        return self.engine.prepare(prompt, params, lora_request)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Reads and checks an adapter (off the event loop; `LLMEngine.add_lora`)."""
+        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await asyncio.to_thread(self.engine.remove_lora, lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
 
 class StatLogger(Protocol):

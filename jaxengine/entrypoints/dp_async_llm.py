@@ -28,7 +28,6 @@ one module that imports both.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,7 @@ from jaxengine.core.dp_balancer import DPBalancer
 from jaxengine.engine.data_parallel import DataParallelEngine
 from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
 from jaxengine.entrypoints.async_llm import AsyncLLM
-from jaxengine.entrypoints.client import EngineClient, ReplicaClient, StatLogger
+from jaxengine.entrypoints.client import EngineClient, EngineFront, ReplicaClient, StatLogger
 from jaxengine.entrypoints.dp_remote import RemoteReplica
 from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.outputs import RequestOutput
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
     from jaxengine.engine_args import EngineArgs
 
 
-class DPAsyncLLM:
+class DPAsyncLLM(EngineFront):
     """Several replicas (an `AsyncLLM` per local one) used as one `EngineClient`."""
 
     def __init__(
@@ -131,23 +130,6 @@ class DPAsyncLLM:
             await replica.check_health()
 
     # ------------------------------------------------------------------ requests
-
-    def prepare(
-        self, prompt: Any, params: SamplingParams, lora_request: Any = None
-    ) -> PreparedPrompt:
-        """Tokenizes and validates, and reads the LoRA adapter if one is given (raises
-        ValueError, nothing queued)."""
-        return self.engine.prepare(prompt, params, lora_request)
-
-    async def add_lora(self, lora_request: Any) -> bool:
-        """Reads and checks an adapter (off the event loop; `LLMEngine.add_lora`)."""
-        return await asyncio.to_thread(self.engine.add_lora, lora_request)
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        return await asyncio.to_thread(self.engine.remove_lora, lora_id)
-
-    async def list_loras(self) -> set[int]:
-        return self.engine.list_loras()
 
     async def generate(
         self,
