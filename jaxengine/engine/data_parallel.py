@@ -75,10 +75,12 @@ class DataParallelEngine:
         return self.replicas[0].prepare(prompt, params, lora_request)
 
     def add_lora(self, lora_request: Any) -> bool:
-        return all([replica.add_lora(lora_request) for replica in self.replicas])
+        """Adds the adapter on every replica; False when each had it already."""
+        return any([replica.add_lora(lora_request) for replica in self.replicas])
 
     def remove_lora(self, lora_id: int) -> bool:
-        return all([replica.remove_lora(lora_id) for replica in self.replicas])
+        """Forgets the adapter on every replica; False when none knew it."""
+        return any([replica.remove_lora(lora_id) for replica in self.replicas])
 
     def list_loras(self) -> set[int]:
         return self.replicas[0].list_loras()

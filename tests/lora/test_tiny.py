@@ -196,3 +196,16 @@ def test_async_scheduling_with_adapters(tiny_base, adapters):
         assert out.outputs[0].token_ids == hf_greedy(
             _reference(adapters, tiny_base, name), prompt, 10
         )
+
+
+def test_data_parallel_replicas_serve_adapters(tiny_base, adapters):
+    """Two replicas: each reads the adapters its requests need, outputs unchanged."""
+    names = ["a1", "a2", None, "a3", "a1", "a4"]
+    prompts = [PROMPTS[i % 4] for i in range(len(names))]
+    with LLM(model=tiny_base[0], **ENGINE_KWARGS, data_parallel_size=2) as llm:
+        outputs = _generate(llm, prompts, [adapters[n][0] if n else None for n in names])
+        assert llm.remove_lora(adapters["a1"][0].lora_int_id) is True
+    for prompt, out, name in zip(prompts, outputs, names, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(
+            _reference(adapters, tiny_base, name), prompt, 10
+        )
