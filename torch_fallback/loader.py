@@ -41,6 +41,7 @@ def check_fallback(config: EngineConfig) -> None:
         "--async-scheduling": config.scheduler_config.async_scheduling,
         "--quantization": config.model_config.quantization not in (None, "gguf"),
         "--kv-cache-dtype": cache.kv_cache_dtype.startswith("fp8"),
+        "--enable-lora": config.lora_config.enable_lora,  # no adapter slots in PyTorch
     }
     bad = [flag for flag, is_bad in refused.items() if is_bad]
     if bad:

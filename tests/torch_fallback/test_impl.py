@@ -78,6 +78,7 @@ def test_refused_flags_and_architectures(checkpoints, tmp_path):
         ({"async_scheduling": True}, "--async-scheduling"),
         ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype"),
         ({"quantization": "int8"}, "--quantization"),
+        ({"model_impl": "auto", "enable_lora": True}, "--enable-lora"),  # auto falls back
     ]:
         with pytest.raises(
             NotImplementedError, match=f"{named} is not supported with --model-impl"
