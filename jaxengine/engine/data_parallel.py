@@ -155,13 +155,15 @@ class DataParallelEngine:
         return self._pool
 
     def get_stats(self) -> SchedulerStats:
-        """The replicas' snapshots summed (KV-cache usage averaged)."""
+        """The replicas' snapshots summed (KV-cache usage averaged, per-adapter counts
+        merged, ``max_lora`` the flag every replica has)."""
         stats = [r.get_stats() for r in self.replicas]
         total = {
-            field.name: sum(getattr(s, field.name) for s in stats)
+            field.name: _summed([getattr(s, field.name) for s in stats])
             for field in dataclasses.fields(SchedulerStats)
         }
         total["kv_cache_usage"] /= len(stats)
+        total["max_lora"] = stats[0].max_lora
         return SchedulerStats(**total)
 
     def shutdown(self) -> None:
@@ -208,3 +210,14 @@ def build_engine(
     if parallel.data_parallel_size > 1:
         return DataParallelEngine(config, warmup=warmup)
     return LLMEngine(config, warmup=warmup)
+
+
+def _summed(values: list) -> Any:
+    """The sum of numbers, or of ``{name: count}`` dicts key by key."""
+    if not isinstance(values[0], dict):
+        return sum(values)
+    out: dict = {}
+    for counts in values:
+        for key, n in counts.items():
+            out[key] = out.get(key, 0) + n
+    return out
