@@ -158,13 +158,7 @@ class LLM:
     def _params_list(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
-        if len(sampling_params) != count:
-            raise ValueError(
-                f"{len(sampling_params)} sampling params for {count} prompts: give one or one each"
-            )
-        return list(sampling_params)
+        return _per_prompt(sampling_params, count, "sampling params")
 
     def _run(self, prompts, params, use_tqdm, priority, loras=None) -> list[RequestOutput]:
         engine = self.engine
