@@ -29,6 +29,7 @@ from jaxengine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     check_supported,
 )
@@ -72,6 +73,7 @@ CONFIG_CLASSES: dict[str, type] = {
     "attention_config": AttentionConfig,
     "structured_outputs_config": StructuredOutputsConfig,
     "lora_config": LoRAConfig,
+    "speculative_config": SpeculativeConfig,
 }
 
 
@@ -181,6 +183,8 @@ class EngineArgs:
     max_cpu_loras: int | None = _default("max_cpu_loras")
     lora_dtype: LoRADType = _default("lora_dtype")
     fully_sharded_loras: bool = _default("fully_sharded_loras")
+    # SpeculativeConfig
+    speculative_config: dict | None = _default("speculative_config")
 
     def __post_init__(self) -> None:
         """Validates every value against its config field, then cross-field rules."""

@@ -17,6 +17,12 @@ With LoRA on (``SchedulerStats.max_lora`` > 0) there is also vLLM's
 comma-joined names of the adapters with ``running_lora_adapters`` and
 ``waiting_lora_adapters`` requests, whose value is the time of the latest snapshot.
 
+With speculative decoding on (``SchedulerStats.spec_decoding`` set) there are also
+vLLM's ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``,
+``spec_decode_num_accepted_tokens`` and ``spec_decode_num_accepted_tokens_per_pos``
+(labelled ``position``), and the log line adds the window's draft acceptance rate,
+mean acceptance length and per-position acceptance rates.
+
 `SchedulerStats` counters (preemptions, prefix-cache queries and hits) are cumulative;
 both loggers turn them into deltas. A value lower than the last one seen means the
 source was reset (e.g. a new scheduler): the new value itself is then the delta.
@@ -39,7 +45,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from jaxengine.core.sched_output import SchedulerStats
+from jaxengine.core.sched_output import SchedulerStats, SpecDecodingStats
 from jaxengine.engine.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger("jaxengine.metrics")
@@ -176,6 +182,7 @@ class PrometheusStatLogger:
             for index in engine_indexes
         }
         self._lora_info: Gauge | None = None  # registered on the first LoRA snapshot
+        self._spec: dict | None = None  # registered on the first speculative snapshot
 
     def _make(self, cls: type, name: str, help_: str, buckets=None):
         """One metric labelled with the model's name and the engine's index."""
@@ -193,6 +200,21 @@ class PrometheusStatLogger:
                 registry=self.registry,
             )
         return self._lora_info
+
+    def _spec_counters(self) -> dict:
+        """vLLM's ``spec_decode_*`` counters (the caller holds the lock), registered
+        only once speculative decoding shows up."""
+        if self._spec is None:
+            self._spec = {
+                field: self._make(Counter, name, help_) for name, field, help_ in _SPEC_COUNTERS
+            }
+            self._spec["accepted_per_pos"] = Counter(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                "Accepted draft tokens, by their position in the draft.",
+                (*_LABELS, "position"),
+                registry=self.registry,
+            )
+        return self._spec
 
     def for_engine(self, engine_idx: int) -> _EngineStatLogger:
         """A stat logger that records into this one as engine ``engine_idx``."""
@@ -213,10 +235,17 @@ class PrometheusStatLogger:
                 metrics.record_scheduler(scheduler_stats)
                 if scheduler_stats.max_lora > 0:
                     metrics.record_lora(scheduler_stats, self._lora_gauge(), time.time())
+                if scheduler_stats.spec_decoding is not None:
+                    metrics.record_spec(scheduler_stats.spec_decoding, self._spec_counters())
         if iteration_stats is not None:
             metrics.record_iteration(iteration_stats)
 
 
+_SPEC_COUNTERS = (  # (metric suffix, SpecDecodingStats field, help)
+    ("spec_decode_num_drafts", "num_drafts", "Number of spec decoding drafts."),
+    ("spec_decode_num_draft_tokens", "num_draft_tokens", "Number of draft tokens."),
+    ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Number of accepted tokens."),
+)
 _LABELS = ("model_name", "engine")
 _LORA_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
 
@@ -233,6 +262,7 @@ class _EngineMetrics:
     last_cumulative: dict
     labels: tuple[str, str] = ("", "")  # (model_name, engine)
     lora_labels: tuple[str, ...] | None = None  # of the engine's lora_requests_info series
+    last_spec: SpecDecodingStats = dataclasses.field(default_factory=SpecDecodingStats)
 
     @classmethod
     def of(cls, labels, gauges, cumulative, request_histograms, step, success) -> _EngineMetrics:
@@ -274,6 +304,21 @@ class _EngineMetrics:
             gauge.remove(*self.lora_labels)
         gauge.labels(*labels).set(now)
         self.lora_labels = labels
+
+    def record_spec(self, stats: SpecDecodingStats, counters: dict) -> None:
+        """The ``spec_decode_*`` counters' increase since the last snapshot (the
+        caller holds the lock)."""
+        last = self.last_spec
+        if stats.num_drafts < last.num_drafts:  # a new scheduler: count from 0
+            last = SpecDecodingStats()
+        for field, counter in counters.items():
+            if field != "accepted_per_pos":
+                counter.labels(*self.labels).inc(getattr(stats, field) - getattr(last, field))
+        per_pos = counters["accepted_per_pos"]
+        for pos, count in enumerate(stats.accepted_per_pos):
+            before = last.accepted_per_pos[pos] if pos < len(last.accepted_per_pos) else 0
+            per_pos.labels(*self.labels, str(pos)).inc(count - before)
+        self.last_spec = stats
 
     def record_iteration(self, stats: IterationStats) -> None:
         step = self.step
@@ -332,6 +377,7 @@ class LoggingStatLogger:
         self._latest: SchedulerStats | None = None
         self._logged_queries = 0  # cumulative prefix-cache counters at the last line
         self._logged_hits = 0
+        self._logged_spec = SpecDecodingStats()
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -386,6 +432,8 @@ class LoggingStatLogger:
         )
         if stats.num_swapped:
             line += f", Swapped: {stats.num_swapped} reqs"
+        if stats.spec_decoding is not None:
+            line += spec_decoding_summary(stats.spec_decoding, self._logged_spec)
         return line
 
     def _close_window(self, now: float) -> None:
@@ -393,4 +441,26 @@ class LoggingStatLogger:
         if self._latest is not None:
             self._logged_queries = self._latest.prefix_cache_queries
             self._logged_hits = self._latest.prefix_cache_hits
+            self._logged_spec = self._latest.spec_decoding or SpecDecodingStats()
         self._reset_window()
+
+
+def spec_decoding_summary(now: SpecDecodingStats, before: SpecDecodingStats) -> str:
+    """The log line's speculative-decoding part over a window: draft acceptance rate,
+    mean acceptance length (tokens per verifying step, the bonus one included) and
+    the per-position acceptance rates."""
+    if now.num_drafts < before.num_drafts:
+        before = SpecDecodingStats()
+    drafts = now.num_drafts - before.num_drafts
+    drafted = now.num_draft_tokens - before.num_draft_tokens
+    accepted = now.num_accepted_tokens - before.num_accepted_tokens
+    if not drafts:
+        return ", Spec decode: no drafts"
+    old = list(before.accepted_per_pos) + [0] * len(now.accepted_per_pos)
+    rates = ", ".join(f"{(n - old[i]) / drafts:.3f}" for i, n in enumerate(now.accepted_per_pos))
+    return (
+        f", Spec decode: draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}%, "
+        f"mean acceptance length: {1 + accepted / drafts:.2f}, "
+        f"accepted: {accepted} tokens, drafted: {drafted} tokens, "
+        f"per-position acceptance rate: {rates}"
+    )

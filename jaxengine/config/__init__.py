@@ -14,6 +14,7 @@ from jaxengine.config.lora import LoRAConfig
 from jaxengine.config.model import ModelConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import SchedulerConfig
+from jaxengine.config.speculative import SpeculativeConfig
 from jaxengine.config.structured_outputs import StructuredOutputsConfig
 from jaxengine.config.unsupported import check_supported
 
@@ -24,6 +25,7 @@ __all__ = [
     "EngineConfig",
     "LoadConfig",
     "LoRAConfig",
+    "SpeculativeConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",

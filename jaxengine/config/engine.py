@@ -13,6 +13,7 @@ from jaxengine.config.lora import LoRAConfig
 from jaxengine.config.model import ModelConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import MIN_UNCHUNKED_BATCHED_TOKENS, SchedulerConfig
+from jaxengine.config.speculative import SpeculativeConfig
 from jaxengine.config.structured_outputs import StructuredOutputsConfig
 from jaxengine.config.utils import require
 
@@ -45,6 +46,8 @@ class EngineConfig:
     """Constrained decoding and reasoning."""
     lora_config: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     """LoRA adapters (`--enable-lora`)."""
+    speculative_config: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    """Speculative decoding (`--speculative-config`)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -72,6 +75,29 @@ class EngineConfig:
             self._check_calculate_kv_scales()
         if self.lora_config.enable_lora:
             self._check_lora()
+        if self.speculative_config.enabled:
+            self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        sched, parallel = self.scheduler_config, self.parallel_config
+        require(
+            not sched.async_scheduling,
+            "speculative_config",
+            "speculative decoding is not supported with --async-scheduling yet",
+        )
+        require(
+            parallel.pipeline_parallel_size == 1,
+            "speculative_config",
+            "speculative decoding is not supported with pipeline parallelism yet "
+            f"(--pipeline-parallel-size {parallel.pipeline_parallel_size})",
+        )
+        k = self.speculative_config.num_speculative_tokens
+        require(
+            sched.num_lookahead_slots in (0, k),
+            "num_lookahead_slots",
+            f"({sched.num_lookahead_slots}) must be 0 or num_speculative_tokens ({k}): "
+            "the lookahead slots hold the proposed tokens",
+        )
 
     def _check_lora(self) -> None:
         require(
@@ -138,4 +164,5 @@ _CLASSES = {
     "attention_config": AttentionConfig,
     "structured_outputs_config": StructuredOutputsConfig,
     "lora_config": LoRAConfig,
+    "speculative_config": SpeculativeConfig,
 }

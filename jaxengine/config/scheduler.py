@@ -58,8 +58,8 @@ class SchedulerConfig:
     num_lookahead_slots: int = spec(0, ge=0)
     """The number of slots to allocate per sequence per step beyond the known
     token ids. Used by speculative decoding to store KV of tokens that may or may
-    not be accepted. Speculative decoding is not there yet: any value other than
-    the default 0 is not supported yet."""
+    not be accepted. With --speculative-config it is num_speculative_tokens (0, the
+    default, means that too); without it, it must be 0."""
 
     def __post_init__(self) -> None:
         validate_config(self)

@@ -28,6 +28,7 @@ SUPPORTED_KV_CACHE_DTYPES = (
 )
 SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 SUPPORTED_STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")
+SUPPORTED_SPECULATIVE_METHODS = (None, "ngram")
 
 # (flag, getter of the value, predicate: True when the value is NOT supported yet)
 UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool]]] = [
@@ -64,11 +65,16 @@ UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool
     ),
     # No model code is run from the hub, so there is no code revision to pick.
     ("--code-revision", lambda c: c.model_config.code_revision, lambda v: v is not None),
-    # Lookahead slots hold speculative tokens: speculative decoding is not there yet.
+    # Lookahead slots hold proposed tokens: they exist only with speculative decoding.
     (
         "--num-lookahead-slots",
-        lambda c: c.scheduler_config.num_lookahead_slots,
+        lambda c: 0 if c.speculative_config.enabled else c.scheduler_config.num_lookahead_slots,
         lambda v: v != 0,
+    ),
+    (
+        "--speculative-config.method",
+        lambda c: c.speculative_config.method,
+        lambda v: v not in SUPPORTED_SPECULATIVE_METHODS,
     ),
 ]
 

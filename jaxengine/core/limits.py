@@ -49,6 +49,9 @@ class SchedulerLimits:
     max_loras: int = 0
     """Distinct LoRA adapters among running requests (``--max-loras``; 0: LoRA off).
     A waiting request whose adapter would be one more stays waiting."""
+    num_speculative_tokens: int = 0
+    """Speculative decoding: at most this many proposals verified per request and
+    step (0: off)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

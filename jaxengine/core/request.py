@@ -122,6 +122,8 @@ class Request:
         self.stop_reason: int | str | None = None
         """The stop token id or stop string that finished the request, if any."""
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []
+        """Speculative decoding: the ids proposed for its next step (checked then)."""
 
     @property
     def lora_name(self) -> str | None:

@@ -23,7 +23,13 @@ One step, as the runner sees it (`SchedulerOutput`):
    `partial_req_ids` (prefill not finished: return an empty list). A request in
    `structured_output_req_ids` samples only tokens allowed by its row of
    `grammar_bitmask`.
-5. Return a `RunnerOutput` with one entry per scheduled request.
+   Speculative decoding: a request in `scheduled_spec_decode_tokens` has its last
+   `len(drafts)` scheduled positions filled with those proposed ids (they are not
+   among its known tokens). Sample after its last known token and after each draft
+   (each with the outputs before it), accept the drafts while each equals the token
+   sampled before it, and return the accepted drafts plus the next sampled token.
+5. Return a `RunnerOutput` with one entry per scheduled request, and (speculative
+   decoding) each request's proposals for its next step.
 """
 
 from __future__ import annotations
@@ -85,6 +91,9 @@ class SchedulerOutput:
     grammar_bitmask: Any = None
     """None, or int32 numpy rows [len(structured_output_req_ids), ceil(V / 32)]: bit j
     of word w set = token 32 * w + j allowed."""
+    scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Speculative decoding: the proposed ids each request verifies this step (their
+    positions are the last ones of its `num_scheduled_tokens`)."""
 
     @property
     def is_empty(self) -> bool:
@@ -97,11 +106,37 @@ class RunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    """Per request: the sampled ids (one, or none for a request in `partial_req_ids`)."""
+    """Per request: the sampled ids (none for a request in `partial_req_ids`; one, or
+    with speculative decoding the accepted drafts and one more)."""
     logprobs: list[Any] | None = None
     """Per request, opaque (passed through to EngineCoreOutput), or None for all."""
     prompt_logprobs: list[Any] | None = None
     """Per request, opaque (passed through), or None for all."""
+    spec_token_ids: list[list[int]] | None = None
+    """Speculative decoding: per request, the ids it proposes for its next step."""
+
+
+@dataclass(frozen=True)
+class SpecDecodingStats:
+    """Cumulative speculative-decoding counters (vLLM's ``spec_decode_*``)."""
+
+    num_drafts: int = 0
+    """Steps in which a request verified proposals."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+    """Accepted proposals by their position in the draft (0: the first)."""
+
+    def observe(self, num_draft: int, num_accepted: int) -> SpecDecodingStats:
+        per_pos = list(self.accepted_per_pos) + [0] * (num_draft - len(self.accepted_per_pos))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+        return SpecDecodingStats(
+            self.num_drafts + 1,
+            self.num_draft_tokens + num_draft,
+            self.num_accepted_tokens + num_accepted,
+            tuple(per_pos),
+        )
 
 
 @dataclass(frozen=True)
@@ -140,3 +175,5 @@ class SchedulerStats:
     """Waiting requests per LoRA adapter name."""
     max_lora: int = 0
     """``--max-loras`` (0: LoRA off)."""
+    spec_decoding: SpecDecodingStats | None = None
+    """Speculative-decoding counters (None: speculative decoding off)."""

@@ -32,6 +32,14 @@ one budget (`max_num_batched_tokens`) and one request cap (`max_num_seqs`):
    skip a prompt that would be left part-way, letting later ones in. A request that
    lacks blocks stops admission (head-of-line order is kept).
 
+Speculative decoding (``num_speculative_tokens`` > 0): a decoding request with
+proposals (`Request.spec_token_ids`, from the previous step's `RunnerOutput`) is
+scheduled for its last token plus as many proposals as the budget, max_tokens and
+max_model_len leave room for (`SchedulerOutput.scheduled_spec_decode_tokens`); its
+blocks cover them all. `update` takes back the rejected ones: num_computed_tokens
+drops by their count, so the prefix cache only ever publishes accepted tokens, and
+their slots are written again by later steps.
+
 Invariants: every step's total <= max_num_batched_tokens; running <= max_num_seqs; a
 request's blocks are freed when it finishes, aborts or is recompute-preempted, so after
 draining every block is free.
@@ -55,6 +63,7 @@ from jaxengine.core.sched_output import (
     RunnerOutput,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodingStats,
 )
 
 _RS = RequestStatus
@@ -79,6 +88,7 @@ class _Step:
     preempted: set[str] = field(default_factory=set)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    spec: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def add(self, req: Request, n: int, block_ids: list[int]) -> None:
         self.num_scheduled[req.request_id] = n
@@ -88,6 +98,7 @@ class _Step:
     def drop(self, req: Request) -> None:
         self.budget += self.num_scheduled.pop(req.request_id, 0)
         self.new_block_ids.pop(req.request_id, None)
+        self.spec.pop(req.request_id, None)
 
 
 class Scheduler:
@@ -117,6 +128,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
 
     # ---- requests in and out -----------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -200,6 +212,7 @@ class Scheduler:
             running_lora_adapters=_lora_counts(self.running),
             waiting_lora_adapters=_lora_counts(self.waiting),
             max_lora=self.limits.max_loras,
+            spec_decoding=self.spec_stats if self.limits.num_speculative_tokens else None,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -231,7 +244,8 @@ class Scheduler:
             if self._waits_for_placeholder(req):
                 continue
             remaining = req.num_tokens_with_placeholders - req.num_computed_tokens
-            n = self._cap(remaining, step.budget)
+            drafts = self._drafts(req, remaining, step.budget)
+            n = remaining + len(drafts) if drafts else self._cap(remaining, step.budget)
             if n <= 0 or (n < remaining and not self.limits.enable_chunked_prefill):
                 continue
             while (block_ids := self.kv.allocate_slots(req, n)) is None:
@@ -241,6 +255,18 @@ class Scheduler:
                     break
             if block_ids is not None:
                 step.add(req, n, block_ids)
+                if drafts:
+                    step.spec[req.request_id] = drafts
+
+    def _drafts(self, req: Request, remaining: int, budget: int) -> tuple[int, ...]:
+        """The proposals `req` verifies this step: only when it decodes (one token to
+        compute), as many as the budget, max_tokens and max_model_len leave room for."""
+        if not req.spec_token_ids or remaining != 1 or req.num_output_placeholders:
+            return ()
+        room = min(budget - 1, self.limits.max_model_len - req.num_tokens - 1)
+        if req.max_tokens is not None:
+            room = min(room, req.max_tokens - req.num_output_tokens - 1)
+        return tuple(req.spec_token_ids[: max(room, 0)])
 
     def _waits_for_placeholder(self, req: Request) -> bool:
         """Whether the token in flight must arrive before `req` is scheduled again."""
@@ -259,6 +285,7 @@ class Scheduler:
         and keeps its output tokens."""
         self.running.remove(victim)
         step.drop(victim)
+        victim.spec_token_ids = []
         if self.kv.can_swap_out(victim):
             step.swap_out.extend(self.kv.swap_out(victim))
             victim.status = _RS.SWAPPED
@@ -378,7 +405,7 @@ class Scheduler:
                     )
                 )
             else:
-                tokens = tuple(req.all_token_ids[start : start + n])
+                tokens = (*req.all_token_ids[start : start + n], *step.spec.get(rid, ()))
                 resumed = rid in step.resumed
                 cached_reqs.append(CachedRequestData(rid, resumed, block_ids, start, tokens))
             req.num_computed_tokens = start + n
@@ -403,6 +430,7 @@ class Scheduler:
             blocks_to_swap_in=tuple(step.swap_in),
             structured_output_req_ids=masked,
             grammar_bitmask=bitmask,
+            scheduled_spec_decode_tokens=dict(step.spec),
         )
 
     # ---- results -------------------------------------------------------------------
@@ -414,6 +442,7 @@ class Scheduler:
         max_model_len) and free finished requests. Returns one output per request that
         got tokens, prompt logprobs, or finished. Requests aborted meanwhile are skipped."""
         partial = scheduler_output.partial_req_ids
+        self._take_back_rejected(scheduler_output, runner_output)
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None:
@@ -438,6 +467,8 @@ class Scheduler:
                     break
             if self.grammars is not None and new_ids:
                 self.grammars.accept(req, new_ids)
+            if ro.spec_token_ids is not None and not req.is_finished:
+                req.spec_token_ids = ro.spec_token_ids[i]
             logprobs = ro.logprobs[i] if ro.logprobs is not None else None
             prompt_lp = ro.prompt_logprobs[i] if ro.prompt_logprobs is not None else None
             if new_ids or prompt_lp is not None:
@@ -457,6 +488,22 @@ class Scheduler:
                 self.waiting.remove(req)
         self._release(done)
         return outputs
+
+    def _take_back_rejected(self, out: SchedulerOutput, ro: RunnerOutput) -> None:
+        """Speculative decoding: moves each request's computed count back over its
+        rejected proposals (the runner returned the accepted ones and one more), and
+        counts the proposals and acceptances."""
+        if not out.scheduled_spec_decode_tokens:
+            return
+        sampled = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
+        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:  # finished or aborted since it was scheduled
+                continue
+            accepted = max(len(sampled.get(rid, ())) - 1, 0)
+            req.num_computed_tokens -= len(drafts) - accepted
+            req.spec_token_ids = []
+            self.spec_stats = self.spec_stats.observe(len(drafts), accepted)
 
 
 def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from jaxengine.config import EngineConfig, ParallelConfig
 from jaxengine.core.dp_balancer import DPBalancer
-from jaxengine.core.sched_output import SchedulerStats
+from jaxengine.core.sched_output import SchedulerStats, SpecDecodingStats
 from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
@@ -213,7 +213,17 @@ def build_engine(
 
 
 def _summed(values: list) -> Any:
-    """The sum of numbers, or of ``{name: count}`` dicts key by key."""
+    """The sum of numbers, of ``{name: count}`` dicts key by key, or of
+    `SpecDecodingStats` field by field (None: speculative decoding off)."""
+    if values[0] is None:
+        return None
+    if isinstance(values[0], SpecDecodingStats):
+        return SpecDecodingStats(
+            *(_summed([getattr(v, f.name) for v in values]) for f in dataclasses.fields(values[0]))
+        )
+    if isinstance(values[0], tuple):  # per-position counts, padded to the longest
+        width = max(len(v) for v in values)
+        return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
     if not isinstance(values[0], dict):
         return sum(values)
     out: dict = {}

@@ -25,6 +25,8 @@ from tqdm import tqdm
 
 from jaxengine.engine_args import EngineArgs
 from jaxengine.lora import LoRARequest
+from jaxengine.metrics import PrometheusStatLogger
+from jaxengine.metrics_reader import Metric, get_metrics_snapshot
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -60,11 +62,13 @@ class LLM:
 
         if model is not None:
             kwargs["model"] = model
+        log_stats = not kwargs.pop("disable_log_stats", True)
         args = EngineArgs(**kwargs)
         initialize_for(args)  # a multi-node driver joins its JAX cluster before any JAX call
         # an LLMEngine, or N of them behind the same interface with data_parallel_size=N
         self.engine = build_engine(args.create_engine_config(platform=jax.default_backend()))
         self._ids = itertools.count()
+        self._stats = _stat_logger(self.engine, args.model) if log_stats else None
         # garbage collection shuts the engine down too (a notebook's `del llm`)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
@@ -77,6 +81,14 @@ class LLM:
 
     def list_loras(self) -> set[int]:
         return self.engine.list_loras()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics (those the server's ``/metrics`` has, by the same
+        names) as `Counter`, `Gauge`, `Histogram` and `Vector` records. Needs
+        ``LLM(..., disable_log_stats=False)``, as vLLM."""
+        if self._stats is None:
+            raise RuntimeError("Stat logging disabled: build the LLM with disable_log_stats=False")
+        return get_metrics_snapshot(self._stats.registry)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -185,9 +197,22 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
+                self._record_stats()
         except BaseException:
             engine.abort_request([i for i in ids if i not in results])
             raise
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+    def _record_stats(self) -> None:
+        if self._stats is None:
+            return
+        for i, replica in enumerate(getattr(self.engine, "replicas", [self.engine])):
+            self._stats.record(replica.get_stats(), replica.take_iteration_stats(), i)
+
+
+def _stat_logger(engine: Any, model: str) -> PrometheusStatLogger:
+    replicas = getattr(engine, "replicas", [engine])
+    max_len = replicas[0].config.model_config.max_model_len
+    return PrometheusStatLogger(model, max_model_len=max_len, engine_indexes=range(len(replicas)))

@@ -37,6 +37,8 @@ from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
 from jaxengine.runner.program import SingleStage, StageProgram
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import logprobs_bucket
+from jaxengine.spec import Proposer
+from jaxengine.spec.ngram import NgramProposer
 from sharding.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -177,6 +179,26 @@ def lora_spec(config: EngineConfig) -> LoRASpec | None:
         return None
     dtype = None if lc.lora_dtype == "auto" else jnp.dtype(lc.lora_dtype)
     return LoRASpec(lc.max_loras, lc.max_lora_rank, dtype, lc.fully_sharded_loras)
+
+
+def lookahead_slots(config: EngineConfig) -> int:
+    """Proposed tokens per request and step: ``--num-lookahead-slots``, which
+    `EngineConfig` allows only as 0 (the default: num_speculative_tokens) or equal to
+    num_speculative_tokens."""
+    return config.scheduler_config.num_lookahead_slots or (
+        config.speculative_config.num_speculative_tokens
+    )
+
+
+def proposer(config: EngineConfig) -> Proposer | None:
+    """Speculative decoding's proposer (``--speculative-config``), or None."""
+    sc = config.speculative_config
+    if sc.method is None:
+        return None
+    if sc.method != "ngram":
+        raise NotImplementedError(f"speculative method {sc.method!r} is not supported yet")
+    k = sc.num_speculative_tokens
+    return NgramProposer(k, sc.prompt_lookup_min, sc.prompt_lookup_max, sc.disable_by_batch_size)
 
 
 def lora_slots(config: EngineConfig, loaded: LoadedModel) -> LoRASlots | None:
@@ -345,6 +367,7 @@ def build_worker(
         seed=mc.seed,
         eos_token_id=eos,
         calculate_kv_scales=config.cache_config.calculate_kv_scales and model.kv_cache_scales,
+        num_speculative_tokens=lookahead_slots(config),
     )
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
     store = executable_store(config, loaded, backend)
@@ -354,13 +377,18 @@ def build_worker(
         max_logprobs=mc.max_logprobs,
         logprobs_mode=mc.logprobs_mode,
         max_model_len=mc.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
+        max_num_seqs=settings.num_sample_slots,
         logits_sharding=program.logits_sharding,
         store=store,
     )
-    runner = ModelRunner(program, loaded.params, settings, sampler, lora_slots(config, loaded))
-    if config.lora_config.enable_lora:
-        limits = dataclasses.replace(limits, max_loras=config.lora_config.max_loras)
+    runner = ModelRunner(
+        program, loaded.params, settings, sampler, lora_slots(config, loaded), proposer(config)
+    )
+    limits = dataclasses.replace(
+        limits,
+        max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0,
+        num_speculative_tokens=lookahead_slots(config),
+    )
     host = HostParts(
         config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits
     )

@@ -26,6 +26,7 @@ class SeqChunk:
     num_computed: int
     page_ids: Sequence[int]
     lora_slot: int = 0  # its adapter's slot (`models.layers.lora`; 0: the base model)
+    num_logits: int = 1  # logits rows: its last tokens' (1 + proposals when speculating)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ class PackedBatch:
     page_table: np.ndarray  # [R, M] int32
     slot_mapping: np.ndarray  # [T] int32
     num_seqs: np.ndarray  # [] int32
-    logits_indices: np.ndarray  # [R] int32: last new token of each request
+    logits_indices: np.ndarray  # [L] int32: each request's last `num_logits` new tokens
     feed_rows: np.ndarray  # [T] int32: row of the previous step's sampled ids, or -1
     lora_slots: np.ndarray  # [T] int32: each token's adapter slot (0: none, and padding)
 
@@ -50,6 +51,16 @@ class PackedBatch:
         return {name: getattr(self, name) for name in names}
 
 
+def _check_fits(chunks: Sequence[SeqChunk], num_tokens: int, num_reqs: int, num_logits: int):
+    total = sum(len(c.token_ids) for c in chunks)
+    rows = sum(c.num_logits for c in chunks)
+    if total > num_tokens or len(chunks) > num_reqs or rows > num_logits:
+        raise ValueError(
+            f"{len(chunks)} requests with {total} tokens ({rows} logits rows) do not fit "
+            f"a bucket of {num_reqs} requests, {num_tokens} tokens and {num_logits} rows"
+        )
+
+
 def pack_batch(
     chunks: Sequence[SeqChunk],
     *,
@@ -57,25 +68,23 @@ def pack_batch(
     num_tokens: int,
     num_reqs: int,
     pages_per_req: int,
+    num_logits: int | None = None,
 ) -> PackedBatch:
-    """Flattens ``chunks`` into arrays padded to ``num_tokens`` and ``num_reqs``.
+    """Flattens ``chunks`` into arrays padded to ``num_tokens`` and ``num_reqs``;
+    the logits rows (``num_logits``, default ``num_reqs``) follow the chunks' order.
 
     Raises ValueError when the chunks do not fit the bucket or a request's pages do not
     cover its tokens.
     """
-    total = sum(len(c.token_ids) for c in chunks)
-    if total > num_tokens or len(chunks) > num_reqs:
-        raise ValueError(
-            f"{len(chunks)} requests with {total} tokens do not fit a bucket of "
-            f"{num_reqs} requests and {num_tokens} tokens"
-        )
+    num_logits = num_reqs if num_logits is None else num_logits
+    _check_fits(chunks, num_tokens, num_reqs, num_logits)
     token_ids, positions, lora_slots = np.zeros((3, num_tokens), np.int32)
     slot_mapping = np.full(num_tokens, NULL_PAGE * page_size, np.int32)
     seq_lens = np.zeros(num_reqs, np.int32)
     query_start_loc = np.zeros(num_reqs + 1, np.int32)
     page_table = np.full((num_reqs, pages_per_req), NULL_PAGE, np.int32)
-    logits_indices = np.zeros(num_reqs, np.int32)
-    start = 0
+    logits_indices = np.zeros(num_logits, np.int32)
+    start = row = 0
     for r, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
         end = start + n
@@ -93,7 +102,9 @@ def pack_batch(
         seq_lens[r] = seq_len
         lora_slots[start:end] = chunk.lora_slot
         page_table[r, : len(pages)] = pages
-        logits_indices[r] = max(end - 1, 0)
+        c = chunk.num_logits
+        logits_indices[row : row + c] = np.maximum(np.arange(end - c, end), 0)
+        row += c
         start = end
         query_start_loc[r + 1] = end
     query_start_loc[len(chunks) + 1 :] = start

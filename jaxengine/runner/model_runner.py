@@ -54,6 +54,7 @@ from jaxengine.runner.sampling_metadata import (
 )
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
+from jaxengine.spec import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,16 @@ class RunnerSettings:
     seed: int = 0
     eos_token_id: int | None = None
     calculate_kv_scales: bool = False  # `runner.kv_scales`
+    num_speculative_tokens: int = 0  # proposals verified per request and step
 
     @property
     def pages_per_req(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def num_sample_slots(self) -> int:
+        """The sampled ids' padded length: the most logits rows of a step."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,13 +101,14 @@ class _Feed:
 
 @dataclasses.dataclass
 class _Launched:
-    """One dispatched micro-batch: its requests (by index), bucket, hidden states and
-    sampled (token ids, logprobs) on device."""
+    """One dispatched micro-batch: its requests (by index), bucket, hidden states,
+    sampled (token ids, logprobs) on device, and each request's first logits row."""
 
     group: list[int]
     bucket: Bucket
     hidden: Any
     result: Any
+    rows: list[int]
 
 
 class ModelRunner:
@@ -113,14 +121,19 @@ class ModelRunner:
         settings: RunnerSettings,
         sampler: SamplerFunctions,
         lora: LoRASlots | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
-        """``lora``: the adapter slots (``--enable-lora``), None without LoRA."""
+        """``lora``: the adapter slots (``--enable-lora``), None without LoRA.
+        ``proposer``: speculative decoding's (``--speculative-config``), or None."""
         self.program = program
         self.lora = lora
+        self.proposer = proposer
         self.settings = settings
         self.sampler = sampler
         self.params = program.place_params(params)
-        self.buckets = BucketSet(list(settings.token_buckets), settings.max_num_seqs)
+        self.buckets = BucketSet(
+            list(settings.token_buckets), settings.max_num_seqs, 1 + settings.num_speculative_tokens
+        )
         shape = (settings.num_blocks, *settings.cache_page_shape)
         self.kv_caches: Caches = program.allocate_caches(shape, settings.cache_dtype)
         self.swap = None
@@ -136,7 +149,7 @@ class ModelRunner:
         self.table = RequestTable(settings.pages_per_req, settings.seed)
         self._feed: _Feed | None = None
         # the ``fed_ids`` of a step with no token in flight
-        self.no_feed = sampler.to_device(np.zeros(settings.max_num_seqs, np.int32))
+        self.no_feed = sampler.to_device(np.zeros(settings.num_sample_slots, np.int32))
         self.calibrate_kv = settings.calculate_kv_scales  # until the first step
         self.guard = CompileGuard()
         self.compiles = CompileJobs(())  # none until `warmup` (``--enforce-eager``: never)
@@ -167,7 +180,7 @@ class ModelRunner:
                 "compiling %d buckets and %d sampler variants in the background; a step "
                 "compiles what it needs first",
                 len(self.buckets.buckets),
-                len(self.sampler.variants) * len(self.buckets.request_sizes),
+                len(self.sampler.variants) * len(self.buckets.logits_sizes),
             )
             self.compiles.start()
             return
@@ -189,10 +202,10 @@ class ModelRunner:
             )
         for bucket in self.buckets.buckets:
             jobs.append((("step", bucket), lambda b=bucket: self._warm_bucket(b, caches)))
-            if bucket.num_reqs not in sizes:
-                sizes.add(bucket.num_reqs)
+            if bucket.num_logits not in sizes:
+                sizes.add(bucket.num_logits)
                 jobs += [
-                    (("sample", bucket.num_reqs, f), self._sampler_job(bucket.num_reqs, f))
+                    (("sample", bucket.num_logits, f), self._sampler_job(bucket.num_logits, f))
                     for f in self.sampler.variants
                 ]
         return jobs
@@ -244,8 +257,10 @@ class ModelRunner:
             # result, so pipeline stages work on different micro-batches at once
             launched = [self._launch(g, chunks, sampling, fed, fed_ids) for g in groups]
             if len(launched) == 1:
-                rows = {order[i]: row for row, i in enumerate(groups[0]) if sampling[i]}
-                self._feed = _Feed(launched[0].result[0], rows) if rows else None
+                part = launched[0]
+                pairs = zip(part.rows, part.group, strict=True)
+                rows = {order[i]: row for row, i in pairs if sampling[i]}
+                self._feed = _Feed(part.result[0], rows) if rows else None
             return PendingStep(self, out, order, states, chunks, launched, sampling, self._feed)
 
     def _lora_slots(self, states: list[RequestState]) -> list[int]:
@@ -262,19 +277,23 @@ class ModelRunner:
         token's id, or None when the id is known."""
         chunks, fed = [], []
         for req_id, state, slot in zip(order, states, slots, strict=True):
-            n = out.num_scheduled_tokens[req_id]
+            drafts = out.scheduled_spec_decode_tokens.get(req_id, ())
+            n = out.num_scheduled_tokens[req_id] - len(drafts)
             chunk = self.table.chunk(state, n)
             if slot:
                 chunk = dataclasses.replace(chunk, lora_slot=slot)
             row = None
-            if len(chunk.token_ids) < n:
+            if drafts and len(chunk.token_ids) == n:
+                ids = [*chunk.token_ids, *drafts]
+                chunk = dataclasses.replace(chunk, token_ids=ids, num_logits=1 + len(drafts))
+            elif len(chunk.token_ids) < n:
                 row = None if feed is None else feed.rows.get(req_id)
-                if row is None or len(chunk.token_ids) != n - 1:
+                if row is None or len(chunk.token_ids) != n - 1 or drafts:
                     raise RuntimeError(f"{req_id}: scheduled past its known tokens")
                 chunk = dataclasses.replace(chunk, token_ids=[*chunk.token_ids, 0])
             chunks.append(chunk)
             fed.append(row)
-            state.num_computed += n
+            state.num_computed += len(chunk.token_ids)
         return chunks, fed
 
     def _swap(self, out: SchedulerOutput) -> None:
@@ -300,45 +319,50 @@ class ModelRunner:
             group_lps = self._prompt_logprobs(
                 part, [states[i] for i in part.group], [chunks[i] for i in part.group]
             )
-            for row, i in enumerate(part.group):
+            for j, (row, i) in enumerate(zip(part.rows, part.group, strict=True)):
                 rows[i] = (token_ids, lp, row)
-                prompt_lps[i] = group_lps[row] if group_lps else None
+                prompt_lps[i] = group_lps[j] if group_lps else None
         sampled, logprobs = [], []
         for i, state in enumerate(states):
             if sampling[i] is None:
                 sampled.append([])
                 logprobs.append(None)
                 continue
-            token_ids, lp, row = rows[i]
-            token = int(token_ids[row])
-            state.token_ids.append(token)
-            sampled.append([token])
-            logprobs.append(_row_logprobs(lp, row, state.params.logprobs))
+            tokens, lps = _accepted(state, chunks[i], *rows[i])
+            sampled.append(tokens)
+            logprobs.append(lps)
         return RunnerOutput(
             req_ids=order,
             sampled_token_ids=sampled,
             logprobs=logprobs if any(x is not None for x in logprobs) else None,
             prompt_logprobs=prompt_lps if any(x is not None for x in prompt_lps) else None,
+            spec_token_ids=self._propose(states, sampling),
         )
+
+    def _propose(self, states: list[RequestState], sampling: list) -> list[list[int]] | None:
+        """Each request's proposals for its next step (speculative decoding): none for
+        one mid-prefill or whose sampling is constrained by a grammar."""
+        if self.proposer is None:
+            return None
+        tokens = [
+            None if rows is None or state.params.structured_outputs is not None else state.token_ids
+            for state, rows in zip(states, sampling, strict=True)
+        ]
+        return self.proposer.propose(tokens)
 
     @staticmethod
     def _sampling_rows(out: SchedulerOutput, order: list[str], states: list, fed: list) -> list:
-        """Each scheduled request's `SamplingRow` (with its grammar bitmask row, if
-        any), or None for a request mid-prefill (it samples nothing). A fed request's
-        row counts its token in flight."""
+        """Each scheduled request's `SamplingRow`s (with its grammar bitmask row, if
+        any): one, or one more per proposal it verifies (with the proposals before
+        it among its outputs), or None for a request mid-prefill (it samples
+        nothing). A fed request's row counts its token in flight."""
         rows = () if out.grammar_bitmask is None else out.grammar_bitmask
         masks = dict(zip(out.structured_output_req_ids, rows, strict=True))
+        spec = out.scheduled_spec_decode_tokens
         return [
             None
             if r in out.partial_req_ids
-            else SamplingRow(
-                s.params,
-                s.output_ids,
-                s.token_ids[: s.num_prompt],
-                s.seed,
-                len(s.token_ids) - s.num_prompt + (f is not None),
-                masks.get(r),
-            )
+            else _rows(s, spec.get(r, ()), f is not None, masks.get(r))
             for r, s, f in zip(order, states, fed, strict=True)
         ]
 
@@ -349,6 +373,7 @@ class ModelRunner:
             num_tokens=bucket.num_tokens,
             num_reqs=bucket.num_reqs,
             pages_per_req=self.pages_per_req,
+            num_logits=bucket.num_logits,
         )
 
     def _launch(self, group: list[int], chunks: list[SeqChunk], sampling: list, fed: list, fed_ids):
@@ -359,14 +384,18 @@ class ModelRunner:
         for r, i in enumerate(group):
             if fed[i] is not None:
                 batch.feed_rows[batch.query_start_loc[r + 1] - 1] = fed[i]
+        starts = np.cumsum([0] + [c.num_logits for c in mine])[:-1].tolist()
         if self.calibrate_kv:
             self._calibrate_kv_scales(mine)
         self.compiles.ensure(("step", bucket))
         logits, hidden, self.kv_caches = self.program.step(
             self.params, self.kv_caches, batch, fed_ids
         )
-        result = self._sample(bucket, logits, [sampling[i] for i in group])
-        return _Launched(group, bucket, hidden, result)
+        rows = []
+        for c, i in zip(mine, group, strict=True):
+            rows += sampling[i] or [None] * c.num_logits
+        result = self._sample(bucket, logits, rows)
+        return _Launched(group, bucket, hidden, result, starts)
 
     def _calibrate_kv_scales(self, chunks: list[SeqChunk]) -> None:
         """Sets the KV scales from the first step's batch (`runner.kv_scales`), run in
@@ -382,11 +411,11 @@ class ModelRunner:
     def _sample(self, bucket: Bucket, logits, rows: list):
         settings = self.settings
         batch = SamplingBatch(
-            rows, bucket.num_reqs, settings.vocab_size, eos_token_id=settings.eos_token_id
+            rows, bucket.num_logits, settings.vocab_size, eos_token_id=settings.eos_token_id
         )
         needed = batch.required_flags(settings.logprobs_mode)
         flags = pick_variant(needed, self.sampler.variants) or needed
-        self.compiles.ensure(("sample", bucket.num_reqs, flags))
+        self.compiles.ensure(("sample", bucket.num_logits, flags))
         if batch.any_logits_processors:
             host = apply_logits_processors(np.asarray(logits), batch.rows)
             logits = self.sampler.to_device(host)
@@ -477,6 +506,39 @@ def _pick(lp, i: int, k: int | None):
         lp.topk_ids[i, :k].tolist(),
         lp.topk_logprobs[i, :k].tolist(),
     )
+
+
+def _rows(state: RequestState, drafts: tuple[int, ...], fed: bool, mask) -> list[SamplingRow]:
+    """A request's sampling rows: after its last token, then after each proposal."""
+    step = len(state.token_ids) - state.num_prompt + fed
+    prompt = state.token_ids[: state.num_prompt]
+    outputs = state.output_ids
+    return [
+        SamplingRow(state.params, [*outputs, *drafts[:j]], prompt, state.seed, step + j, mask)
+        for j in range(1 + len(drafts))
+    ]
+
+
+def _accepted(state: RequestState, chunk: SeqChunk, token_ids, lp, row: int):
+    """The tokens a request gets from its logits rows ``row, row + 1, ...``: the
+    proposals it verified (the last ``num_logits - 1`` ids of its chunk) while each
+    equals the token sampled before it, then one more sampled token; and their
+    logprobs (an entry, or a list of them with proposals). Updates ``state``: the
+    tokens are appended, the rejected proposals' positions are no longer computed.
+
+    Each row's token is drawn from the target's distribution at that position, with
+    the request's key for that position, so with proposals decided before the draw
+    (one-hot proposal distributions) the tokens are exactly those sampling without
+    proposals gives: acceptance changes how many come per step, not which."""
+    drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_logits + 1 :]
+    tokens = [int(token_ids[row])]
+    while len(tokens) <= len(drafts) and tokens[-1] == drafts[len(tokens) - 1]:
+        tokens.append(int(token_ids[row + len(tokens)]))
+    state.token_ids.extend(tokens)
+    state.num_computed -= len(drafts) + 1 - len(tokens)
+    k = state.params.logprobs
+    entries = [_row_logprobs(lp, row + j, k) for j in range(len(tokens))]
+    return tokens, (entries if drafts else entries[0])
 
 
 def _row_logprobs(lp, i: int, k: int | None):

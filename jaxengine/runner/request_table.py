@@ -75,9 +75,10 @@ class RequestTable:
             state = self.requests[cached.req_id]
             self._set_pages(state, cached.new_block_ids, append=not cached.resumed_from_preemption)
             state.num_computed = cached.num_computed_tokens
-            end = cached.num_computed_tokens + len(cached.new_token_ids)
-            if end > len(state.token_ids):  # tokens the runner has not seen (defensive)
-                state.token_ids[cached.num_computed_tokens :] = cached.new_token_ids
+            num_drafts = len(out.scheduled_spec_decode_tokens.get(cached.req_id, ()))
+            known = cached.new_token_ids[: len(cached.new_token_ids) - num_drafts]
+            if cached.num_computed_tokens + len(known) > len(state.token_ids):  # (defensive)
+                state.token_ids[cached.num_computed_tokens :] = known
 
     def chunk(self, state: RequestState, num_tokens: int) -> SeqChunk:
         """The request's share of a step: its next ``num_tokens`` tokens and its pages

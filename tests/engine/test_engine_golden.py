@@ -3,7 +3,7 @@
 16 prompts of mixed lengths, some sharing long prefixes, through `LLM.generate` under
 each scheduling condition (chunked prefill on/off, prefix caching on/off, a KV cache
 small enough to force preemption by recompute and by swap, max_num_seqs 1 and 16,
-async scheduling).
+async scheduling, n-gram speculative decoding).
 The same again with `--attention-backend pallas` (on CPU the Pallas GPU kernels run in
 interpret mode inside the compiled step). All engines share a persistent compilation
 cache, so identical shapes compile once.
@@ -84,6 +84,16 @@ CONDITIONS = {
     "async_preempt_swap_tp3": dict(
         num_gpu_blocks_override=41, swap_space=1, tensor_parallel_size=3, async_scheduling=True
     ),
+    # n-gram proposals (speculative decoding) verified by the model, with preemption
+    "ngram_preempt_recompute": dict(
+        num_gpu_blocks_override=24,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        },
+    ),  # fmt: skip
     "preempt_swap_tp3_pp2": dict(
         num_gpu_blocks_override=41,
         swap_space=1,
@@ -113,6 +123,8 @@ def test_greedy_matches_transformers(
         assert stats.num_preemptions > 0
     if condition == "default":
         assert stats.prefix_cache_hits > 0
+    if condition.startswith("ngram"):
+        assert stats.spec_decoding.num_accepted_tokens > 0
     assert llm.engine.executor.compiles_after_warmup == 0
     assert stats.kv_cache_usage == 0.0  # every page back
     llm.engine.shutdown()

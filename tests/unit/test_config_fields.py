@@ -284,7 +284,7 @@ def test_the_scan_sees_reads_through_holders_only():
 def test_refusals_are_probed_through_their_getters():
     refused = refused_fields()
     assert ("ModelConfig", "code_revision") in refused
-    assert ("SchedulerConfig", "num_lookahead_slots") in refused
+    assert ("ModelConfig", "quantization") in refused
     assert ("CacheConfig", "kv_cache_dtype") in refused  # its value fp8_inc
     # the row for a key of structured_outputs_config does not refuse the whole field
     assert ("StructuredOutputsConfig", "structured_outputs_config") not in refused

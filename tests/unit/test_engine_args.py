@@ -116,6 +116,10 @@ VALID_FLAGS = [
     (["--enable-lora", "--max-cpu-loras", "8"], "max_cpu_loras", 8),
     (["--enable-lora", "--lora-dtype", "bfloat16"], "lora_dtype", "bfloat16"),
     (["--enable-lora", "--fully-sharded-loras"], "fully_sharded_loras", True),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+     "speculative_config", {"method": "ngram", "num_speculative_tokens": 3}),
+    (["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens",
+      "2"], "speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
 ]  # fmt: skip
 
 

@@ -1,0 +1,192 @@
+"""Speculative decoding: decode tok/s with n-gram proposals against none, in one run.
+
+    python -m bench.spec_decode --batch-sizes 1 32 --num-speculative-tokens 4
+
+The workload is repetitive, where proposals from the request's own tokens pay: chat
+prompts that ask the model to repeat, or to correct, a passage given in the prompt
+(the passages below), decoded greedily until EOS or ``--output-len`` tokens. At each
+batch size B, three engines serve the same B requests: none (no speculation), ngram
+(``--speculative-config`` with ``num_speculative_tokens`` k), and ngram with
+``disable_by_batch_size`` (``--disable-by-batch-size``, proposals off while that many
+requests run). Greedy outputs are the same with and without proposals (checked
+here, as a sanity check); the figure is output tokens per second over the batch.
+Rounds alternate the engines so drift on a noisy machine hits all of them; ratios
+are per round. The acceptance rate and the mean acceptance length come from the
+engines' own counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+from bench.common import describe_run, fmt, format_table, log, machine_info, positive_int
+
+PASSAGES = [
+    "The river rose slowly through the night, and by morning the lower road was under "
+    "water. The farmers moved their animals to the hill behind the church, where the "
+    "ground was dry, and waited for the rain to stop.",
+    "To build the project, install the dependencies, run the configure script, and then "
+    "call make from the top folder. The tests run with make check; each one prints its "
+    "name and whether it passed.",
+    "Our office will be closed on Monday for the holiday. Orders placed over the weekend "
+    "will ship on Tuesday, and support tickets will be answered in the order they "
+    "arrived.",
+    "A good cup of tea starts with fresh water. Bring it to the boil, warm the pot, add "
+    "one spoon of leaves for each cup, pour, and let it stand for four minutes before "
+    "serving.",
+]
+ASKS = [
+    "Repeat the following passage exactly, word for word:\n\n{}",
+    "Correct any mistakes in this passage and write it out again in full:\n\n{}",
+]
+
+
+def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    """``count`` prompts cycling over every (ask, passage) pair, chat-templated."""
+    pairs = [(a, p) for a in ASKS for p in PASSAGES]
+    prompts = []
+    for i in range(count):
+        ask, passage = pairs[i % len(pairs)]
+        messages = [{"role": "user", "content": ask.format(passage)}]
+        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return prompts
+
+
+def timed(llm: Any, prompts: list[list[int]], params: Any) -> tuple[float, list, tuple]:
+    """(output tok/s, outputs, (drafts, draft tokens, accepted) in the run)."""
+    before = _spec(llm)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    start = perf_counter()
+    outs = llm.generate(requests, params, use_tqdm=False)
+    elapsed = perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    after = _spec(llm)
+    spec = tuple(a - b for a, b in zip(after, before, strict=True))
+    return sum(map(len, tokens)) / elapsed, tokens, spec
+
+
+def _spec(llm: Any) -> tuple[int, int, int]:
+    s = llm.engine.get_stats().spec_decoding
+    return (0, 0, 0) if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+
+
+def build_engines(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
+    from jaxengine import LLM
+
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": args.prompt_lookup_max}  # fmt: skip
+    kwargs = {"max_model_len": max_len, "max_num_seqs": max(args.batch_sizes)}
+    kwargs.update(args.engine_kwargs)
+    limited = {**spec, "disable_by_batch_size": args.disable_by_batch_size}
+    return {
+        "none": LLM(model=args.model, **kwargs),
+        "ngram": LLM(model=args.model, speculative_config=spec, **kwargs),
+        "ngram+disable": LLM(model=args.model, speculative_config=limited, **kwargs),
+    }
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    from jaxengine import SamplingParams
+
+    engines = build_engines(args, 512)
+    tokenizer = engines["none"].get_tokenizer()
+    rows, doc = [], {}
+    params = SamplingParams(temperature=0, max_tokens=args.output_len)
+    for batch in args.batch_sizes:
+        prompts = chat_prompts(tokenizer, batch)
+        log(f"batch {batch}: warm-up")
+        for llm in engines.values():
+            timed(llm, prompts, SamplingParams(temperature=0, max_tokens=8))
+        result = measure_batch(engines, prompts, params, args.rounds)
+        doc[str(batch)] = result
+        rows += table_rows(batch, result)
+    compiles = {n: e.engine.executor.compiles_after_warmup for n, e in engines.items()}
+    for llm in engines.values():
+        llm.shutdown()
+    report(args, command, rows, doc, compiles)
+    return 0
+
+
+def measure_batch(engines: dict, prompts: list, params: Any, rounds: int) -> dict:
+    """Per engine: tok/s per round, and acceptance over all rounds."""
+    speeds = {name: [] for name in engines}
+    counts = {name: [0, 0, 0] for name in engines}
+    reference = None
+    for r in range(rounds):
+        for name, llm in engines.items():
+            speed, tokens, spec = timed(llm, prompts, params)
+            reference = tokens if reference is None else reference
+            same = tokens == reference
+            speeds[name].append(speed)
+            counts[name] = [a + b for a, b in zip(counts[name], spec, strict=True)]
+            log(f"round {r} {name}: {speed:.1f} out tok/s, outputs identical: {same}")
+            if not same:
+                raise SystemExit(f"{name}: greedy outputs differ from the reference")
+    return {"tok_s": speeds, "spec": counts}
+
+
+def table_rows(batch: int, result: dict) -> list[list[str]]:
+    base = result["tok_s"]["none"]
+    rows = []
+    for name, speeds in result["tok_s"].items():
+        ratios = [s / b for s, b in zip(speeds, base, strict=True)]
+        drafts, drafted, accepted = result["spec"][name]
+        rate = f"{100 * accepted / drafted:.1f}%" if drafted else "-"
+        length = fmt(1 + accepted / drafts, 2) if drafts else "-"
+        rows.append([str(batch), name, fmt(statistics.mean(speeds), 1),
+                     fmt(statistics.mean(ratios), 3), rate, length])  # fmt: skip
+    return rows
+
+
+def report(args, command: str, rows: list, doc: dict, compiles: dict) -> None:
+    workload = {
+        "model": args.model,
+        "batch_sizes": args.batch_sizes,
+        "output_len": args.output_len,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max],
+        "disable_by_batch_size": args.disable_by_batch_size,
+        "rounds": args.rounds,
+        "engine_kwargs": args.engine_kwargs,
+    }
+    print(describe_run("speculative decoding (ngram)", machine_info(), workload))
+    header = ["batch", "engine", "out tok/s", "ratio vs none", "acceptance", "mean accepted len"]
+    print(format_table(header, rows))
+    print(f"compilations after warm-up: {compiles}")
+    if args.json:
+        out = {"benchmark": "spec_decode", "command": command, "machine": machine_info()}
+        out.update(workload=workload, results=doc)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 32])
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4)
+    p.add_argument("--prompt-lookup-min", type=positive_int, default=2)
+    p.add_argument("--prompt-lookup-max", type=positive_int, default=5)
+    p.add_argument("--disable-by-batch-size", type=positive_int, default=8)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--engine-kwargs", type=json.loads, default={})
+    p.add_argument("--json", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    argv_text = shlex.join(sys.argv[1:] if argv is None else argv)
+    return run(args, f"python -m bench.spec_decode {argv_text}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
