@@ -55,7 +55,8 @@ def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
     for i in range(count):
         ask, passage = pairs[i % len(pairs)]
         messages = [{"role": "user", "content": ask.format(passage)}]
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
 
 

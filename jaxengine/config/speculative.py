@@ -41,13 +41,15 @@ class SpeculativeConfig:
     """Speculative decoding: proposals verified by the target model in one step."""
 
     speculative_config: dict | None = None
-    """Speculative decoding configuration (JSON). Keys as vLLM's: "method" ("ngram";
-    "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator" and "mtp" are not
+    """Speculative decoding configuration (JSON). Keys as vLLM's: "method" ("ngram",
+    "draft_model"; "eagle", "eagle3", "medusa", "mlp_speculator" and "mtp" are not
     supported yet), "num_speculative_tokens" (proposals verified per step),
     "prompt_lookup_min" / "prompt_lookup_max" (the n-gram sizes ngram matches against
     the request's own tokens; default 5 each), "model" (a draft model; "ngram" or
-    "[ngram]" selects ngram), "disable_by_batch_size" (no proposals while this many
-    requests or more are running)."""
+    "[ngram]" selects ngram; any other path or name a draft model of the same
+    vocabulary, run greedily on the target's devices with its own KV cache),
+    "disable_by_batch_size" (no proposals while this many requests or more are
+    running), "quantization" and "revision" (the draft model's)."""
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -71,6 +73,12 @@ class SpeculativeConfig:
         )
         if self.method == "ngram":
             self._check_ngram()
+        if self.method == "draft_model":
+            require(
+                isinstance(options.get("model"), str) and options["model"],
+                "speculative_config",
+                'the draft_model method needs "model": the draft model\'s path or name',
+            )
         batch = options.get("disable_by_batch_size")
         require(
             batch is None or (isinstance(batch, int) and batch >= 2),

@@ -28,7 +28,7 @@ SUPPORTED_KV_CACHE_DTYPES = (
 )
 SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 SUPPORTED_STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")
-SUPPORTED_SPECULATIVE_METHODS = (None, "ngram")
+SUPPORTED_SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 
 # (flag, getter of the value, predicate: True when the value is NOT supported yet)
 UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool]]] = [
@@ -76,7 +76,29 @@ UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool
         lambda c: c.speculative_config.method,
         lambda v: v not in SUPPORTED_SPECULATIVE_METHODS,
     ),
+    # the draft model runs on the target's tensor group, up to the target's length
+    (
+        "--speculative-config.draft_tensor_parallel_size",
+        lambda c: _draft_tp(c),
+        lambda v: v is not None,
+    ),
+    (
+        "--speculative-config.max_model_len",
+        lambda c: c.speculative_config.option("max_model_len"),
+        lambda v: v is not None,
+    ),
+    (
+        "--speculative-config.speculative_token_tree",
+        lambda c: c.speculative_config.option("speculative_token_tree"),
+        lambda v: v is not None,
+    ),
 ]
+
+
+def _draft_tp(config: EngineConfig) -> int | None:
+    """The draft's tensor-parallel size when it differs from the target's."""
+    tp = config.speculative_config.option("draft_tensor_parallel_size")
+    return None if tp in (None, config.parallel_config.tensor_parallel_size) else tp
 
 
 def unsupported_features(config: EngineConfig) -> list[str]:

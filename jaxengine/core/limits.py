@@ -52,6 +52,9 @@ class SchedulerLimits:
     num_speculative_tokens: int = 0
     """Speculative decoding: at most this many proposals verified per request and
     step (0: off)."""
+    num_lookahead_tokens: int = 0
+    """KV slots allocated beyond each request's scheduled tokens (a draft model writes
+    its proposals' KV there before the next step verifies them)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

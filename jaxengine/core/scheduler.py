@@ -248,7 +248,8 @@ class Scheduler:
             n = remaining + len(drafts) if drafts else self._cap(remaining, step.budget)
             if n <= 0 or (n < remaining and not self.limits.enable_chunked_prefill):
                 continue
-            while (block_ids := self.kv.allocate_slots(req, n)) is None:
+            extra = self._lookahead(req, req.num_computed_tokens + n)
+            while (block_ids := self.kv.allocate_slots(req, n + extra)) is None:
                 victim = self.policy.choose_victim(self.running)
                 self._preempt(victim, step)
                 if victim is req:
@@ -257,6 +258,13 @@ class Scheduler:
                 step.add(req, n, block_ids)
                 if drafts:
                     step.spec[req.request_id] = drafts
+
+    def _lookahead(self, req: Request, end: int) -> int:
+        """KV slots to allocate past position ``end`` (a draft model writes its
+        proposals' KV there): only when the step samples for ``req``."""
+        if not self.limits.num_lookahead_tokens or end < req.num_tokens_with_placeholders:
+            return 0
+        return max(min(self.limits.num_lookahead_tokens, self.limits.max_model_len - end), 0)
 
     def _drafts(self, req: Request, remaining: int, budget: int) -> tuple[int, ...]:
         """The proposals `req` verifies this step: only when it decodes (one token to
@@ -335,7 +343,8 @@ class Scheduler:
             if not self.kv.can_swap_in(req, n):
                 return _Verdict.STOP
             step.swap_in.extend(self.kv.swap_in(req))
-        if self.kv.allocate_slots(req, n, hit_ids) is None:
+        extra = self._lookahead(req, start + n)
+        if self.kv.allocate_slots(req, n + extra, hit_ids) is None:
             assert not swapped, "can_swap_in promised room"
             return _Verdict.STOP
         self.waiting.pop()

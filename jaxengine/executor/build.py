@@ -19,26 +19,33 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.config import EngineConfig
-from jaxengine.config.cache import FP8_CACHE_DTYPES
 from jaxengine.core.limits import SchedulerLimits
-from jaxengine.loader import LoadedModel, load_model
+from jaxengine.executor.loading import (
+    is_torch,
+    load_replica,
+    stage_program,
+)
+from jaxengine.executor.speculative import (
+    draft_bytes_per_block,
+    load_draft,
+    lookahead_tokens,
+    make_proposer,
+    num_speculative_tokens,
+)
+from jaxengine.loader import LoadedModel
 from jaxengine.loader.hf_config import load_generation_config
 from jaxengine.lora.store import AdapterStore
-from jaxengine.models import UnsupportedArchitectureError
 from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import kv_cache_shape
-from jaxengine.models.layers.lora import LoRASpec, target_shapes
-from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
+from jaxengine.models.layers.lora import target_shapes
+from jaxengine.runner.attention_backend import AttentionBackend
 from jaxengine.runner.buckets import default_token_buckets
 from jaxengine.runner.executables import ExecutableStore
 from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, plan_kv_cache
 from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
-from jaxengine.runner.program import SingleStage, StageProgram
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import logprobs_bucket
-from jaxengine.spec import Proposer
-from jaxengine.spec.ngram import NgramProposer
 from sharding.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -105,102 +112,6 @@ def _eos(generation_config: dict, tokenizer: Any, hf_config: Any) -> int | None:
     return eos
 
 
-def setup_compilation_cache(config: EngineConfig) -> None:
-    """Turns on JAX's persistent compilation cache unless disabled."""
-    comp = config.compilation_config
-    if not comp.enable_compilation_cache:
-        return
-    import os
-
-    path = os.path.expanduser(comp.compilation_cache_dir)
-    jax.config.update("jax_compilation_cache_dir", path)
-    # every executable, however quick to compile: a warm start then traces and loads
-    # the sampler variants instead of compiling two dozen of them again
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-
-def _load(config: EngineConfig, devices: Sequence[Any] | None):
-    """(placement, loaded model, attention backend) on this replica's devices."""
-    from sharding.mesh import replica_devices
-
-    setup_compilation_cache(config)
-    parallel = config.parallel_config
-    if devices is None:
-        devices = replica_devices(parallel)[0]
-    placement = Placement(parallel, devices)
-    loaded = _load_model(config, placement)
-    requested = config.attention_config.attention_backend
-    backend = select_attention_backend(requested)
-    logger.info(
-        "attention backend: %s (--attention-backend %s, platform %s)",
-        backend.name,
-        requested,
-        jax.default_backend(),
-    )
-    logger.info(
-        "devices: %d (tensor %d x pipeline %d): %s",
-        len(placement.devices),
-        parallel.tensor_parallel_size,
-        parallel.pipeline_parallel_size,
-        ", ".join(str(d) for d in placement.devices),
-    )
-    return placement, loaded, backend
-
-
-def _load_model(config: EngineConfig, placement: Placement) -> LoadedModel:
-    """The JAX model, or transformers' PyTorch one (`torch_fallback`) as
-    ``--model-impl`` asks: ``auto`` falls back when the architecture has no JAX port."""
-    impl = config.model_config.model_impl
-    if impl != "transformers":
-        try:
-            return load_model(
-                config.model_config,
-                config.load_config,
-                placement,
-                max_parallel_loading_workers=config.parallel_config.max_parallel_loading_workers,
-                kv_cache_scales=config.cache_config.kv_cache_dtype in FP8_CACHE_DTYPES,
-                lora=lora_spec(config),
-            )
-        except UnsupportedArchitectureError as e:
-            if impl != "auto":
-                raise
-            logger.info("--model-impl auto: using transformers' PyTorch model (%s)", e)
-    from torch_fallback.loader import load_torch_model
-
-    loaded = load_torch_model(config)
-    placement(loaded.config, {}, {})  # stage and tensor plans for the cache sizing
-    return loaded
-
-
-def lora_spec(config: EngineConfig) -> LoRASpec | None:
-    """The adapter slots ``--enable-lora`` asks for (dtype None: the model's)."""
-    lc = config.lora_config
-    if not lc.enable_lora:
-        return None
-    dtype = None if lc.lora_dtype == "auto" else jnp.dtype(lc.lora_dtype)
-    return LoRASpec(lc.max_loras, lc.max_lora_rank, dtype, lc.fully_sharded_loras)
-
-
-def lookahead_slots(config: EngineConfig) -> int:
-    """Proposed tokens per request and step: ``--num-lookahead-slots``, which
-    `EngineConfig` allows only as 0 (the default: num_speculative_tokens) or equal to
-    num_speculative_tokens."""
-    return config.scheduler_config.num_lookahead_slots or (
-        config.speculative_config.num_speculative_tokens
-    )
-
-
-def proposer(config: EngineConfig) -> Proposer | None:
-    """Speculative decoding's proposer (``--speculative-config``), or None."""
-    sc = config.speculative_config
-    if sc.method is None:
-        return None
-    if sc.method != "ngram":
-        raise NotImplementedError(f"speculative method {sc.method!r} is not supported yet")
-    k = sc.num_speculative_tokens
-    return NgramProposer(k, sc.prompt_lookup_min, sc.prompt_lookup_max, sc.disable_by_batch_size)
-
-
 def lora_slots(config: EngineConfig, loaded: LoadedModel) -> LoRASlots | None:
     """The runner's adapter slots and host store (None without ``--enable-lora``)."""
     lc = config.lora_config
@@ -209,11 +120,6 @@ def lora_slots(config: EngineConfig, loaded: LoadedModel) -> LoRASlots | None:
     targets = target_shapes(loaded.config)
     store = AdapterStore(targets, lc.max_lora_rank, lc.max_loras, lc.cpu_loras)
     return LoRASlots(store, loaded.params)
-
-
-def is_torch(loaded: LoadedModel) -> bool:
-    """Whether the model is transformers' PyTorch one (`torch_fallback`)."""
-    return loaded.logical_axes is None
 
 
 def _host_side(config: EngineConfig, loaded: LoadedModel) -> tuple[EngineConfig, Any, dict]:
@@ -243,8 +149,11 @@ def _host_side(config: EngineConfig, loaded: LoadedModel) -> tuple[EngineConfig,
     return config, tokenizer, generation_config
 
 
-def _size_cache(config: EngineConfig, placement: Placement, model: TransformerConfig):
-    """(KV-cache size, scheduler limits, cache dtype name) for this replica."""
+def _size_cache(
+    config: EngineConfig, placement: Placement, model: TransformerConfig, extra: int = 0
+):
+    """(KV-cache size, scheduler limits, cache dtype name) for this replica; ``extra``:
+    bytes each page also takes in another cache (a draft model's)."""
     cc, sc = config.cache_config, config.scheduler_config
     dtype = jnp.dtype(cc.cache_dtype(jnp.dtype(model.dtype).name))
     per_block = bytes_per_block(  # on one device: its stage's layers, its KV heads
@@ -256,7 +165,7 @@ def _size_cache(config: EngineConfig, placement: Placement, model: TransformerCo
     )
     max_model_len = config.model_config.max_model_len
     kv_size = plan_kv_cache(
-        per_block=per_block,
+        per_block=per_block + extra,
         block_size=cc.block_size,
         max_model_len=max_model_len,
         max_num_seqs=sc.max_num_seqs,
@@ -308,48 +217,18 @@ def executable_store(
     return ExecutableStore(directory, program)
 
 
-def stage_program(
-    loaded: LoadedModel,
-    placement: Placement,
-    backend: AttentionBackend,
-    k: int,
-    store: ExecutableStore | None = None,
-) -> StageProgram:
-    """One tensor group's program, or the pipeline's stages (or the PyTorch model's)."""
-    if is_torch(loaded):
-        from torch_fallback.loader import torch_device
-        from torch_fallback.program import TorchProgram
-
-        return TorchProgram(loaded.module, k, torch_device())
-    if placement.num_stages > 1:
-        from sharding.pipeline import PipelineStages
-
-        return PipelineStages(
-            loaded.module,
-            placement,
-            backend,
-            k,
-            loaded.logical_axes,
-            loaded.config.tie_word_embeddings,
-        )
-    plan = placement.plans[0]
-    module = loaded.module.clone(
-        attention_kwargs=plan.attention_kwargs(backend.module_kwargs()),
-        moe_kwargs=plan.moe_kwargs(),
-    )
-    return SingleStage(module, len(loaded.config.layers), plan, k, store)
-
-
 def build_worker(
     config: EngineConfig, devices: Sequence[Any] | None = None
 ) -> tuple[ModelRunner, HostParts]:
     """This process's runner on ``devices`` (one replica's: pipeline x tensor of them;
     the first ones by default), and the host parts."""
-    placement, loaded, backend = _load(config, devices)
+    placement, loaded, backend = load_replica(config, devices)
     config, tokenizer, generation_config = _host_side(config, loaded)
     eos = _eos(generation_config, tokenizer, loaded.hf_config)
     model, mc, sc = loaded.config, config.model_config, config.scheduler_config
-    kv_size, limits, dtype = _size_cache(config, placement, model)
+    draft = load_draft(config, devices, model.vocab_size)
+    extra = draft_bytes_per_block(config, draft)
+    kv_size, limits, dtype = _size_cache(config, placement, model, extra)
     heads = placement.plans[0].kv_cache_heads
     settings = RunnerSettings(
         block_size=kv_size.block_size,
@@ -367,7 +246,7 @@ def build_worker(
         seed=mc.seed,
         eos_token_id=eos,
         calculate_kv_scales=config.cache_config.calculate_kv_scales and model.kv_cache_scales,
-        num_speculative_tokens=lookahead_slots(config),
+        num_speculative_tokens=num_speculative_tokens(config),
     )
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
     store = executable_store(config, loaded, backend)
@@ -381,13 +260,15 @@ def build_worker(
         logits_sharding=program.logits_sharding,
         store=store,
     )
+    proposer = make_proposer(config, draft, settings)
     runner = ModelRunner(
-        program, loaded.params, settings, sampler, lora_slots(config, loaded), proposer(config)
+        program, loaded.params, settings, sampler, lora_slots(config, loaded), proposer
     )
     limits = dataclasses.replace(
         limits,
         max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0,
-        num_speculative_tokens=lookahead_slots(config),
+        num_speculative_tokens=num_speculative_tokens(config),
+        num_lookahead_tokens=lookahead_tokens(config),
     )
     host = HostParts(
         config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits

@@ -54,7 +54,7 @@ from jaxengine.runner.sampling_metadata import (
 )
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
-from jaxengine.spec import Proposer
+from jaxengine.spec import ProposalInput, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +194,8 @@ class ModelRunner:
         jobs, sizes = [], set()
         if self.lora is not None:
             jobs.append((("lora_write",), lambda: self.lora.precompile(self.params)))
+        if self.proposer is not None:
+            jobs += self.proposer.compile_jobs()
         if self.calibrate_kv:
             largest = self.buckets.buckets[-1]
             batch = self._pack([], largest)
@@ -240,6 +242,8 @@ class ModelRunner:
         """Dispatches one scheduled step without waiting for it (see module doc)."""
         with self.guard.watching():
             self.table.apply(out)
+            if self.proposer is not None:
+                self.proposer.forget(_restarted(out))
             self._swap(out)
             order = list(out.num_scheduled_tokens)
             if not order:
@@ -336,19 +340,25 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs if any(x is not None for x in logprobs) else None,
             prompt_logprobs=prompt_lps if any(x is not None for x in prompt_lps) else None,
-            spec_token_ids=self._propose(states, sampling),
+            spec_token_ids=self._propose(order, states, sampling),
         )
 
-    def _propose(self, states: list[RequestState], sampling: list) -> list[list[int]] | None:
+    def _propose(self, order: list[str], states: list, sampling: list) -> list[list[int]] | None:
         """Each request's proposals for its next step (speculative decoding): none for
         one mid-prefill or whose sampling is constrained by a grammar."""
         if self.proposer is None:
             return None
-        tokens = [
-            None if rows is None or state.params.structured_outputs is not None else state.token_ids
-            for state, rows in zip(states, sampling, strict=True)
+        inputs = [
+            ProposalInput(
+                req_id,
+                state.token_ids,
+                state.num_computed,
+                self.table.block_table[state.row, : state.num_pages],
+                rows is not None and state.params.structured_outputs is None,
+            )
+            for req_id, state, rows in zip(order, states, sampling, strict=True)
         ]
-        return self.proposer.propose(tokens)
+        return self.proposer.propose(inputs, self.compiles.ensure)
 
     @staticmethod
     def _sampling_rows(out: SchedulerOutput, order: list[str], states: list, fed: list) -> list:
@@ -458,6 +468,8 @@ class ModelRunner:
         self.guard.close()
         self.table.clear()
         self._feed = None
+        if self.proposer is not None:
+            self.proposer.release()
         for leaf in jax.tree_util.tree_leaves((self.params, self.kv_caches, self.no_feed)):
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 leaf.delete()
@@ -506,6 +518,12 @@ def _pick(lp, i: int, k: int | None):
         lp.topk_ids[i, :k].tolist(),
         lp.topk_logprobs[i, :k].tolist(),
     )
+
+
+def _restarted(out: SchedulerOutput) -> list[str]:
+    """Requests whose proposer state no longer holds: finished, preempted, resumed."""
+    resumed = [c.req_id for c in out.scheduled_cached_reqs if c.resumed_from_preemption]
+    return [*out.finished_req_ids, *out.preempted_req_ids, *resumed]
 
 
 def _rows(state: RequestState, drafts: tuple[int, ...], fed: bool, mask) -> list[SamplingRow]:

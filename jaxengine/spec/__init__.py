@@ -1,16 +1,53 @@
-"""Speculative decoding, host side (no jax): the proposers that draft tokens for the
-target model to verify in its next step (`ngram`)."""
+"""Speculative decoding, host side (no jax): what a proposer is given and gives back.
+
+After each step the runner asks its proposer for the next step's proposals: one
+`ProposalInput` per request of the step. The n-gram proposer (`spec.ngram`) reads
+the request's tokens on the host; the draft-model proposer (`runner.draft`) runs a
+smaller model on the device, keeping its own KV cache in the request's pages.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ProposalInput:
+    """One request of a step, after its tokens are sampled and verified."""
+
+    req_id: str
+    token_ids: Sequence[int]
+    """Its known tokens: prompt and outputs so far."""
+    num_computed: int
+    """Positions whose KV the target holds (its accepted tokens)."""
+    pages: Sequence[int]
+    """Its pages (block-table row), lookahead slots included."""
+    propose: bool
+    """False: mid-prefill, or sampling that takes no proposals (a grammar): only keep
+    up with its tokens."""
 
 
 class Proposer(Protocol):
     """Drafts tokens for the requests of a step, after its tokens are sampled."""
 
-    def propose(self, token_lists: Sequence[Sequence[int] | None]) -> list[list[int]]:
-        """One proposal (possibly empty) per request: from its tokens (prompt and
-        outputs so far), or none for None (a request that is not to propose)."""
+    def propose(
+        self, inputs: Sequence[ProposalInput], ensure: Callable[[tuple], None]
+    ) -> list[list[int]]:
+        """One proposal (possibly empty) per input, none where ``propose`` is False.
+        ``ensure(key)``: waits for (or runs) the warm-up job ``key`` of
+        `compile_jobs` before its executable is used (background compilation)."""
+        ...
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Drops what it keeps of these requests (finished, or preempted)."""
+        ...
+
+    def compile_jobs(self) -> list[tuple[tuple, Callable[[], None]]]:
+        """(key, job) of what it compiles at warm-up."""
+        ...
+
+    def release(self) -> None:
+        """Deletes its device buffers, if any."""
         ...

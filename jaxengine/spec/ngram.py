@@ -9,9 +9,12 @@ the target model verifies the proposal in its next step (`runner.spec_verify`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
+
+from jaxengine.spec import ProposalInput
 
 
 def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -40,21 +43,29 @@ def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
 
 
 class NgramProposer:
-    """Proposes for the requests of a step (`ModelRunner`)."""
+    """Proposes for the requests of a step (`ModelRunner`); keeps nothing between
+    steps."""
 
     def __init__(self, k: int, min_n: int, max_n: int, disable_by_batch_size: int | None) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self.disable_by_batch_size = disable_by_batch_size
 
-    def propose(self, token_lists: Sequence[Sequence[int] | None]) -> list[list[int]]:
-        """One proposal per request of the step: its tokens (prompt and outputs so
-        far), or None for a request that is not to propose (mid-prefill, or its
-        sampling cannot take proposals). Nothing is proposed while the step holds
-        ``disable_by_batch_size`` requests or more."""
+    def propose(self, inputs: Sequence[ProposalInput], ensure: Any = None) -> list[list[int]]:
+        """Nothing is proposed while the step holds ``disable_by_batch_size``
+        requests or more."""
         limit = self.disable_by_batch_size
-        if limit is not None and len(token_lists) >= limit:
-            return [[] for _ in token_lists]
+        if limit is not None and len(inputs) >= limit:
+            return [[] for _ in inputs]
         return [
-            [] if ids is None else propose_ngram(ids, self.min_n, self.max_n, self.k)
-            for ids in token_lists
+            propose_ngram(x.token_ids, self.min_n, self.max_n, self.k) if x.propose else []
+            for x in inputs
         ]
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        pass
+
+    def compile_jobs(self) -> list:
+        return []
+
+    def release(self) -> None:
+        pass

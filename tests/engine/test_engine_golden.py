@@ -3,7 +3,7 @@
 16 prompts of mixed lengths, some sharing long prefixes, through `LLM.generate` under
 each scheduling condition (chunked prefill on/off, prefix caching on/off, a KV cache
 small enough to force preemption by recompute and by swap, max_num_seqs 1 and 16,
-async scheduling, n-gram speculative decoding).
+async scheduling, speculative decoding with n-gram proposals and with a draft model).
 The same again with `--attention-backend pallas` (on CPU the Pallas GPU kernels run in
 interpret mode inside the compiled step). All engines share a persistent compilation
 cache, so identical shapes compile once.
@@ -94,6 +94,8 @@ CONDITIONS = {
             "prompt_lookup_max": 4,
         },
     ),  # fmt: skip
+    # a draft model (SmolLM2 cut to its first 8 layers) proposing, with preemption
+    "draft_model_preempt_recompute": dict(num_gpu_blocks_override=24),
     "preempt_swap_tp3_pp2": dict(
         num_gpu_blocks_override=41,
         swap_space=1,
@@ -103,13 +105,40 @@ CONDITIONS = {
 }
 
 
+@pytest.fixture(scope="module")
+def smollm2_truncated(smollm2_hf, tmp_path_factory):
+    """A draft model: SmolLM2's embeddings, first 8 layers and norm, as a HF folder."""
+    import copy
+
+    import transformers
+
+    config = copy.deepcopy(smollm2_hf.config)
+    config.num_hidden_layers = 8
+    if hasattr(config, "quantization_config"):  # the GGUF's, from the reference
+        del config.quantization_config
+    draft = transformers.AutoModelForCausalLM.from_config(config)
+    state = {k: v for k, v in smollm2_hf.state_dict().items() if _layer(k) < 8}
+    draft.load_state_dict(state, strict=False)
+    path = tmp_path_factory.mktemp("smollm2_draft")
+    draft.save_pretrained(path)
+    return path
+
+
+def _layer(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("condition", sorted(CONDITIONS))
 def test_greedy_matches_transformers(
-    condition, prompts, expected, smollm2_gguf, tmp_path_factory, caplog
+    condition, prompts, expected, smollm2_gguf, tmp_path_factory, caplog, request
 ):
     cache_dir = tmp_path_factory.getbasetemp() / "xla-cache"
     kwargs = {**BASE, **CONDITIONS[condition], "compilation_cache_dir": str(cache_dir)}
+    if condition.startswith("draft_model"):
+        draft = request.getfixturevalue("smollm2_truncated")
+        kwargs["speculative_config"] = {"model": str(draft), "num_speculative_tokens": 3}
     with caplog.at_level(logging.INFO, logger="jaxengine.executor.build"):
         llm = LLM(model=str(smollm2_gguf), **kwargs)
     backend = "pallas-gpu-interpret" if condition == "pallas_kernels" else "xla-cpu"
@@ -123,7 +152,7 @@ def test_greedy_matches_transformers(
         assert stats.num_preemptions > 0
     if condition == "default":
         assert stats.prefix_cache_hits > 0
-    if condition.startswith("ngram"):
+    if condition.startswith(("ngram", "draft_model")):
         assert stats.spec_decoding.num_accepted_tokens > 0
     assert llm.engine.executor.compiles_after_warmup == 0
     assert stats.kv_cache_usage == 0.0  # every page back

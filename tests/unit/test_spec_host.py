@@ -17,6 +17,7 @@ from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
 from jaxengine.metrics_reader import Counter, Vector, get_metrics_snapshot
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import BucketSet
+from jaxengine.spec import ProposalInput
 from jaxengine.spec.ngram import NgramProposer, propose_ngram
 from tests.unit.test_scheduler import FakeRunner, fake_token, make_limits, make_req, run
 
@@ -40,10 +41,13 @@ def test_propose_ngram(tokens, min_n, max_n, k, want):
     assert propose_ngram(tokens, min_n, max_n, k) == want
 
 
-def test_proposer_skips_none_and_large_batches():
+def test_proposer_skips_keep_up_inputs_and_large_batches():
+    def one(propose=True):
+        return ProposalInput("r", [1, 2, 1], 2, [1], propose)
+
     proposer = NgramProposer(2, 1, 3, disable_by_batch_size=3)
-    assert proposer.propose([[1, 2, 1], None]) == [[2, 1], []]
-    assert proposer.propose([[1, 2, 1]] * 3) == [[], [], []]
+    assert proposer.propose([one(), one(False)]) == [[2, 1], []]
+    assert proposer.propose([one()] * 3) == [[], [], []]
 
 
 # ---------------------------------------------------------------- config
@@ -86,9 +90,14 @@ def test_engine_config_refusals():
         EngineArgs(speculative_config=ngram, num_lookahead_slots=3).create_engine_config()
     with pytest.raises(ValueError, match="--async-scheduling"):
         EngineArgs(speculative_config=ngram, async_scheduling=True).create_engine_config()
-    draft = {"model": "/m/draft", "num_speculative_tokens": 2}
-    with pytest.raises(NotImplementedError, match="method draft_model is not supported yet"):
+    eagle = {"method": "eagle", "model": "/m/eagle", "num_speculative_tokens": 2}
+    with pytest.raises(NotImplementedError, match="method eagle is not supported yet"):
+        EngineArgs(speculative_config=eagle).create_engine_config()
+    draft = {"model": "/m/draft", "num_speculative_tokens": 2, "max_model_len": 64}
+    with pytest.raises(NotImplementedError, match="max_model_len 64 is not supported yet"):
         EngineArgs(speculative_config=draft).create_engine_config()
+    with pytest.raises(ValueError, match='needs "model"'):
+        SpeculativeConfig({"method": "draft_model", "num_speculative_tokens": 2})
 
 
 # ---------------------------------------------------------------- scheduler

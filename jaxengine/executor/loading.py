@@ -1,0 +1,136 @@
+"""Loading one replica's model and building its stage program: the parts of
+`build_worker` that a draft model (speculative decoding) goes through too."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine.config import EngineConfig
+from jaxengine.config.cache import FP8_CACHE_DTYPES
+from jaxengine.loader import LoadedModel, load_model
+from jaxengine.models import UnsupportedArchitectureError
+from jaxengine.models.layers.lora import LoRASpec
+from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
+from jaxengine.runner.executables import ExecutableStore
+from jaxengine.runner.program import SingleStage, StageProgram
+from sharding.placement import Placement
+
+logger = logging.getLogger("jaxengine.executor.build")
+
+
+def setup_compilation_cache(config: EngineConfig) -> None:
+    """Turns on JAX's persistent compilation cache unless disabled."""
+    comp = config.compilation_config
+    if not comp.enable_compilation_cache:
+        return
+    import os
+
+    path = os.path.expanduser(comp.compilation_cache_dir)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # every executable, however quick to compile: a warm start then traces and loads
+    # the sampler variants instead of compiling two dozen of them again
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def load_replica(config: EngineConfig, devices: Sequence[Any] | None):
+    """(placement, loaded model, attention backend) on this replica's devices."""
+    from sharding.mesh import replica_devices
+
+    setup_compilation_cache(config)
+    parallel = config.parallel_config
+    if devices is None:
+        devices = replica_devices(parallel)[0]
+    placement = Placement(parallel, devices)
+    loaded = load_jax_or_torch(config, placement)
+    requested = config.attention_config.attention_backend
+    backend = select_attention_backend(requested)
+    logger.info(
+        "attention backend: %s (--attention-backend %s, platform %s)",
+        backend.name,
+        requested,
+        jax.default_backend(),
+    )
+    logger.info(
+        "devices: %d (tensor %d x pipeline %d): %s",
+        len(placement.devices),
+        parallel.tensor_parallel_size,
+        parallel.pipeline_parallel_size,
+        ", ".join(str(d) for d in placement.devices),
+    )
+    return placement, loaded, backend
+
+
+def load_jax_or_torch(config: EngineConfig, placement: Placement) -> LoadedModel:
+    """The JAX model, or transformers' PyTorch one (`torch_fallback`) as
+    ``--model-impl`` asks: ``auto`` falls back when the architecture has no JAX port."""
+    impl = config.model_config.model_impl
+    if impl != "transformers":
+        try:
+            return load_model(
+                config.model_config,
+                config.load_config,
+                placement,
+                max_parallel_loading_workers=config.parallel_config.max_parallel_loading_workers,
+                kv_cache_scales=config.cache_config.kv_cache_dtype in FP8_CACHE_DTYPES,
+                lora=lora_spec(config),
+            )
+        except UnsupportedArchitectureError as e:
+            if impl != "auto":
+                raise
+            logger.info("--model-impl auto: using transformers' PyTorch model (%s)", e)
+    from torch_fallback.loader import load_torch_model
+
+    loaded = load_torch_model(config)
+    placement(loaded.config, {}, {})  # stage and tensor plans for the cache sizing
+    return loaded
+
+
+def lora_spec(config: EngineConfig) -> LoRASpec | None:
+    """The adapter slots ``--enable-lora`` asks for (dtype None: the model's)."""
+    lc = config.lora_config
+    if not lc.enable_lora:
+        return None
+    dtype = None if lc.lora_dtype == "auto" else jnp.dtype(lc.lora_dtype)
+    return LoRASpec(lc.max_loras, lc.max_lora_rank, dtype, lc.fully_sharded_loras)
+
+
+def is_torch(loaded: LoadedModel) -> bool:
+    """Whether the model is transformers' PyTorch one (`torch_fallback`)."""
+    return loaded.logical_axes is None
+
+
+def stage_program(
+    loaded: LoadedModel,
+    placement: Placement,
+    backend: AttentionBackend,
+    k: int,
+    store: ExecutableStore | None = None,
+) -> StageProgram:
+    """One tensor group's program, or the pipeline's stages (or the PyTorch model's)."""
+    if is_torch(loaded):
+        from torch_fallback.loader import torch_device
+        from torch_fallback.program import TorchProgram
+
+        return TorchProgram(loaded.module, k, torch_device())
+    if placement.num_stages > 1:
+        from sharding.pipeline import PipelineStages
+
+        return PipelineStages(
+            loaded.module,
+            placement,
+            backend,
+            k,
+            loaded.logical_axes,
+            loaded.config.tie_word_embeddings,
+        )
+    plan = placement.plans[0]
+    module = loaded.module.clone(
+        attention_kwargs=plan.attention_kwargs(backend.module_kwargs()),
+        moe_kwargs=plan.moe_kwargs(),
+    )
+    return SingleStage(module, len(loaded.config.layers), plan, k, store)
