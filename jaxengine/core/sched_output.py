@@ -89,8 +89,9 @@ class SchedulerOutput:
     structured_output_req_ids: tuple[str, ...] = ()
     """Requests whose next token is constrained (structured outputs), in bitmask order."""
     grammar_bitmask: Any = None
-    """None, or int32 numpy rows [len(structured_output_req_ids), ceil(V / 32)]: bit j
-    of word w set = token 32 * w + j allowed."""
+    """None, or int32 numpy rows [n, ceil(V / 32)]: bit j of word w set = token
+    32 * w + j allowed. One row per request of `structured_output_req_ids`, in order,
+    and after it one more per proposal it verifies (the mask after that proposal)."""
     scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Speculative decoding: the proposed ids each request verifies this step (their
     positions are the last ones of its `num_scheduled_tokens`)."""

@@ -274,7 +274,10 @@ class Scheduler:
         room = min(budget - 1, self.limits.max_model_len - req.num_tokens - 1)
         if req.max_tokens is not None:
             room = min(room, req.max_tokens - req.num_output_tokens - 1)
-        return tuple(req.spec_token_ids[: max(room, 0)])
+        drafts = tuple(req.spec_token_ids[: max(room, 0)])
+        if drafts and self.grammars is not None:
+            drafts = self.grammars.check_drafts(req, drafts)
+        return drafts
 
     def _waits_for_placeholder(self, req: Request) -> bool:
         """Whether the token in flight must arrive before `req` is scheduled again."""
@@ -426,7 +429,7 @@ class Scheduler:
         masked, bitmask = (), None
         if self.grammars is not None:
             sampling = [self.requests[r] for r in step.num_scheduled if r not in partial]
-            masked, bitmask = self.grammars.bitmask(sampling)
+            masked, bitmask = self.grammars.bitmask(sampling, step.spec)
         return SchedulerOutput(
             scheduled_new_reqs=tuple(new_reqs),
             scheduled_cached_reqs=tuple(cached_reqs),

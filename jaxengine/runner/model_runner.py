@@ -345,7 +345,7 @@ class ModelRunner:
 
     def _propose(self, order: list[str], states: list, sampling: list) -> list[list[int]] | None:
         """Each request's proposals for its next step (speculative decoding): none for
-        one mid-prefill or whose sampling is constrained by a grammar."""
+        one mid-prefill (the scheduler cuts those a grammar does not allow)."""
         if self.proposer is None:
             return None
         inputs = [
@@ -354,7 +354,7 @@ class ModelRunner:
                 state.token_ids,
                 state.num_computed,
                 self.table.block_table[state.row, : state.num_pages],
-                rows is not None and state.params.structured_outputs is None,
+                rows is not None,
             )
             for req_id, state, rows in zip(order, states, sampling, strict=True)
         ]
@@ -366,9 +366,11 @@ class ModelRunner:
         any): one, or one more per proposal it verifies (with the proposals before
         it among its outputs), or None for a request mid-prefill (it samples
         nothing). A fed request's row counts its token in flight."""
-        rows = () if out.grammar_bitmask is None else out.grammar_bitmask
-        masks = dict(zip(out.structured_output_req_ids, rows, strict=True))
         spec = out.scheduled_spec_decode_tokens
+        masks, row = {}, 0
+        for r in out.structured_output_req_ids:  # 1 + proposals rows each
+            n = 1 + len(spec.get(r, ()))
+            masks[r], row = out.grammar_bitmask[row : row + n], row + n
         return [
             None
             if r in out.partial_req_ids
@@ -526,13 +528,21 @@ def _restarted(out: SchedulerOutput) -> list[str]:
     return [*out.finished_req_ids, *out.preempted_req_ids, *resumed]
 
 
-def _rows(state: RequestState, drafts: tuple[int, ...], fed: bool, mask) -> list[SamplingRow]:
-    """A request's sampling rows: after its last token, then after each proposal."""
+def _rows(state: RequestState, drafts: tuple[int, ...], fed: bool, masks) -> list[SamplingRow]:
+    """A request's sampling rows: after its last token, then after each proposal (with
+    its grammar's mask at that point, if any)."""
     step = len(state.token_ids) - state.num_prompt + fed
     prompt = state.token_ids[: state.num_prompt]
     outputs = state.output_ids
     return [
-        SamplingRow(state.params, [*outputs, *drafts[:j]], prompt, state.seed, step + j, mask)
+        SamplingRow(
+            state.params,
+            [*outputs, *drafts[:j]],
+            prompt,
+            state.seed,
+            step + j,
+            None if masks is None else masks[j],
+        )
         for j in range(1 + len(drafts))
     ]
 

@@ -37,6 +37,11 @@ class Grammar(Protocol):
         """Forgets the last `num_tokens` accepted tokens."""
         ...
 
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, from the first, may follow in turn (nothing is
+        consumed): proposals of speculative decoding are cut there."""
+        ...
+
     def is_terminated(self) -> bool:
         """The grammar is complete: only EOS may follow."""
         ...

@@ -35,6 +35,9 @@ class GuidanceGrammar:
         if num_tokens:
             self.matcher.rollback(num_tokens)
 
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        return int(self.matcher.validate_tokens(list(token_ids)))
+
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_stopped())
 

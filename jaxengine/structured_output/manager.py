@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -126,18 +126,54 @@ class StructuredOutputManager:
         self._cache.move_to_end(key)
         return future
 
-    def bitmask(self, requests: Sequence[Any]) -> tuple[tuple[str, ...], np.ndarray | None]:
-        """(request ids, their rows [n, W] int32) for the constrained ones in `requests`."""
+    def bitmask(
+        self, requests: Sequence[Any], drafts: Mapping[str, Sequence[int]] | None = None
+    ) -> tuple[tuple[str, ...], np.ndarray | None]:
+        """(request ids, their rows [n, W] int32) for the constrained ones in `requests`;
+        one more row per proposal in ``drafts`` (the mask after it)."""
+        drafts = drafts or {}
         rows = []
         for request in requests:
-            state = self._states.get(request.request_id)
-            if state is not None and state.grammar is not None and state.active:
-                rows.append((request.request_id, state.grammar))
+            grammar = self._active(request)
+            if grammar is not None:
+                rows.append((request.request_id, grammar, drafts.get(request.request_id, ())))
         if not rows:
             return (), None
-        bitmask = np.full((len(rows), self.width), -1, np.int32)  # [n, W]
-        self.backend.fill_bitmasks([(g, i) for i, (_, g) in enumerate(rows)], bitmask)
-        return tuple(rid for rid, _ in rows), bitmask
+        bitmask = np.full((sum(1 + len(d) for *_, d in rows), self.width), -1, np.int32)
+        plain, row = [], 0
+        for _, grammar, ids in rows:
+            if ids:
+                self._fill_after_drafts(grammar, ids, bitmask, row)
+            else:
+                plain.append((grammar, row))
+            row += 1 + len(ids)
+        if plain:
+            self.backend.fill_bitmasks(plain, bitmask)
+        return tuple(rid for rid, *_ in rows), bitmask
+
+    @staticmethod
+    def _fill_after_drafts(grammar: Grammar, ids: Sequence[int], bitmask, row: int) -> None:
+        """Rows ``row ...`` : the mask now and after each proposal (then rewound)."""
+        grammar.fill_bitmask(bitmask, row)
+        for j, token in enumerate(ids):
+            grammar.accept_tokens([token])
+            grammar.fill_bitmask(bitmask, row + 1 + j)
+        grammar.rollback(len(ids))
+
+    def check_drafts(self, request: Any, drafts: Sequence[int]) -> tuple[int, ...]:
+        state = self._states.get(request.request_id)
+        if state is None:
+            return tuple(drafts)
+        grammar = self._active(request)
+        if grammar is None:  # compiling, failed, or waiting for the end of reasoning
+            return ()
+        return tuple(drafts[: grammar.validate_tokens(drafts)])
+
+    def _active(self, request: Any) -> Grammar | None:
+        state = self._states.get(request.request_id)
+        if state is not None and state.grammar is not None and state.active:
+            return state.grammar
+        return None
 
     def accept(self, request: Any, token_ids: Sequence[int]) -> None:
         """Advances the request's grammar over its newly sampled tokens."""

@@ -124,6 +124,41 @@ def smollm2_truncated(smollm2_hf, tmp_path_factory):
     return path
 
 
+USERS = {
+    "type": "array",
+    "minItems": 4,
+    "maxItems": 4,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["name", "id"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _check_json_with_proposals(llm) -> None:
+    """A JSON-schema request with n-gram proposals: the grammar cuts the proposals it
+    does not allow and masks each verified position; the output is valid and the
+    repeated keys were accepted from proposals."""
+    import json
+
+    import jsonschema
+
+    from jaxengine.sampling_params import StructuredOutputsParams
+
+    before = llm.engine.get_stats().spec_decoding.num_accepted_tokens
+    params = SamplingParams(
+        temperature=0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=USERS)
+    )
+    (out,) = llm.generate(["A list of four users as JSON:"], params, use_tqdm=False)
+    jsonschema.validate(json.loads(out.outputs[0].text), USERS)
+    assert llm.engine.get_stats().spec_decoding.num_accepted_tokens - before > 10
+
+
 def _layer(name: str) -> int:
     parts = name.split(".")
     return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
@@ -154,6 +189,8 @@ def test_greedy_matches_transformers(
         assert stats.prefix_cache_hits > 0
     if condition.startswith(("ngram", "draft_model")):
         assert stats.spec_decoding.num_accepted_tokens > 0
+    if condition.startswith("ngram"):
+        _check_json_with_proposals(llm)
     assert llm.engine.executor.compiles_after_warmup == 0
     assert stats.kv_cache_usage == 0.0  # every page back
     llm.engine.shutdown()

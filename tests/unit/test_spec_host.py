@@ -5,6 +5,7 @@ logits rows, and the metrics."""
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import BucketSet
 from jaxengine.spec import ProposalInput
 from jaxengine.spec.ngram import NgramProposer, propose_ngram
+from jaxengine.structured_output import StructuredOutputManager
 from tests.unit.test_scheduler import FakeRunner, fake_token, make_limits, make_req, run
 
 # ---------------------------------------------------------------- n-gram proposals
@@ -267,3 +269,28 @@ def test_spec_stats_observe():
     s = SpecDecodingStats().observe(3, 2).observe(2, 0).observe(4, 4)
     assert s == SpecDecodingStats(3, 9, 6, (2, 2, 1, 1))
     assert np.sum(s.accepted_per_pos) == s.num_accepted_tokens
+
+
+# ---------------------------------------------------------------- structured outputs
+
+
+def test_grammar_cuts_proposals_and_gives_a_mask_after_each():
+    """FakeGrammar allows only (last + 1) % 64: proposals are cut at the first other
+    id, and the rows after each proposal are the masks the grammar would give there;
+    the grammar is where it was afterwards."""
+    from tests.unit.test_structured_output import FakeBackend, so_req
+
+    manager = StructuredOutputManager(FakeBackend(), vocab_size=64)
+    req = so_req("g")
+    deadline = time.monotonic() + 10
+    while not manager.is_ready(req):  # compiled off the loop
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    manager.accept(req, [5])
+    assert manager.check_drafts(req, (6, 7, 9, 10)) == (6, 7)
+    ids, rows = manager.bitmask([req], {"g": (6, 7)})
+    assert ids == ("g",) and rows.shape == (3, 2)
+    allowed = [np.flatnonzero(np.unpackbits(r.view(np.uint8), bitorder="little")) for r in rows]
+    assert [a.tolist() for a in allowed] == [[6], [7], [8]]
+    _, again = manager.bitmask([req])
+    assert np.array_equal(again[0], rows[0])

@@ -37,6 +37,14 @@ class FakeGrammar:
     def rollback(self, n):
         del self.tokens[len(self.tokens) - n :]
 
+    def validate_tokens(self, token_ids):
+        last, count = (self.tokens[-1] if self.tokens else -1), 0
+        for token in token_ids:
+            if token != (last + 1) % 64:
+                break
+            last, count = token, count + 1
+        return count
+
     def is_terminated(self):
         return len(self.tokens) >= self.length
 
