@@ -5,10 +5,12 @@
 The workload is repetitive, where proposals from the request's own tokens pay: chat
 prompts that ask the model to repeat, or to correct, a passage given in the prompt
 (the passages below), decoded greedily until EOS or ``--output-len`` tokens. At each
-batch size B, three engines serve the same B requests: none (no speculation), ngram
-(``--speculative-config`` with ``num_speculative_tokens`` k), and ngram with
+batch size B, the engines serve the same B requests: none (no speculation), ngram
+(``--speculative-config`` with ``num_speculative_tokens`` k), ngram with
 ``disable_by_batch_size`` (``--disable-by-batch-size``, proposals off while that many
-requests run). Greedy outputs are the same with and without proposals (checked
+requests run), and for each ``--draft-layers N`` a draft model: the model itself
+cut to its first N layers (written here as a Hugging Face folder), proposing
+greedily. Greedy outputs are the same with and without proposals (checked
 here, as a sanity check); the figure is output tokens per second over the batch.
 Rounds alternate the engines so drift on a noisy machine hits all of them; ratios
 are per round. The acceptance rate and the mean acceptance length come from the
@@ -87,11 +89,50 @@ def build_engines(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
     kwargs = {"max_model_len": max_len, "max_num_seqs": max(args.batch_sizes)}
     kwargs.update(args.engine_kwargs)
     limited = {**spec, "disable_by_batch_size": args.disable_by_batch_size}
-    return {
+    engines = {
         "none": LLM(model=args.model, **kwargs),
         "ngram": LLM(model=args.model, speculative_config=spec, **kwargs),
         "ngram+disable": LLM(model=args.model, speculative_config=limited, **kwargs),
     }
+    for layers in args.draft_layers:
+        draft = {"model": truncated_copy(args.model, layers),
+                 "num_speculative_tokens": args.num_speculative_tokens}  # fmt: skip
+        name = f"draft {layers} layers"
+        engines[name] = LLM(model=args.model, speculative_config=draft, **kwargs)
+    return engines
+
+
+def truncated_copy(model: str, num_layers: int) -> str:
+    """The model's embeddings, first ``num_layers`` layers and norm as a Hugging Face
+    folder (float32, in a temporary folder): a draft model of the same vocabulary."""
+    import copy
+    import tempfile
+
+    import transformers
+
+    from bench.common import resolve_model_files
+
+    files = resolve_model_files(model)
+    if files.gguf is not None:
+        kwargs = {"gguf_file": files.gguf.name}
+    else:
+        kwargs = {}
+    full = transformers.AutoModelForCausalLM.from_pretrained(files.folder, **kwargs)
+    config = copy.deepcopy(full.config)
+    config.num_hidden_layers = num_layers
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    draft = transformers.AutoModelForCausalLM.from_config(config)
+    keep = {f"layers.{i}." for i in range(num_layers)}
+    state = {
+        k: v
+        for k, v in full.state_dict().items()
+        if ".layers." not in k or any(tag in k for tag in keep)
+    }
+    draft.load_state_dict(state, strict=False)
+    folder = tempfile.mkdtemp(prefix="draft-")
+    draft.save_pretrained(folder)
+    return folder
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -155,10 +196,11 @@ def report(args, command: str, rows: list, doc: dict, compiles: dict) -> None:
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max],
         "disable_by_batch_size": args.disable_by_batch_size,
+        "draft_layers": args.draft_layers,
         "rounds": args.rounds,
         "engine_kwargs": args.engine_kwargs,
     }
-    print(describe_run("speculative decoding (ngram)", machine_info(), workload))
+    print(describe_run("speculative decoding", machine_info(), workload))
     header = ["batch", "engine", "out tok/s", "ratio vs none", "acceptance", "mean accepted len"]
     print(format_table(header, rows))
     print(f"compilations after warm-up: {compiles}")
@@ -177,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup-min", type=positive_int, default=2)
     p.add_argument("--prompt-lookup-max", type=positive_int, default=5)
     p.add_argument("--disable-by-batch-size", type=positive_int, default=8)
+    p.add_argument("--draft-layers", type=positive_int, nargs="*", default=[],
+                   help="also draft models: the model cut to its first N layers")  # fmt: skip
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--engine-kwargs", type=json.loads, default={})
     p.add_argument("--json", default=None)
