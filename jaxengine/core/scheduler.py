@@ -342,11 +342,11 @@ class Scheduler:
         verdict, n = self._admission_chunk(remaining, step)
         if verdict is not _Verdict.ADMIT:
             return verdict
+        extra = self._lookahead(req, start + n)
         if swapped:
-            if not self.kv.can_swap_in(req, n):
+            if not self.kv.can_swap_in(req, n + extra):
                 return _Verdict.STOP
             step.swap_in.extend(self.kv.swap_in(req))
-        extra = self._lookahead(req, start + n)
         if self.kv.allocate_slots(req, n + extra, hit_ids) is None:
             assert not swapped, "can_swap_in promised room"
             return _Verdict.STOP

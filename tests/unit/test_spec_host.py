@@ -111,14 +111,20 @@ class SpecFakeRunner(FakeRunner):
     others, so a rejected one the scheduler forgot to take back would be read by a
     later step: every position a step reads must hold the request's true token."""
 
-    def __init__(self, block_size: int, k: int, seed: int = 0) -> None:
+    def __init__(
+        self, block_size: int, k: int, seed: int = 0, lookahead: int = 0, max_model_len: int = 0
+    ) -> None:
         super().__init__(block_size)
         self.k, self.rng = k, random.Random(seed)
+        self.lookahead, self.max_model_len = lookahead, max_model_len
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         for rid in so.finished_req_ids:
             self.state.pop(rid, None)
-        assert not so.blocks_to_swap_out and not so.blocks_to_swap_in
+        for d, h in so.blocks_to_swap_out:
+            self.host[h] = list(self.device.get(d, [None] * self.bs))
+        for h, d in so.blocks_to_swap_in:
+            self.device[d] = list(self.host.pop(h))
         starts = {}
         for nr in so.scheduled_new_reqs:
             self.state[nr.req_id] = {"tokens": list(nr.prompt_token_ids), "blocks": []}
@@ -146,6 +152,9 @@ class SpecFakeRunner(FakeRunner):
             assert page[off] == s["tokens"][p], (rid, p)
         written = s["tokens"][start : start + n - len(drafts)] + list(drafts)
         assert len(written) == n
+        if rid not in so.partial_req_ids and self.lookahead:  # the draft's slots exist
+            room = min(start + n + self.lookahead, self.max_model_len)
+            assert len(s["blocks"]) * self.bs >= room, (rid, start, n)
         for p, token in enumerate(written, start):
             page, off = self._slot(s["blocks"], p)
             page[off] = token
@@ -166,28 +175,31 @@ class SpecFakeRunner(FakeRunner):
         return true[:right] + [-1] * (self.k - right)
 
 
-@pytest.mark.parametrize("budget, blocks", [(64, 65), (7, 65), (64, 14)])
-def test_scheduler_verifies_and_takes_back_rejected_proposals(budget, blocks):
+@pytest.mark.parametrize(
+    "budget, blocks, lookahead, host",
+    [(64, 65, 0, 0), (7, 65, 0, 0), (64, 14, 0, 0), (7, 65, 3, 0), (64, 16, 3, 0),
+     (64, 16, 3, 40)],
+)  # fmt: skip
+def test_scheduler_verifies_and_takes_back_rejected_proposals(budget, blocks, lookahead, host):
     """Outputs are the true tokens whatever is accepted, stopping at max_tokens exactly,
-    with chunked prefill (budget 7) and preemption (14 pages); every page is free at
-    the end (`run`); no step reads a rejected proposal's slot."""
+    with chunked prefill (budget 7), preemption (14 or 16 pages; by swapping with host
+    pages) and a draft model's lookahead slots (allocated past every sampling step);
+    every page is free at the end (`run`); no step reads a rejected proposal's slot."""
     k = 3
     limits = make_limits(
-        max_num_batched_tokens=budget,
-        num_blocks=blocks,
-        num_speculative_tokens=k,
-        max_model_len=48,
-    )
+        max_num_batched_tokens=budget, num_blocks=blocks, num_speculative_tokens=k,
+        max_model_len=48, num_lookahead_tokens=lookahead, num_host_blocks=host,
+    )  # fmt: skip
     sched = Scheduler(limits)
     for i in range(6):
         sched.add_request(make_req(f"r{i}", 5 + 3 * i, max_tokens=17 + i))
-    runner = SpecFakeRunner(limits.block_size, k)
+    runner = SpecFakeRunner(limits.block_size, k, lookahead=lookahead, max_model_len=48)
     tokens, reasons, outs = run(sched, runner)
     for i in range(6):
         start = 5 + 3 * i
         assert tokens[f"r{i}"] == [fake_token(f"r{i}", p) for p in range(start, start + 17 + i)]
     assert set(reasons.values()) == {"length"}
-    assert (sched.num_preemptions > 0) == (blocks == 14)
+    assert (sched.num_preemptions > 0) == (blocks < 65)
     stats = sched.get_stats().spec_decoding
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
     assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
