@@ -49,14 +49,18 @@ class FakeRunner:
     def _slot(self, blocks, p):
         return self.device.setdefault(blocks[p // self.bs], [None] * self.bs), p % self.bs
 
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+    def forget_and_swap(self, so: SchedulerOutput) -> None:
+        """Drops finished requests; copies swapped pages out, then in."""
         for rid in so.finished_req_ids:
             self.state.pop(rid, None)
-        assert so.preempted_req_ids <= self.state.keys()
         for d, h in so.blocks_to_swap_out:
             self.host[h] = list(self.device.get(d, [None] * self.bs))
         for h, d in so.blocks_to_swap_in:
             self.device[d] = list(self.host.pop(h))
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        self.forget_and_swap(so)
+        assert so.preempted_req_ids <= self.state.keys()
         starts = {}
         for nr in so.scheduled_new_reqs:
             assert nr.req_id not in self.state

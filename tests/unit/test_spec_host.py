@@ -119,12 +119,7 @@ class SpecFakeRunner(FakeRunner):
         self.lookahead, self.max_model_len = lookahead, max_model_len
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        for rid in so.finished_req_ids:
-            self.state.pop(rid, None)
-        for d, h in so.blocks_to_swap_out:
-            self.host[h] = list(self.device.get(d, [None] * self.bs))
-        for h, d in so.blocks_to_swap_in:
-            self.device[d] = list(self.host.pop(h))
+        self.forget_and_swap(so)
         starts = {}
         for nr in so.scheduled_new_reqs:
             self.state[nr.req_id] = {"tokens": list(nr.prompt_token_ids), "blocks": []}
