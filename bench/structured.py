@@ -111,10 +111,10 @@ def _time_bitmasks(manager: Any) -> list[float]:
     spent: list[float] = []
     fill = manager.bitmask
 
-    def timed_fill(requests):
+    def timed_fill(requests, drafts=None):
         start = perf_counter()
         try:
-            return fill(requests)
+            return fill(requests, drafts)
         finally:
             spent.append(perf_counter() - start)
 
