@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_models import tiny_llama_config
 
 from jaxengine import LLM, LoRARequest
 from tests.lora_adapters import make_adapter
@@ -38,15 +39,7 @@ ADAPTERS = {
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory):
     """(checkpoint folder, transformers model) of a 2-layer Llama, GQA 8/2."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = tiny_llama_config(VOCAB, num_attention_heads=8)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     path = tmp_path_factory.mktemp("lora_base")

@@ -21,7 +21,7 @@ import sys
 
 import httpx
 import pytest
-import transformers
+from tiny_models import tiny_llama_config
 
 from jaxengine import LLM, SamplingParams
 from tests.processes import child_env, free_port, wait_healthy
@@ -47,15 +47,7 @@ ENGINE_FLAGS = [
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = tiny_llama_config(VOCAB)
     return save_checkpoint(config, tmp_path_factory.mktemp("dp_llama"))
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_models import tiny_llama_config
 
 VOCAB = 256
 ENGINE_KWARGS = dict(
@@ -35,15 +36,7 @@ def save_checkpoint(hf_config, path) -> str:
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory) -> str:
     """8 query heads, 2 KV heads: TP 4 and 8 store one KV head per device."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = tiny_llama_config(VOCAB, num_hidden_layers=4, num_attention_heads=8)
     return save_checkpoint(config, tmp_path_factory.mktemp("llama"))
 
 
