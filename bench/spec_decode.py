@@ -10,7 +10,9 @@ batch size B, the engines serve the same B requests: none (no speculation), ngra
 ``disable_by_batch_size`` (``--disable-by-batch-size``, proposals off while that many
 requests run), and for each ``--draft-layers N`` a draft model: the model itself
 cut to its first N layers (written here as a Hugging Face folder), proposing
-greedily. Greedy outputs are the same with and without proposals (checked
+greedily; and for each ``--eagle HEAD`` an EAGLE head (a folder in the EAGLE layout,
+or ``random``: a random one-layer head, whose drafts are all but always rejected,
+for what a head costs per step). Greedy outputs are the same with and without proposals (checked
 here, as a sanity check); the figure is output tokens per second over the batch.
 Rounds alternate the engines so drift on a noisy machine hits all of them; ratios
 are per round. The acceptance rate and the mean acceptance length come from the
@@ -99,7 +101,40 @@ def build_engines(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
                  "num_speculative_tokens": args.num_speculative_tokens}  # fmt: skip
         name = f"draft {layers} layers"
         engines[name] = LLM(model=args.model, speculative_config=draft, **kwargs)
+    for head in args.eagle:
+        folder = random_eagle_head(args.model) if head == "random" else head
+        options = {"method": "eagle", "model": folder,
+                   "num_speculative_tokens": args.num_speculative_tokens}  # fmt: skip
+        engines[f"eagle {head}"] = LLM(model=args.model, speculative_config=options, **kwargs)
     return engines
+
+
+def random_eagle_head(model: str) -> str:
+    """A random one-layer EAGLE head for ``model`` in the EAGLE layout (the model's
+    embedding shared), in a temporary folder: what a head costs when its drafts are
+    rejected."""
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from bench.common import resolve_model_files
+
+    files = resolve_model_files(model)
+    kwargs = {"gguf_file": files.gguf.name} if files.gguf is not None else {}
+    config = transformers.AutoConfig.from_pretrained(files.folder, **kwargs)
+    config.num_hidden_layers = 1
+    config.__dict__.pop("quantization_config", None)
+    head = transformers.LlamaModel(config)
+    skip = ("norm.", "embed_tokens.", "layers.0.input_layernorm")
+    tensors = {k: v for k, v in head.state_dict().items() if not k.startswith(skip)}
+    width = config.hidden_size
+    tensors["fc.weight"] = torch.randn(width, 2 * width) * 0.02
+    folder = tempfile.mkdtemp(prefix="eagle-")
+    save_file(tensors, f"{folder}/model.safetensors")
+    config.save_pretrained(folder)
+    return folder
 
 
 def truncated_copy(model: str, num_layers: int) -> str:
@@ -221,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-by-batch-size", type=positive_int, default=8)
     p.add_argument("--draft-layers", type=positive_int, nargs="*", default=[],
                    help="also draft models: the model cut to its first N layers")  # fmt: skip
+    p.add_argument("--eagle", nargs="*", default=[],
+                   help="also EAGLE heads: folders in the EAGLE layout, or 'random' for a "
+                   "random one-layer head (its cost when its drafts are rejected)")  # fmt: skip
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--engine-kwargs", type=json.loads, default={})
     p.add_argument("--json", default=None)

@@ -42,12 +42,14 @@ class SpeculativeConfig:
 
     speculative_config: dict | None = None
     """Speculative decoding configuration (JSON). Keys as vLLM's: "method" ("ngram",
-    "draft_model"; "eagle", "eagle3", "medusa", "mlp_speculator" and "mtp" are not
+    "draft_model", "eagle"; "eagle3", "medusa", "mlp_speculator" and "mtp" are not
     supported yet), "num_speculative_tokens" (proposals verified per step),
     "prompt_lookup_min" / "prompt_lookup_max" (the n-gram sizes ngram matches against
     the request's own tokens; default 5 each), "model" (a draft model; "ngram" or
-    "[ngram]" selects ngram; any other path or name a draft model of the same
-    vocabulary, run greedily on the target's devices with its own KV cache),
+    "[ngram]" selects ngram; a name containing "eagle" an EAGLE head: a checkpoint
+    in the EAGLE layout, run on the target's hidden states; any other path or name a
+    draft model of the same vocabulary; both run greedily on the target's devices
+    with their own KV cache),
     "disable_by_batch_size" (no proposals while this many requests or more are
     running), "quantization" and "revision" (the draft model's)."""
 
@@ -73,11 +75,12 @@ class SpeculativeConfig:
         )
         if self.method == "ngram":
             self._check_ngram()
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle"):
             require(
                 isinstance(options.get("model"), str) and options["model"],
                 "speculative_config",
-                'the draft_model method needs "model": the draft model\'s path or name',
+                f'the {self.method} method needs "model": the draft model\'s or EAGLE '
+                "head's path or name",
             )
         batch = options.get("disable_by_batch_size")
         require(

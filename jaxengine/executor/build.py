@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.limits import SchedulerLimits
 from jaxengine.executor.loading import (
+    cache_dtype,
     is_torch,
     load_replica,
     stage_program,
@@ -155,7 +155,7 @@ def _size_cache(
     """(KV-cache size, scheduler limits, cache dtype name) for this replica; ``extra``:
     bytes each page also takes in another cache (a draft model's)."""
     cc, sc = config.cache_config, config.scheduler_config
-    dtype = jnp.dtype(cc.cache_dtype(jnp.dtype(model.dtype).name))
+    dtype = cache_dtype(config, model)
     per_block = bytes_per_block(  # on one device: its stage's layers, its KV heads
         max(len(r) for r in placement.layer_ranges),
         cc.block_size,
@@ -226,7 +226,7 @@ def build_worker(
     config, tokenizer, generation_config = _host_side(config, loaded)
     eos = _eos(generation_config, tokenizer, loaded.hf_config)
     model, mc, sc = loaded.config, config.model_config, config.scheduler_config
-    draft = load_draft(config, devices, model.vocab_size)
+    draft = load_draft(config, devices, loaded)
     extra = draft_bytes_per_block(config, draft)
     kv_size, limits, dtype = _size_cache(config, placement, model, extra)
     heads = placement.plans[0].kv_cache_heads
@@ -260,7 +260,7 @@ def build_worker(
         logits_sharding=program.logits_sharding,
         store=store,
     )
-    proposer = make_proposer(config, draft, settings)
+    proposer = make_proposer(config, draft, settings, loaded)
     runner = ModelRunner(
         program, loaded.params, settings, sampler, lora_slots(config, loaded), proposer
     )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,16 @@ from jaxengine.runner.program import SingleStage, StageProgram
 from sharding.placement import Placement
 
 logger = logging.getLogger("jaxengine.executor.build")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedDraft:
+    """The draft model or EAGLE head, loaded on the target's devices."""
+
+    placement: Placement
+    loaded: LoadedModel
+    backend: AttentionBackend
+    shared_embedding: bool = False  # an EAGLE head that reads the target's embedding
 
 
 def setup_compilation_cache(config: EngineConfig) -> None:
@@ -97,6 +108,12 @@ def lora_spec(config: EngineConfig) -> LoRASpec | None:
         return None
     dtype = None if lc.lora_dtype == "auto" else jnp.dtype(lc.lora_dtype)
     return LoRASpec(lc.max_loras, lc.max_lora_rank, dtype, lc.fully_sharded_loras)
+
+
+def cache_dtype(config: EngineConfig, model: Any) -> Any:
+    """The KV cache's dtype for ``model`` (a `TransformerConfig`): ``--kv-cache-dtype``,
+    ``auto`` being the model's dtype."""
+    return jnp.dtype(config.cache_config.cache_dtype(jnp.dtype(model.dtype).name))
 
 
 def is_torch(loaded: LoadedModel) -> bool:

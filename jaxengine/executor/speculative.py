@@ -1,5 +1,6 @@
 """Speculative decoding's parts of a worker (``--speculative-config``): how many
-tokens a step verifies, the KV slots kept ahead, the draft model and the proposer."""
+tokens a step verifies, the KV slots kept ahead, the draft model or EAGLE head, and
+the proposer."""
 
 from __future__ import annotations
 
@@ -7,27 +8,22 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
-
-from jaxengine.config import EngineConfig, LoRAConfig, SpeculativeConfig
-from jaxengine.executor.loading import is_torch, load_replica, stage_program
+from jaxengine.config import EngineConfig, LoRAConfig, ModelConfig, SpeculativeConfig
+from jaxengine.executor.eagle import eagle_proposer, load_eagle
+from jaxengine.executor.loading import (
+    LoadedDraft,
+    cache_dtype,
+    is_torch,
+    load_replica,
+    stage_program,
+)
 from jaxengine.loader import LoadedModel
 from jaxengine.models.layers.attention import kv_cache_shape
-from jaxengine.runner.attention_backend import AttentionBackend
 from jaxengine.runner.draft import DraftProposer, DraftSettings
 from jaxengine.runner.kv_sizing import bytes_per_block
+from jaxengine.runner.model_runner import RunnerSettings
 from jaxengine.spec import Proposer
 from jaxengine.spec.ngram import NgramProposer
-from sharding.placement import Placement
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedDraft:
-    """The draft model, loaded on the target's devices."""
-
-    placement: Placement
-    loaded: LoadedModel
-    backend: AttentionBackend
 
 
 def num_speculative_tokens(config: EngineConfig) -> int:
@@ -40,21 +36,52 @@ def num_speculative_tokens(config: EngineConfig) -> int:
 
 
 def lookahead_tokens(config: EngineConfig) -> int:
-    """KV slots the scheduler allocates beyond a step's tokens: a draft model writes
-    its proposals' KV there before the target verifies them; n-gram needs none."""
+    """KV slots the scheduler allocates beyond a step's tokens: a draft model or EAGLE
+    head writes its proposals' KV there before the target verifies them; n-gram
+    needs none."""
     method = config.speculative_config.method
-    return num_speculative_tokens(config) if method == "draft_model" else 0
+    return num_speculative_tokens(config) if method in _ON_DEVICE else 0
+
+
+_ON_DEVICE = ("draft_model", "eagle")  # methods that run a model of their own
 
 
 def load_draft(
-    config: EngineConfig, devices: Sequence[Any] | None, vocab_size: int
+    config: EngineConfig, devices: Sequence[Any] | None, target: LoadedModel
 ) -> LoadedDraft | None:
-    """The draft model of ``config`` (None unless the method is draft_model), checked
-    against the target: JAX model, same vocabulary, context at least max_model_len."""
-    sc = config.speculative_config
-    if sc.method != "draft_model":
+    """The draft model or EAGLE head of ``config`` (None for the other methods),
+    checked against the target: JAX models, same vocabulary (and hidden size for a
+    head)."""
+    method = config.speculative_config.method
+    if method not in _ON_DEVICE:
         return None
-    mc = dataclasses.replace(
+    if is_torch(target):
+        raise ValueError(
+            f"speculative_config: the {method} method needs the target's JAX model "
+            "(--model-impl jax)"
+        )
+    draft_config = dataclasses.replace(
+        config,
+        model_config=_draft_model_config(config),
+        lora_config=LoRAConfig(),
+        speculative_config=SpeculativeConfig(),
+    )
+    if method == "eagle":
+        return load_eagle(draft_config, devices, target)
+    placement, loaded, backend = load_replica(draft_config, devices)
+    vocab_size = target.config.vocab_size
+    if is_torch(loaded) or loaded.config.vocab_size != vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model {draft_config.model_config.model} has a "
+            f"vocabulary of {loaded.config.vocab_size} tokens, the target {vocab_size}: "
+            "a draft model must share the target's tokenizer"
+        )
+    return LoadedDraft(placement, loaded, backend)
+
+
+def _draft_model_config(config: EngineConfig) -> ModelConfig:
+    sc = config.speculative_config
+    return dataclasses.replace(
         config.model_config,
         model=sc.option("model"),
         tokenizer=None,
@@ -64,17 +91,6 @@ def load_draft(
         served_model_name=None,
         model_impl="jax",
     )
-    draft_config = dataclasses.replace(
-        config, model_config=mc, lora_config=LoRAConfig(), speculative_config=SpeculativeConfig()
-    )
-    placement, loaded, backend = load_replica(draft_config, devices)
-    if is_torch(loaded) or loaded.config.vocab_size != vocab_size:
-        raise ValueError(
-            f"speculative_config: the draft model {mc.model} has a vocabulary of "
-            f"{loaded.config.vocab_size} tokens, the target {vocab_size}: a draft model "
-            "must share the target's tokenizer"
-        )
-    return LoadedDraft(placement, loaded, backend)
 
 
 def draft_bytes_per_block(config: EngineConfig, draft: LoadedDraft | None) -> int:
@@ -87,19 +103,15 @@ def draft_bytes_per_block(config: EngineConfig, draft: LoadedDraft | None) -> in
         config.cache_config.block_size,
         draft.placement.plans[0].kv_heads_per_device,
         model.head_dim,
-        _cache_dtype(config, draft).itemsize,
+        cache_dtype(config, draft.loaded.config).itemsize,
     )
 
 
-def _cache_dtype(config: EngineConfig, draft: LoadedDraft) -> Any:
-    return jnp.dtype(config.cache_config.cache_dtype(jnp.dtype(draft.loaded.config.dtype).name))
-
-
 def make_proposer(
-    config: EngineConfig, draft: LoadedDraft | None, settings: Any
+    config: EngineConfig, draft: LoadedDraft | None, settings: RunnerSettings, target: LoadedModel
 ) -> Proposer | None:
     """The proposer of ``config`` (None: speculative decoding off); ``settings`` are
-    the runner's (`RunnerSettings`): the draft model shares its pages and buckets."""
+    the runner's: a draft model or EAGLE head shares its pages and buckets."""
     sc = config.speculative_config
     k = num_speculative_tokens(config)
     if sc.method == "ngram":
@@ -109,7 +121,6 @@ def make_proposer(
         return None
     heads = draft.placement.plans[0].kv_cache_heads
     model = draft.loaded.config
-    program = stage_program(draft.loaded, draft.placement, draft.backend, 1)
     draft_settings = DraftSettings(
         k=k,
         block_size=settings.block_size,
@@ -119,7 +130,10 @@ def make_proposer(
         max_num_seqs=settings.max_num_seqs,
         vocab_size=model.vocab_size,
         cache_page_shape=kv_cache_shape(model, 1, settings.block_size, heads)[1:],
-        cache_dtype=_cache_dtype(config, draft),
+        cache_dtype=cache_dtype(config, draft.loaded.config),
         disable_by_batch_size=sc.disable_by_batch_size,
     )
+    if sc.method == "eagle":
+        return eagle_proposer(draft, draft_settings, target)
+    program = stage_program(draft.loaded, draft.placement, draft.backend, 1)
     return DraftProposer(program, draft.loaded.params, draft_settings)

@@ -56,8 +56,17 @@ def architecture_of(hf_config: Any) -> str:
 
 def get_model(hf_config: Any, dtype: Any, attention_kwargs: dict | None = None):
     """``(module, TransformerConfig)`` for ``hf_config`` with parameters in ``dtype``."""
-    arch = architecture_of(hf_config)
-    family = importlib.import_module(f"jaxengine.models.{_ARCHITECTURES[arch]}")
+    arch, family = _family(hf_config)
     config = family.from_hf(hf_config, dtype)
     module = getattr(family, arch)(config, attention_kwargs=attention_kwargs)
     return module, config
+
+
+def family_config(hf_config: Any, dtype: Any):
+    """The `TransformerConfig` of ``hf_config``'s family (no module built)."""
+    return _family(hf_config)[1].from_hf(hf_config, dtype)
+
+
+def _family(hf_config: Any):
+    arch = architecture_of(hf_config)
+    return arch, importlib.import_module(f"jaxengine.models.{_ARCHITECTURES[arch]}")

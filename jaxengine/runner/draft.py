@@ -35,7 +35,7 @@ import numpy as np
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.program import StageProgram, abstract_like
-from jaxengine.spec import ProposalInput
+from jaxengine.spec import ProposalInput, StepFeatures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,6 @@ class DraftProposer:
         self._argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
         self._argmaxes: dict[int, Any] = {}  # rows -> compiled argmax
         self.computed: dict[str, int] = {}  # request -> positions with valid draft KV
-        self.ensure: Callable[[tuple], None] = lambda key: None
 
     # ------------------------------------------------------------------ warm-up
 
@@ -100,20 +99,22 @@ class DraftProposer:
             self.computed.pop(req_id, None)
 
     def propose(
-        self, inputs: Sequence[ProposalInput], ensure: Callable[[tuple], None]
+        self,
+        inputs: Sequence[ProposalInput],
+        features: StepFeatures | None,
+        ensure: Callable[[tuple], None],
     ) -> list[list[int]]:
-        self.ensure = ensure
         limit = self.settings.disable_by_batch_size
         if limit is not None and len(inputs) >= limit:  # (catch-up comes later)
             return [[] for _ in inputs]
-        drafts = self._catch_up(inputs)
+        drafts = self._catch_up(inputs, ensure)
         rooms = {i: self._room(inputs[i]) for i in drafts}
         for j in range(1, self.settings.k):
             active = [i for i in drafts if rooms[i] > j]
             if not active:
                 break
             pieces = [self._next_piece(inputs[i], i, drafts[i], j) for i in active]
-            for i, token in self._run(pieces).items():
+            for i, token in self._run(pieces, ensure).items():
                 drafts[i].append(token)
         for i, ids in drafts.items():
             self.computed[inputs[i].req_id] = len(inputs[i].token_ids) + len(ids) - 1
@@ -128,7 +129,7 @@ class DraftProposer:
         chunk = SeqChunk([ids[-1]], len(x.token_ids) + j - 1, x.pages)
         return _Piece(i, chunk, True)
 
-    def _catch_up(self, inputs: Sequence[ProposalInput]) -> dict[int, list[int]]:
+    def _catch_up(self, inputs: Sequence[ProposalInput], ensure) -> dict[int, list[int]]:
         """Runs the draft over every request's stale positions; returns the first
         draft of each proposing request."""
         pieces = []
@@ -143,7 +144,7 @@ class DraftProposer:
                 pieces.append(_Piece(i, chunk, propose))
         drafts: dict[int, list[int]] = {}
         for group in self._passes(pieces):
-            drafts.update({i: [t] for i, t in self._run(group).items()})
+            drafts.update({i: [t] for i, t in self._run(group, ensure).items()})
         return drafts
 
     def _passes(self, pieces: list[_Piece]) -> list[list[_Piece]]:
@@ -162,12 +163,12 @@ class DraftProposer:
                 ids, start, used = ids[take:], start + take, used + take
         return passes + ([current] if current else [])
 
-    def _run(self, pieces: list[_Piece]) -> dict[int, int]:
+    def _run(self, pieces: list[_Piece], ensure: Callable[[tuple], None]) -> dict[int, int]:
         """One draft pass; the argmax after each piece that ends a proposing
         request's tokens, by request index."""
         chunks = [p.chunk for p in pieces]
         bucket = self.buckets.select(sum(len(c.token_ids) for c in chunks), len(chunks))
-        self.ensure(("draft", bucket))
+        ensure(("draft", bucket))
         batch = self._pack(chunks, bucket)
         logits, _, self.caches = self.program.step(self.params, self.caches, batch, self.no_feed)
         if not any(p.last for p in pieces):

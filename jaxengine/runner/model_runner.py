@@ -54,7 +54,7 @@ from jaxengine.runner.sampling_metadata import (
 )
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
-from jaxengine.spec import ProposalInput, Proposer
+from jaxengine.spec import ProposalInput, Proposer, StepFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -340,25 +340,32 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs if any(x is not None for x in logprobs) else None,
             prompt_logprobs=prompt_lps if any(x is not None for x in prompt_lps) else None,
-            spec_token_ids=self._propose(order, states, sampling),
+            spec_token_ids=self._propose(step),
         )
 
-    def _propose(self, order: list[str], states: list, sampling: list) -> list[list[int]] | None:
+    def _propose(self, step: PendingStep) -> list[list[int]] | None:
         """Each request's proposals for its next step (speculative decoding): none for
         one mid-prefill (the scheduler cuts those a grammar does not allow)."""
         if self.proposer is None:
             return None
+        rows = np.cumsum([0] + [len(c.token_ids) for c in step.chunks]).tolist()
         inputs = [
             ProposalInput(
                 req_id,
                 state.token_ids,
                 state.num_computed,
                 self.table.block_table[state.row, : state.num_pages],
-                rows is not None,
+                sampling is not None,
+                chunk.num_computed,
+                row,
             )
-            for req_id, state, rows in zip(order, states, sampling, strict=True)
+            for req_id, state, sampling, chunk, row in zip(
+                step.order, step.states, step.sampling, step.chunks, rows, strict=False
+            )
         ]
-        return self.proposer.propose(inputs, self.compiles.ensure)
+        single = len(step.launched) == 1
+        features = StepFeatures(step.launched[0].hidden, self.params) if single else None
+        return self.proposer.propose(inputs, features, self.compiles.ensure)
 
     @staticmethod
     def _sampling_rows(out: SchedulerOutput, order: list[str], states: list, fed: list) -> list:

@@ -3,14 +3,16 @@
 After each step the runner asks its proposer for the next step's proposals: one
 `ProposalInput` per request of the step. The n-gram proposer (`spec.ngram`) reads
 the request's tokens on the host; the draft-model proposer (`runner.draft`) runs a
-smaller model on the device, keeping its own KV cache in the request's pages.
+smaller model on the device, keeping its own KV cache in the request's pages; the
+EAGLE proposer (`runner.eagle`) runs a head on the step's hidden states
+(`StepFeatures`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -27,15 +29,34 @@ class ProposalInput:
     propose: bool
     """False: mid-prefill, or sampling that takes no proposals (a grammar): only keep
     up with its tokens."""
+    start: int = 0
+    """The first position the step computed for it."""
+    row: int = 0
+    """That position's row in the step's hidden states (`StepFeatures.hidden`)."""
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What the target step leaves on the device for a proposer that reads it."""
+
+    hidden: Any
+    """``[T, H]``: the target's last hidden states (after its final norm), one row per
+    token of the step's batch."""
+    params: Any
+    """The target's parameters now (their LM head and embedding)."""
 
 
 class Proposer(Protocol):
     """Drafts tokens for the requests of a step, after its tokens are sampled."""
 
     def propose(
-        self, inputs: Sequence[ProposalInput], ensure: Callable[[tuple], None]
+        self,
+        inputs: Sequence[ProposalInput],
+        features: StepFeatures | None,
+        ensure: Callable[[tuple], None],
     ) -> list[list[int]]:
         """One proposal (possibly empty) per input, none where ``propose`` is False.
+        ``features``: the step's (None where it ran in several micro-batches).
         ``ensure(key)``: waits for (or runs) the warm-up job ``key`` of
         `compile_jobs` before its executable is used (background compilation)."""
         ...

@@ -50,7 +50,9 @@ class NgramProposer:
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self.disable_by_batch_size = disable_by_batch_size
 
-    def propose(self, inputs: Sequence[ProposalInput], ensure: Any = None) -> list[list[int]]:
+    def propose(
+        self, inputs: Sequence[ProposalInput], features: Any = None, ensure: Any = None
+    ) -> list[list[int]]:
         """Nothing is proposed while the step holds ``disable_by_batch_size``
         requests or more."""
         limit = self.disable_by_batch_size

@@ -96,6 +96,9 @@ CONDITIONS = {
     ),  # fmt: skip
     # a draft model (SmolLM2 cut to its first 8 layers) proposing, with preemption
     "draft_model_preempt_recompute": dict(num_gpu_blocks_override=24),
+    # a random one-layer EAGLE head on SmolLM2's hidden states proposing, with
+    # preemption: its drafts are rarely right, the outputs the same
+    "eagle_preempt_recompute": dict(num_gpu_blocks_override=24),
     "preempt_swap_tp3_pp2": dict(
         num_gpu_blocks_override=41,
         swap_space=1,
@@ -121,6 +124,28 @@ def smollm2_truncated(smollm2_hf, tmp_path_factory):
     draft.load_state_dict(state, strict=False)
     path = tmp_path_factory.mktemp("smollm2_draft")
     draft.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_eagle(smollm2_hf, tmp_path_factory):
+    """A random EAGLE head for SmolLM2 in the EAGLE layout (fc, one layer without its
+    input norm; the target's embedding shared)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**smollm2_hf.config.to_dict(), "num_hidden_layers": 1})
+    config.__dict__.pop("quantization_config", None)  # the GGUF's, from the reference
+    head = transformers.LlamaModel(config)
+    skip = ("norm.", "embed_tokens.", "layers.0.input_layernorm")
+    tensors = {k: v for k, v in head.state_dict().items() if not k.startswith(skip)}
+    width = config.hidden_size
+    tensors["fc.weight"] = torch.randn(width, 2 * width) * 0.02
+    path = tmp_path_factory.mktemp("smollm2_eagle")
+    save_file(tensors, path / "model.safetensors")
+    config.save_pretrained(path)
     return path
 
 
@@ -174,6 +199,11 @@ def test_greedy_matches_transformers(
     if condition.startswith("draft_model"):
         draft = request.getfixturevalue("smollm2_truncated")
         kwargs["speculative_config"] = {"model": str(draft), "num_speculative_tokens": 3}
+    if condition.startswith("eagle"):
+        head = request.getfixturevalue("smollm2_eagle")
+        kwargs["speculative_config"] = {
+            "method": "eagle", "model": str(head), "num_speculative_tokens": 3
+        }  # fmt: skip
     with caplog.at_level(logging.INFO, logger="jaxengine.executor.build"):
         llm = LLM(model=str(smollm2_gguf), **kwargs)
     backend = "pallas-gpu-interpret" if condition == "pallas_kernels" else "xla-cpu"
@@ -189,6 +219,8 @@ def test_greedy_matches_transformers(
         assert stats.prefix_cache_hits > 0
     if condition.startswith(("ngram", "draft_model")):
         assert stats.spec_decoding.num_accepted_tokens > 0
+    if condition.startswith("eagle"):
+        assert stats.spec_decoding.num_draft_tokens > 0
     if condition.startswith("ngram"):
         _check_json_with_proposals(llm)
     assert llm.engine.executor.compiles_after_warmup == 0

@@ -22,9 +22,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 from scipy import stats
+from tiny_models import tiny_llama_config
 
 from jaxengine import LLM, SamplingParams
+from jaxengine.runner.eagle import EagleProposer
 
 VOCAB = 64
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -43,15 +46,7 @@ KWARGS = dict(
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(checkpoint folder, transformers model): 2 layers, LM head scaled by 40."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = tiny_llama_config(VOCAB)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -64,13 +59,45 @@ def tiny(tmp_path_factory):
     state = {k: v for k, v in model.state_dict().items() if "layers.1." not in k}
     draft.load_state_dict(state)
     draft.save_pretrained(path / "draft")
+    _save_head(path / "eagle", config, _mimic_head(model))
     return str(path), model
+
+
+def _save_head(path: Path, config, tensors: dict) -> None:
+    """An EAGLE-layout checkpoint: ``tensors`` and a config of ``config``'s family
+    with as many layers as the tensors have."""
+    layers = len({k.split(".")[1] for k in tensors if k.startswith("layers.")})
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
+    transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": layers}).save_pretrained(
+        path
+    )
+
+
+def _mimic_head(model) -> dict:
+    """An EAGLE head that drafts much as the target would: the target's layers (the
+    first without its input norm, its q/k/v scaled by the embeddings' mean RMS in its
+    place), fed the token embedding alone (fc = [I | 0]), the target's embedding
+    shared (none in the checkpoint). Its drafts are often accepted, often not."""
+    state = model.state_dict()
+    rms = state["model.embed_tokens.weight"].pow(2).mean(-1).sqrt().mean()
+    head = {}
+    for name, value in state.items():
+        if not name.startswith("model.layers.") or ".0.input_layernorm" in name:
+            continue
+        if name.startswith("model.layers.0.self_attn.") and name.split(".")[-2] != "o_proj":
+            value = value / rms
+        head[name[len("model.") :]] = value.clone()
+    width = model.config.hidden_size
+    head["fc.weight"] = torch.cat([torch.eye(width), torch.zeros(width, width)], 1)
+    return head
 
 
 def spec_config(tiny, method: str) -> dict:
     if method == "ngram":
         return NGRAM
-    return {"model": str(Path(tiny[0]) / "draft"), "num_speculative_tokens": 3}
+    folder = "eagle" if method == "eagle" else "draft"
+    return {"model": str(Path(tiny[0]) / folder), "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +120,7 @@ def ref(tiny):
     llm.shutdown()
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle"])
 def spec(request, tiny):
     config = spec_config(tiny, request.param)
     llm = LLM(tiny[0], speculative_config=config, disable_log_stats=False, **KWARGS)
@@ -158,7 +185,7 @@ def test_a_stop_token_inside_an_accepted_run(ref, spec, prompts):
     assert got[0][0][-1] == stop and len(got[0][0]) <= 7
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
 def test_preemption_changes_nothing(tiny, ref, prompts, method):
     """A KV cache of 12 pages for five requests of up to 7 pages: requests are
     preempted (recompute) with proposals pending."""
@@ -224,3 +251,71 @@ def test_metrics(spec):
     assert per_pos == list(counts.accepted_per_pos) and sum(per_pos) == accepted
     assert per_pos[0] >= per_pos[1] >= per_pos[2]
     assert metrics["jaxengine:generation_tokens"].value > 0
+
+
+def test_eagle_drafts_are_the_heads_on_the_targets_features(tiny, prompts, tmp_path, monkeypatch):
+    """A random EAGLE head (fc with a bias, the target's embedding shared): each draft
+    is the argmax of the target's LM head on the head's feature, computed here with
+    transformers from the target's last hidden states: the head over the request's
+    tokens shifted by one beside those states, then once more per draft, fed its own
+    previous feature."""
+    torch.manual_seed(1)
+    model = tiny[1]
+    config = transformers.LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 1})
+    head = transformers.LlamaModel(config).eval()
+    width = config.hidden_size
+    fc = torch.nn.Linear(2 * width, width)
+    with torch.no_grad():
+        fc.weight.normal_(0, 0.1)
+        fc.bias.normal_(0, 0.1)
+    skip = ("norm.", "embed_tokens.", "layers.0.input_layernorm")
+    tensors = {k: v for k, v in head.state_dict().items() if not k.startswith(skip)}
+    _save_head(tmp_path / "head", config, {**tensors, "fc.weight": fc.weight, "fc.bias": fc.bias})
+    seen = []
+    propose = EagleProposer.propose
+
+    def spy(self, inputs, features, ensure):
+        drafts = propose(self, inputs, features, ensure)
+        seen.extend(
+            (list(x.token_ids), x.num_computed, d) for x, d in zip(inputs, drafts, strict=True) if d
+        )
+        return drafts
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    options = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    llm = LLM(tiny[0], speculative_config=options, **KWARGS)
+    try:
+        _run(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert len(seen) >= 20
+    head.layers[0].input_layernorm = torch.nn.Identity()
+    head.norm = torch.nn.Identity()
+    for tokens, n, drafts in seen:
+        with torch.no_grad():
+            out = model(torch.tensor([tokens[:n]]), output_hidden_states=True)
+            ids, feats = tokens[1 : n + 1], out.hidden_states[-1][0]
+            for draft in drafts:
+                x = torch.cat([model.model.embed_tokens(torch.tensor(ids)), feats], -1)
+                feature = head(inputs_embeds=fc(x)[None]).last_hidden_state[0, -1]
+                logits = model.lm_head(feature)
+                assert logits[draft] >= logits.max() - 1e-4 * logits.abs().max()  # (ties)
+                ids, feats = ids + [draft], torch.cat([feats, feature[None]])
+
+
+def test_a_head_that_does_not_fit_is_refused(tiny, tmp_path):
+    """A model folder that is no EAGLE head, and a head of another hidden size, are
+    clear errors naming the problem."""
+    options = {
+        "method": "eagle",
+        "model": str(Path(tiny[0]) / "draft"),
+        "num_speculative_tokens": 2,
+    }
+    with pytest.raises(ValueError, match="no fc.weight: not a checkpoint in the EAGLE layout"):
+        LLM(tiny[0], speculative_config=options, **KWARGS)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2)  # fmt: skip
+    _save_head(tmp_path / "head", config, {"fc.weight": torch.zeros(32, 64)})
+    options["model"] = str(tmp_path / "head")
+    with pytest.raises(ValueError, match="hidden_size 32, the target 64"):
+        LLM(tiny[0], speculative_config=options, **KWARGS)

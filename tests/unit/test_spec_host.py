@@ -93,13 +93,15 @@ def test_engine_config_refusals():
     with pytest.raises(ValueError, match="--async-scheduling"):
         EngineArgs(speculative_config=ngram, async_scheduling=True).create_engine_config()
     eagle = {"method": "eagle", "model": "/m/eagle", "num_speculative_tokens": 2}
-    with pytest.raises(NotImplementedError, match="method eagle is not supported yet"):
-        EngineArgs(speculative_config=eagle).create_engine_config()
+    EngineArgs(speculative_config=eagle).create_engine_config()
+    with pytest.raises(NotImplementedError, match="method eagle3 is not supported yet"):
+        EngineArgs(speculative_config={**eagle, "method": "eagle3"}).create_engine_config()
     draft = {"model": "/m/draft", "num_speculative_tokens": 2, "max_model_len": 64}
     with pytest.raises(NotImplementedError, match="max_model_len 64 is not supported yet"):
         EngineArgs(speculative_config=draft).create_engine_config()
-    with pytest.raises(ValueError, match='needs "model"'):
-        SpeculativeConfig({"method": "draft_model", "num_speculative_tokens": 2})
+    for method in ("draft_model", "eagle"):
+        with pytest.raises(ValueError, match=f'the {method} method needs "model"'):
+            SpeculativeConfig({"method": method, "num_speculative_tokens": 2})
 
 
 # ---------------------------------------------------------------- scheduler

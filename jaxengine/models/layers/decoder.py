@@ -23,19 +23,22 @@ from jaxengine.models.metadata import AttentionMetadata
 
 
 class DecoderLayer(nn.Module):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (Llama, Mistral, Qwen2/3)."""
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (Llama, Mistral, Qwen2/3);
+    ``input_norm`` False: ``x + attn(x)`` (an EAGLE head's first layer, `models.eagle`)."""
 
     config: TransformerConfig
     spec: LayerSpec
     attention_kwargs: Any = None
     moe_kwargs: Any = None
+    input_norm: bool = True
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, md):
         cfg = self.config
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
         attn = Attention(cfg, self.spec, **(self.attention_kwargs or {}), name="self_attn")
-        h, kv_cache = attn(RMSNorm(**norm, name="input_layernorm")(x), positions, kv_cache, md)
+        h = RMSNorm(**norm, name="input_layernorm")(x) if self.input_norm else x
+        h, kv_cache = attn(h, positions, kv_cache, md)
         x = x + h
         h = RMSNorm(**norm, name="post_attention_layernorm")(x)
         if self.spec.moe:
