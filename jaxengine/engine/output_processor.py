@@ -216,7 +216,18 @@ class OutputProcessor:
         )
 
     def _add_tokens(self, seq: SequenceState, new_ids, new_logprobs, finishing: bool):
-        """Appends tokens; returns the stop string if one now ends the sequence."""
+        """Appends tokens; returns the stop string if one now ends the sequence. Several
+        tokens of one step (accepted proposals) meet the stop strings one at a time:
+        those after the token that completes a stop string are dropped, as decoding a
+        token per step would never have made them."""
+        if len(new_ids) > 1 and seq.params.stop and seq.detokenizer is not None:
+            entries = [None] * len(new_ids) if new_logprobs is None else _as_list(new_logprobs)
+            for j, token in enumerate(new_ids):
+                last = j == len(new_ids) - 1
+                stop = self._add_tokens(seq, [token], entries[j], finishing and last)
+                if stop is not None:
+                    return stop
+            return None
         seq.token_ids.extend(new_ids)
         if seq.logprobs is not None and new_logprobs is not None:
             for token, entry in zip(new_ids, _as_list(new_logprobs), strict=False):

@@ -18,6 +18,7 @@ from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
 from jaxengine.metrics_reader import Counter, Vector, get_metrics_snapshot
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import BucketSet
+from jaxengine.sampling_params import SamplingParams
 from jaxengine.spec import ProposalInput
 from jaxengine.spec.ngram import NgramProposer, propose_ngram
 from jaxengine.structured_output import StructuredOutputManager
@@ -303,3 +304,27 @@ def test_grammar_cuts_proposals_and_gives_a_mask_after_each():
     assert [a.tolist() for a in allowed] == [[6], [7], [8]]
     _, again = manager.bitmask([req])
     assert np.array_equal(again[0], rows[0])
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def test_a_stop_string_inside_one_steps_tokens(smollm2_tokenizer):
+    """A step that brings several tokens (accepted proposals) meets the stop strings
+    token by token: the output ends where one token per step would have ended it,
+    its text, its token ids and its logprobs."""
+    from jaxengine.core.sched_output import EngineCoreOutput
+    from jaxengine.engine.output_processor import OutputProcessor
+
+    tok = smollm2_tokenizer
+    ids = tok.encode(" one two three four five", add_special_tokens=False)
+    three = next(j for j in range(len(ids)) if "three" in tok.decode(ids[: j + 1]))
+    entries = [(-0.5, 1, [t], [-0.5]) for t in ids]
+    params = SamplingParams(stop=[" three"], logprobs=0, max_tokens=50)
+    proc = OutputProcessor(tok)
+    (cid,) = proc.add("r", None, tok.encode("Count:"), params, 0.0)
+    emitted, stops = proc.process([EngineCoreOutput(cid, list(ids), new_logprobs=entries)])
+    (out,) = emitted[0].outputs
+    assert stops == [(cid, " three")] and out.finish_reason == "stop"
+    assert out.text == " one two"
+    assert list(out.token_ids) == ids[: three + 1] and len(out.logprobs) == three + 1
