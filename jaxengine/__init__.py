@@ -18,6 +18,9 @@ _LAZY = {
     "RequestOutput": "jaxengine.outputs",
     "CompletionOutput": "jaxengine.outputs",
     "LoRARequest": "jaxengine.lora",
+    "PoolingParams": "jaxengine.pooling_params",
+    "PoolingRequestOutput": "jaxengine.outputs",
+    "EmbeddingRequestOutput": "jaxengine.outputs",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -45,10 +45,12 @@ from jaxengine.config.cache import BlockSize, CacheDType, PrefixCachingHashAlgo
 from jaxengine.config.load import LoadFormat
 from jaxengine.config.lora import LoRADType
 from jaxengine.config.model import (
+    ConvertType,
     LogprobsMode,
     ModelDType,
     ModelImpl,
     QuantizationMethod,
+    RunnerType,
     TokenizerMode,
 )
 from jaxengine.config.parallel import DistributedExecutorBackend
@@ -123,6 +125,9 @@ class EngineArgs:
     chat_template: str | None = _default("chat_template")
     disable_sliding_window: bool = _default("disable_sliding_window")
     logprobs_mode: LogprobsMode = _default("logprobs_mode")
+    runner: RunnerType = _default("runner")
+    convert: ConvertType = _default("convert")
+    pooler_config: dict | None = _default("pooler_config")
     # LoadConfig
     load_format: LoadFormat = _default("load_format")
     download_dir: str | None = _default("download_dir")

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from jaxengine.outputs import RequestOutput
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The wire format's version; both ends of a connection must agree on it."""
 
 

@@ -170,3 +170,50 @@ def _extend(old: CompletionOutput, new: CompletionOutput) -> None:
     old.cumulative_logprob = new.cumulative_logprob
     old.finish_reason = new.finish_reason
     old.stop_reason = new.stop_reason
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: ``data`` is a vector (``[H]`` or ``[dimensions]``)
+    or, per token, ``[num_prompt_tokens, H]`` (a numpy array)."""
+
+    data: Any
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's view of one embedding: ``embedding`` as a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request (`LLM.encode`, `LLM.embed`)."""
+
+    request_id: str
+    outputs: Any
+    """A `PoolingOutput` (`LLM.encode`) or `EmbeddingOutput` (`LLM.embed`)."""
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    lora_request: Any = None
+    num_cached_tokens: int | None = None
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`PoolingRequestOutput` whose ``outputs`` is an `EmbeddingOutput`."""
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        data = out.outputs.data
+        if getattr(data, "ndim", 1) != 1:
+            raise ValueError("embed() gives one vector per request; use encode() for tokens")
+        embedding = EmbeddingOutput([float(x) for x in data])
+        return cls(out.request_id, embedding, out.prompt_token_ids, out.finished, out.prompt,
+                   out.metrics, out.lora_request, out.num_cached_tokens)  # fmt: skip

@@ -34,11 +34,13 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from server.serving import ServerOptions, ServingContext
 from server.serving_chat import ChatHandler
 from server.serving_completion import CompletionHandler
+from server.serving_embedding import EmbeddingHandler
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -125,6 +127,7 @@ async def _log_stats(stats_logs: Sequence[Any], interval: float) -> None:
 def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> None:
     chat = ChatHandler(ctx)
     _add_generation_routes(app, ctx, chat)
+    _add_pooling_routes(app, ctx, chat)
     _add_token_routes(app, ctx, chat)
     _add_status_routes(app, ctx, metrics, args)
     if runtime_updating_allowed():
@@ -149,6 +152,15 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler)
     @app.get("/v1/models")
     async def show_models():
         return {"object": "list", "data": ctx.models.cards()}
+
+
+def _add_pooling_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:
+    """A pooling model's endpoints (``--runner pooling``): /v1/embeddings."""
+    embeddings = EmbeddingHandler(ctx, chat)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request):
+        return _respond(await embeddings.create(request, raw_request))
 
 
 def _add_token_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:

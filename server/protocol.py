@@ -290,3 +290,42 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         except ValueError:
             raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
     return out
+
+
+class EmbeddingRequest(OpenAIModel):
+    """POST /v1/embeddings (OpenAI's fields, and vLLM's): ``input`` (a text, texts,
+    token ids or lists of them) or ``messages`` (one conversation, through the chat
+    template)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of `input` and `messages`")
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("`input` must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each input: a text or a token-id list."""
+        data = self.input
+        if isinstance(data, str):
+            return [data]
+        if all(isinstance(x, int) for x in data):
+            return [list(data)]
+        return list(data)

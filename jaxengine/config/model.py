@@ -10,6 +10,10 @@ from jaxengine.config.utils import require, spec, validate_config
 TokenizerMode = Literal["auto", "slow", "mistral", "custom"]
 ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 ModelImpl = Literal["auto", "jax", "vllm", "transformers"]
+RunnerType = Literal["auto", "draft", "generate", "pooling"]
+ConvertType = Literal["auto", "none", "embed", "classify", "reward"]
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
+POOLER_KEYS = frozenset({"pooling_type", "normalize", "dimensions"})
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
 # vLLM's quantization methods, and "int8" (weight-only int8). They all parse so that
 # a user gets "not supported yet" (see unsupported.py) rather than "invalid choice";
@@ -112,6 +116,24 @@ class ModelConfig:
     model's sliding window size, so that no sequence outgrows the window and every
     layer attends to the whole context. If the model has no sliding window, this
     argument is ignored."""
+    runner: RunnerType = "auto"
+    """The model runner: "generate" (text generation) or "pooling" (one pass over each
+    prompt, its hidden states pooled into an embedding: `LLM.embed`,
+    /v1/embeddings). "auto" picks pooling for encoder checkpoints (BertModel) and
+    when --convert asks for a pooling task, else generate. "draft" is not supported
+    yet."""
+    convert: ConvertType = "auto"
+    """Adapt the model to a pooling task: "embed" serves a causal LM as an embedding
+    model (its last hidden state after the last token, normalized, unless
+    --pooler-config says otherwise). "auto": embed under --runner pooling for a
+    generative checkpoint, none otherwise. "classify" and "reward" are not supported
+    yet."""
+    pooler_config: dict | None = None
+    """How a pooling model pools (JSON): "pooling_type" (LAST, MEAN, CLS or ALL),
+    "normalize" (L2, the default for embeddings) and "dimensions" (cut every
+    embedding to its first N values, for Matryoshka models). Unset keys come from
+    the model's sentence-transformers files (modules.json, 1_Pooling/config.json)
+    when it has them, else LAST for a converted causal LM and CLS for an encoder."""
     logprobs_mode: LogprobsMode = "raw_logprobs"
     """What logprobs and prompt_logprobs return. "raw" is before any logits
     processing (temperature, penalties, top-k/top-p); "processed" is after all of
@@ -127,6 +149,26 @@ class ModelConfig:
             for name in [names] if isinstance(names, str) else names:
                 require(bool(name), "served_model_name", "names must not be empty")
         require(bool(self.generation_config), "generation_config", "must not be empty")
+        self._check_pooler_config()
+
+    def _check_pooler_config(self) -> None:
+        pooler = self.pooler_config or {}
+        unknown = sorted(set(pooler) - POOLER_KEYS)
+        require(
+            not unknown, "pooler_config", f"unknown key(s) {unknown}; known: {sorted(POOLER_KEYS)}"
+        )
+        kind = pooler.get("pooling_type")
+        require(
+            kind is None or str(kind).upper() in POOLING_TYPES,
+            "pooler_config",
+            f"pooling_type {kind!r} is not one of {list(POOLING_TYPES)}",
+        )
+        dims = pooler.get("dimensions")
+        require(
+            dims is None or (isinstance(dims, int) and dims >= 1),
+            "pooler_config",
+            f"dimensions must be an integer >= 1, got {dims!r}",
+        )
 
     @property
     def served_model_names(self) -> list[str]:

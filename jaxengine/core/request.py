@@ -105,7 +105,11 @@ class Request:
         self.min_tokens: int = getattr(sp, "min_tokens", 0) or 0
         self.ignore_eos: bool = bool(getattr(sp, "ignore_eos", False))
         self.stop_token_ids: frozenset[int] = frozenset(getattr(sp, "stop_token_ids", None) or ())
-        self.skip_prefix_cache: bool = getattr(sp, "prompt_logprobs", None) is not None
+        self.pooling: bool = bool(getattr(sp, "is_pooling", False))
+        """A pooling request (`PoolingParams`): its whole prompt in one step, then done."""
+        self.skip_prefix_cache: bool = (
+            getattr(sp, "prompt_logprobs", None) is not None or self.pooling
+        )
         self.needs_known_outputs: bool = needs_known_outputs(sp)
         """Its sampling reads its output tokens on the host (penalties, bad words,
         logits processors, a grammar): a step must not be scheduled for it while one

@@ -22,7 +22,8 @@ One step, as the runner sees it (`SchedulerOutput`):
    `[0, p]`, and sample one token after the last one unless the id is in
    `partial_req_ids` (prefill not finished: return an empty list). A request in
    `structured_output_req_ids` samples only tokens allowed by its row of
-   `grammar_bitmask`.
+   `grammar_bitmask`. A pooling request (`PoolingParams`) samples nothing: its
+   whole prompt is scheduled in one step and its result is its pooled hidden states.
    Speculative decoding: a request in `scheduled_spec_decode_tokens` has its last
    `len(drafts)` scheduled positions filled with those proposed ids (they are not
    among its known tokens). Sample after its last known token and after each draft
@@ -115,6 +116,9 @@ class RunnerOutput:
     """Per request, opaque (passed through), or None for all."""
     spec_token_ids: list[list[int]] | None = None
     """Speculative decoding: per request, the ids it proposes for its next step."""
+    pooler_output: list[Any] | None = None
+    """Pooling requests: per request, its pooled result (a numpy array) once its
+    whole prompt ran, else None; None for all when the step had none."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,8 @@ class EngineCoreOutput:
     new_logprobs: Any = None
     new_prompt_logprobs: Any = None
     num_cached_tokens: int = 0
+    pooling_output: Any = None
+    """A pooling request's result (it finishes with it)."""
 
     @property
     def finished(self) -> bool:

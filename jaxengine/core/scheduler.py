@@ -339,7 +339,7 @@ class Scheduler:
         else:
             hit_ids, start = self.kv.get_computed_blocks(req)
         remaining = req.num_tokens - start
-        verdict, n = self._admission_chunk(remaining, step)
+        verdict, n = self._admission_chunk(remaining, step, whole=req.pooling)
         if verdict is not _Verdict.ADMIT:
             return verdict
         extra = self._lookahead(req, start + n)
@@ -382,11 +382,15 @@ class Scheduler:
             self._failed.append(EngineCoreOutput(req.request_id, [], "abort", str(e)))
             return _Verdict.GONE
 
-    def _admission_chunk(self, remaining: int, step: _Step) -> tuple[_Verdict, int]:
-        n = self._cap(remaining, step.budget)
+    def _admission_chunk(
+        self, remaining: int, step: _Step, whole: bool = False
+    ) -> tuple[_Verdict, int]:
+        """(verdict, tokens to schedule); ``whole``: all ``remaining`` or none (a
+        pooling request's prompt runs in one step)."""
+        n = min(remaining, step.budget) if whole else self._cap(remaining, step.budget)
         if n >= remaining:
             return _Verdict.ADMIT, n
-        if not self.limits.enable_chunked_prefill or n <= 0:
+        if whole or not self.limits.enable_chunked_prefill or n <= 0:
             return _Verdict.STOP, 0
         num_partial = num_long = 0
         for r in self.running:
@@ -470,13 +474,13 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:  # finished or aborted since it was scheduled
                 continue
-            new_ids = []
-            for token in ro.sampled_token_ids[i]:
-                req.append_output_token_ids(token)
-                new_ids.append(token)
-                if check_stop(req, self.limits.max_model_len):
-                    done.append(req)
-                    break
+            pooled = ro.pooler_output[i] if ro.pooler_output is not None else None
+            if pooled is not None:
+                req.status = _RS.FINISHED_STOPPED
+                done.append(req)
+                outputs.append(EngineCoreOutput(rid, [], "stop", pooling_output=pooled))
+                continue
+            new_ids = self._append_tokens(req, ro.sampled_token_ids[i], done)
             if self.grammars is not None and new_ids:
                 self.grammars.accept(req, new_ids)
             if ro.spec_token_ids is not None and not req.is_finished:
@@ -500,6 +504,18 @@ class Scheduler:
                 self.waiting.remove(req)
         self._release(done)
         return outputs
+
+    def _append_tokens(self, req: Request, tokens: list[int], done: list[Request]) -> list[int]:
+        """Appends sampled tokens up to the first that finishes the request (then in
+        ``done``); returns those appended."""
+        new_ids = []
+        for token in tokens:
+            req.append_output_token_ids(token)
+            new_ids.append(token)
+            if check_stop(req, self.limits.max_model_len):
+                done.append(req)
+                break
+        return new_ids
 
     def _take_back_rejected(self, out: SchedulerOutput, ro: RunnerOutput) -> None:
         """Speculative decoding: moves each request's computed count back over its

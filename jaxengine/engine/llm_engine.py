@@ -28,6 +28,7 @@ from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.abstract import StepResult
 from jaxengine.outputs import RequestOutput
+from jaxengine.pooling_params import PoolingParams
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.structured_output import make_manager
 
@@ -68,6 +69,8 @@ class LLMEngine:
         self.vocab_size = host.vocab_size
         self.eos_token_id = host.eos_token_id
         self.kv_cache_size = host.kv_size
+        self.pooler = host.pooler
+        """A pooling model's pooler (`--runner pooling`), None for a generating one."""
         self.structured_outputs = make_manager(
             self.config.structured_outputs_config,
             self.tokenizer,
@@ -106,6 +109,9 @@ class LLMEngine:
         """Tokenizes, truncates and validates a prompt, and reads its LoRA adapter
         (`add_lora`); raises ValueError if either is bad."""
         text, ids = self.tokenize(prompt)
+        if isinstance(params, PoolingParams) or self.pooler is not None:
+            params, ids = self._prepare_pooling(params, ids)
+            return PreparedPrompt(text, ids, params, lora_request)
         if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > 0:
             ids = ids[-params.truncate_prompt_tokens :]
         params = self._prepare_params(params, len(ids))
@@ -113,6 +119,47 @@ class LLMEngine:
         if lora_request is not None:
             self.add_lora(lora_request)
         return PreparedPrompt(text, ids, params, lora_request)
+
+    def _prepare_pooling(self, params: Any, ids: list[int]) -> tuple[PoolingParams, list[int]]:
+        """A pooling request's checked parameters and (truncated) prompt."""
+        if self.pooler is None:
+            raise ValueError(
+                "this model generates text and serves no embeddings: start it with "
+                "--runner pooling (--convert embed for a generative model)"
+            )
+        if not isinstance(params, PoolingParams):
+            raise ValueError(
+                "--runner pooling: this engine serves embeddings (LLM.embed, "
+                "/v1/embeddings), not text generation"
+            )
+        params = params.clone()
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            ids = ids[-(self.max_model_len if keep == -1 else keep) :]
+        self._check_prompt(ids, None)
+        self._check_dimensions(params)
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        if len(ids) > budget:
+            raise PromptTooLongError(
+                f"the input has {len(ids)} tokens; a pooling request runs in one step of at "
+                f"most --max-num-batched-tokens {budget} tokens"
+            )
+        return params, ids
+
+    def _check_dimensions(self, params: PoolingParams) -> None:
+        dims = params.dimensions
+        if dims is None:
+            return
+        if not self.pooler.matryoshka:
+            name = self.config.model_config.served_model_names[0]
+            raise ValueError(
+                f'Model "{name}" does not support matryoshka representation, changing '
+                "output dimensions will lead to poor results."
+            )
+        if dims > self.model_config.hidden_size:
+            raise ValueError(
+                f"dimensions {dims} is larger than the model's {self.model_config.hidden_size}"
+            )
 
     def add_lora(self, lora_request: Any) -> bool:
         """Reads and checks a LoRA adapter onto the host (`LoRAAdapterError`, a
@@ -189,7 +236,9 @@ class LLMEngine:
             params.max_tokens = max(self.max_model_len - num_prompt, 1)
         return params
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, ids: list[int], params: SamplingParams | None) -> None:
+        """Checks the prompt's ids and length (with ``params`` None: a pooling
+        request's, which generates nothing)."""
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -197,6 +246,14 @@ class LLMEngine:
             raise ValueError(
                 f"prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size})"
             )
+        if params is None:
+            if len(ids) > self.max_model_len:
+                raise PromptTooLongError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {len(ids)} tokens in the input for embedding "
+                    "generation. Please reduce the length of the input."
+                )
+            return
         if len(ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "

@@ -16,10 +16,13 @@ from jaxengine.engine.stats import FinishedRequestStats, IterationStats
 from jaxengine.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
     logprobs_dict,
 )
+from jaxengine.pooling_params import PoolingParams
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 from jaxengine.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -65,6 +68,8 @@ class RequestState:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     lora_request: Any = None
+    pooled: Any = None
+    """A pooling request's result (`PoolingParams`), once it has finished."""
 
     @property
     def finished(self) -> bool:
@@ -150,6 +155,8 @@ class OutputProcessor:
             if out.new_prompt_logprobs and state.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens or 0)
+            if out.pooling_output is not None:
+                state.pooled = out.pooling_output
             if out.new_token_ids:
                 self._record_tokens(state, len(out.new_token_ids), now)
                 stop = self._add_tokens(seq, out.new_token_ids, out.new_logprobs, out.finished)
@@ -207,7 +214,7 @@ class OutputProcessor:
                 e2e_latency=now - m.arrival_time,
                 num_prompt_tokens=len(state.prompt_token_ids),
                 num_generation_tokens=sum(len(s.token_ids) for s in state.sequences),
-                max_tokens=state.params.max_tokens,
+                max_tokens=getattr(state.params, "max_tokens", None),
                 queued_time=scheduled - m.arrival_time,
                 prefill_time=first - scheduled,
                 decode_time=decode,
@@ -286,6 +293,17 @@ class OutputProcessor:
             return None
         if finished:
             state.metrics.finished_time = now
+        if isinstance(state.params, PoolingParams):
+            return PoolingRequestOutput(
+                state.request_id,
+                PoolingOutput(state.pooled),
+                state.prompt_token_ids,
+                finished,
+                state.prompt,
+                state.metrics,
+                state.lora_request,
+                state.num_cached_tokens,
+            )
         delta = kind is RequestOutputKind.DELTA
         completions = []
         for seq in state.sequences:

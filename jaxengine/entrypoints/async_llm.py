@@ -91,6 +91,10 @@ class AsyncLLM(EngineFront):
         return self.engine.vocab_size
 
     @property
+    def pooler(self) -> Any:
+        return self.engine.pooler
+
+    @property
     def generation_config(self) -> dict[str, Any] | None:
         return self.engine.generation_config
 

@@ -123,6 +123,12 @@ class EngineClient(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
+    def pooler(self) -> Any:
+        """A pooling model's pooler (`runner.pooler.PoolerSettings`), None for a
+        generating one."""
+        ...
+
+    @property
     def generation_config(self) -> dict[str, Any] | None:
         """The model's ``generation_config.json`` defaults (None when it has none)."""
         ...

@@ -98,6 +98,10 @@ class DPAsyncLLM(EngineFront):
         return self.engine.vocab_size
 
     @property
+    def pooler(self) -> Any:
+        return self.engine.pooler
+
+    @property
     def generation_config(self) -> dict[str, Any] | None:
         return self.engine.generation_config
 

@@ -27,7 +27,8 @@ from jaxengine.engine_args import EngineArgs
 from jaxengine.lora import LoRARequest
 from jaxengine.metrics import PrometheusStatLogger
 from jaxengine.metrics_reader import Metric, get_metrics_snapshot
-from jaxengine.outputs import RequestOutput
+from jaxengine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from jaxengine.pooling_params import PoolingParams
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 
 PromptLike = str | dict | Sequence[int]
@@ -40,6 +41,19 @@ def _as_prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLi
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one tokenized prompt
     return prompts
+
+
+def _pooling_request(params: PoolingParams, truncate: int | None, task: str | None):
+    """``params`` with the call's truncation and task (a copy when they change it)."""
+    if truncate is None and task is None:
+        return params
+    params = params.clone()
+    if truncate is not None:
+        params.truncate_prompt_tokens = truncate
+    if task is not None:
+        params.task = task
+    params.__post_init__()
+    return params
 
 
 def _per_prompt(value: Any, count: int, what: str) -> list:
@@ -121,6 +135,45 @@ class LLM:
         params = self._params_list(sampling_params, len(prompt_list))
         loras = _per_prompt(lora_request, len(prompt_list), "LoRA requests")
         return self._run(prompt_list, params, use_tqdm, priority, loras)
+
+    def encode(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Runs ``prompts`` through a pooling model (``--runner pooling``): each
+        result's ``outputs.data`` is its pooled vector, or with ``pooling_task``
+        "token_embed" one vector per prompt token."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _per_prompt(pooling_params or PoolingParams(), len(prompt_list), "pooling params")
+        params = [_pooling_request(p, truncate_prompt_tokens, pooling_task) for p in params]
+        loras = _per_prompt(lora_request, len(prompt_list), "LoRA requests")
+        return self._run(prompt_list, params, use_tqdm, None, loras)
+
+    def embed(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``, a list of floats)."""
+        outs = self.encode(
+            prompts,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+            pooling_task="embed",
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def chat(
         self,

@@ -25,6 +25,7 @@ from jaxengine.executor.loading import (
     load_replica,
     stage_program,
 )
+from jaxengine.executor.pooling import resolve_pooler
 from jaxengine.executor.speculative import (
     draft_bytes_per_block,
     load_draft,
@@ -44,6 +45,7 @@ from jaxengine.runner.executables import ExecutableStore
 from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, plan_kv_cache
 from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
+from jaxengine.runner.pooler import PoolerSettings
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import logprobs_bucket
 from sharding.placement import Placement
@@ -63,6 +65,7 @@ class HostParts:
     eos_token_id: int | None
     kv_size: KVCacheSize
     limits: SchedulerLimits
+    pooler: PoolerSettings | None = None  # a pooling model's (`--runner pooling`)
 
     @property
     def vocab_size(self) -> int:
@@ -226,6 +229,7 @@ def build_worker(
     config, tokenizer, generation_config = _host_side(config, loaded)
     eos = _eos(generation_config, tokenizer, loaded.hf_config)
     model, mc, sc = loaded.config, config.model_config, config.scheduler_config
+    pooler = resolve_pooler(config, loaded)
     draft = load_draft(config, devices, loaded)
     extra = draft_bytes_per_block(config, draft)
     kv_size, limits, dtype = _size_cache(config, placement, model, extra)
@@ -247,10 +251,11 @@ def build_worker(
         eos_token_id=eos,
         calculate_kv_scales=config.cache_config.calculate_kv_scales and model.kv_cache_scales,
         num_speculative_tokens=num_speculative_tokens(config),
+        pooler=pooler,
     )
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
     store = executable_store(config, loaded, backend)
-    program = stage_program(loaded, placement, backend, k, store)
+    program = stage_program(loaded, placement, backend, k, store, pooling=pooler is not None)
     sampler = SamplerFunctions(
         model.vocab_size,
         max_logprobs=mc.max_logprobs,
@@ -271,6 +276,6 @@ def build_worker(
         num_lookahead_tokens=lookahead_tokens(config),
     )
     host = HostParts(
-        config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits
+        config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits, pooler
     )
     return runner, host

@@ -127,8 +127,10 @@ def stage_program(
     backend: AttentionBackend,
     k: int,
     store: ExecutableStore | None = None,
+    pooling: bool = False,
 ) -> StageProgram:
-    """One tensor group's program, or the pipeline's stages (or the PyTorch model's)."""
+    """One tensor group's program, or the pipeline's stages (or the PyTorch model's);
+    ``pooling``: a pooling model's (hidden states only, one tensor group)."""
     if is_torch(loaded):
         from torch_fallback.loader import torch_device
         from torch_fallback.program import TorchProgram
@@ -150,4 +152,4 @@ def stage_program(
         attention_kwargs=plan.attention_kwargs(backend.module_kwargs()),
         moe_kwargs=plan.moe_kwargs(),
     )
-    return SingleStage(module, len(loaded.config.layers), plan, k, store)
+    return SingleStage(module, len(loaded.config.layers), plan, k, store, pooling)

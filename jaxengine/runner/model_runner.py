@@ -38,11 +38,13 @@ import jax
 import numpy as np
 
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
+from jaxengine.pooling_params import PoolingParams
 from jaxengine.runner.batch import PackedBatch, SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
 from jaxengine.runner.kv_scales import with_kv_scales
 from jaxengine.runner.lora_slots import LoRASlots
+from jaxengine.runner.pooler import PoolerSettings, pool
 from jaxengine.runner.program import Caches, Params, StageProgram, abstract_like
 from jaxengine.runner.request_table import RequestState, RequestTable
 from jaxengine.runner.sampler_functions import SamplerFunctions
@@ -79,6 +81,7 @@ class RunnerSettings:
     eos_token_id: int | None = None
     calculate_kv_scales: bool = False  # `runner.kv_scales`
     num_speculative_tokens: int = 0  # proposals verified per request and step
+    pooler: PoolerSettings | None = None  # a pooling model's (no sampling at all)
 
     @property
     def pages_per_req(self) -> int:
@@ -204,7 +207,7 @@ class ModelRunner:
             )
         for bucket in self.buckets.buckets:
             jobs.append((("step", bucket), lambda b=bucket: self._warm_bucket(b, caches)))
-            if bucket.num_logits not in sizes:
+            if bucket.num_logits not in sizes and self.settings.pooler is None:
                 sizes.add(bucket.num_logits)
                 jobs += [
                     (("sample", bucket.num_logits, f), self._sampler_job(bucket.num_logits, f))
@@ -316,6 +319,8 @@ class ModelRunner:
         launched, sampling = step.launched, step.sampling
         if not order:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.settings.pooler is not None:
+            return self._pooled(step)
         rows: list[tuple[Any, Any, int]] = [None] * len(order)  # (token ids, logprobs, row)
         prompt_lps: list = [None] * len(order)
         for part in launched:
@@ -341,6 +346,23 @@ class ModelRunner:
             logprobs=logprobs if any(x is not None for x in logprobs) else None,
             prompt_logprobs=prompt_lps if any(x is not None for x in prompt_lps) else None,
             spec_token_ids=self._propose(step),
+        )
+
+    def _pooled(self, step: PendingStep) -> RunnerOutput:
+        """A pooling model's step: every request's whole prompt ran; its result is its
+        rows of the hidden states pooled (`runner.pooler`)."""
+        (part,) = step.launched
+        for chunk, state in zip(step.chunks, step.states, strict=True):
+            if chunk.num_computed or len(chunk.token_ids) != state.num_prompt:
+                raise RuntimeError("a pooling request's prompt must run in one step")
+        hidden = np.asarray(jax.device_get(part.hidden))
+        sizes = [len(c.token_ids) for c in step.chunks]
+        params = [s.params for s in step.states]
+        pooled = pool(hidden, sizes, params, self.settings.pooler)
+        return RunnerOutput(
+            req_ids=step.order,
+            sampled_token_ids=[[] for _ in step.order],
+            pooler_output=pooled,
         )
 
     def _propose(self, step: PendingStep) -> list[list[int]] | None:
@@ -373,6 +395,8 @@ class ModelRunner:
         any): one, or one more per proposal it verifies (with the proposals before
         it among its outputs), or None for a request mid-prefill (it samples
         nothing). A fed request's row counts its token in flight."""
+        if any(isinstance(s.params, PoolingParams) for s in states):
+            return [None] * len(order)  # (a pooling model's step: all pooling requests)
         spec = out.scheduled_spec_decode_tokens
         masks, row = {}, 0
         for r in out.structured_output_req_ids:  # 1 + proposals rows each
@@ -413,7 +437,7 @@ class ModelRunner:
         rows = []
         for c, i in zip(mine, group, strict=True):
             rows += sampling[i] or [None] * c.num_logits
-        result = self._sample(bucket, logits, rows)
+        result = None if logits is None else self._sample(bucket, logits, rows)
         return _Launched(group, bucket, hidden, result, starts)
 
     def _calibrate_kv_scales(self, chunks: list[SeqChunk]) -> None:

@@ -118,6 +118,7 @@ def zero_caches(shape: tuple, dtype: Any, count: int, sharding: Any = None) -> t
 class SingleStage:
     """The whole model as one program on one tensor group (``plan``; None: the default
     device). ``store``: where compiled steps persist across restarts (None: nowhere).
+    ``pooling``: a pooling model's program (hidden states only).
 
     `precompile` keeps each bucket's executables (compiled, or loaded from the store
     without tracing) and `step` calls them directly; a shape never precompiled goes
@@ -130,12 +131,14 @@ class SingleStage:
         plan: ShardingPlan | None,
         k: int,
         store: ExecutableStore | None = None,
+        pooling: bool = False,
     ) -> None:
         self.plan = plan
         self.num_layers = num_layers
         self.store = store
+        self.pooling = pooling  # no logits, no prompt logprobs: a pooling model's program
         self._logits_sharding = plan.replicated if plan is not None else None
-        self._step = make_step(module, self._logits_sharding)
+        self._step = make_step(module, self._logits_sharding, with_logits=not pooling)
         self._kv_amax = make_kv_calibration(module)
         self._kv_amaxes: dict[Any, Any] = {}  # batch spec -> compiled calibration
         self._prompt_lp = make_prompt_logprobs(module, k)
@@ -173,6 +176,8 @@ class SingleStage:
             "step", spec, lambda: self._step.lower(params, caches, buffers, fed_ids, spec=spec)
         )
         self._steps[spec] = compiled
+        if self.pooling:
+            return
         hidden = abstract_output(compiled, compiled.out_info[1], 1)
         targets = np.zeros(batch.token_ids.shape[0], np.int32)
         self._prompt_lps[targets.shape[0]] = self._compile(

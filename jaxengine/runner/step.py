@@ -35,9 +35,10 @@ def fed_token_ids(token_ids: jax.Array, feed_rows: jax.Array, fed_ids: jax.Array
     return jnp.where(feed_rows >= 0, fed, token_ids)
 
 
-def make_step(module: Any, logits_sharding: Any = None):
+def make_step(module: Any, logits_sharding: Any = None, with_logits: bool = True):
     """``step(params, kv_caches, buffers, fed_ids, spec)`` -> ``(logits[R, V],
-    hidden[T, H], kv)``.
+    hidden[T, H], kv)``; without ``with_logits`` (a pooling model, which may have no
+    LM head) the logits are None.
 
     ``buffers``/``spec`` pack ``(token_ids[T], positions[T], md, logits_indices[R],
     feed_rows[T])``; ``fed_ids[max_num_seqs]`` are the previous step's sampled ids
@@ -50,6 +51,8 @@ def make_step(module: Any, logits_sharding: Any = None):
         token_ids, positions, md, logits_indices, feed_rows = unpack_tree(buffers, spec)
         token_ids = fed_token_ids(token_ids, feed_rows, fed_ids)
         hidden, kv_caches = module.apply({"params": params}, token_ids, positions, kv_caches, md)
+        if not with_logits:
+            return None, hidden, kv_caches
         logits = module.apply({"params": params}, hidden[logits_indices], method="compute_logits")
         if logits_sharding is not None:
             logits = jax.lax.with_sharding_constraint(logits, logits_sharding)

@@ -1,0 +1,82 @@
+"""POST /v1/embeddings: OpenAI's embeddings endpoint on a pooling model
+(``--runner pooling``), with vLLM's extra fields (``truncate_prompt_tokens``,
+``normalize``, ``messages`` for a conversation through the chat template).
+
+Each input is one engine request (`PoolingParams`), prepared before any is queued;
+the response lists the embeddings in input order, as floats or as base64 of their
+little-endian float32 bytes (``encoding_format``), with the prompt tokens' usage.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+
+from jaxengine.pooling_params import PoolingParams
+from server import responses as R
+from server.errors import APIError
+from server.protocol import EmbeddingRequest
+from server.serving import ServingContext, until_disconnected
+
+
+class EmbeddingHandler:
+    """Turns an `EmbeddingRequest` into engine requests and OpenAI's response."""
+
+    def __init__(self, ctx: ServingContext, chat: Any) -> None:
+        self.ctx, self.chat = ctx, chat
+
+    async def create(self, request: EmbeddingRequest, raw_request=None) -> dict[str, Any]:
+        ctx = self.ctx
+        model, lora = ctx.resolve_model(request.model)
+        if ctx.engine.pooler is None:
+            raise APIError(
+                "this model generates text and serves no embeddings: start the server "
+                "with --runner pooling (--convert embed for a generative model)",
+                param="model",
+            )
+        params = PoolingParams(
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+            dimensions=request.dimensions,
+            normalize=request.normalize,
+            task="embed",
+        )
+        prepared = ctx.prepare(self._prompts(request), params, lora)
+        request_id = request.request_id or R.random_id("embd")
+        ctx.log_request(request_id, prepared)
+        streams = ctx.streams(request_id, prepared, request.priority)
+        finals = await until_disconnected(raw_request, _collect(streams))
+        data = [
+            {"index": i, "object": "embedding", "embedding": _encode(finals[i], request)}
+            for i in range(len(prepared))
+        ]
+        tokens = sum(len(p.token_ids) for p in prepared)
+        return {
+            "id": request_id,
+            "object": "list",
+            "created": R.now(),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    def _prompts(self, request: EmbeddingRequest) -> list[dict]:
+        if request.messages is not None:
+            return [{"prompt_token_ids": self.chat.render(request)}]
+        return [self.ctx.tokenize(p, request.add_special_tokens) for p in request.prompts()]
+
+
+async def _collect(streams) -> dict[int, Any]:
+    finals = {}
+    async for index, out in streams:
+        if out.finished:
+            finals[index] = out.outputs.data
+    return finals
+
+
+def _encode(vector: Any, request: EmbeddingRequest) -> list[float] | str:
+    values = np.asarray(vector, np.float32)
+    if request.encoding_format == "base64":
+        return base64.b64encode(values.astype("<f4").tobytes()).decode("ascii")
+    return values.tolist()

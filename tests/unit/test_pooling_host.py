@@ -1,0 +1,73 @@
+"""Pooling, host side: the pooler's arithmetic, the sentence-transformers files it
+reads its defaults from, and the flags that parse but are refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxengine.engine_args import EngineArgs
+from jaxengine.executor.pooling import sentence_transformers_pooler
+from jaxengine.pooling_params import PoolingParams
+from jaxengine.runner.pooler import PoolerSettings, pool
+
+
+def test_pool_types_dimensions_and_normalization():
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3)  # two requests: 1 and 3 rows
+    plain = PoolingParams(normalize=False)
+    for kind, want in [("LAST", rows[3]), ("CLS", rows[1]), ("MEAN", rows[1:].mean(0)),
+                       ("ALL", rows[1:])]:  # fmt: skip
+        first, second = pool(rows, [1, 3], [plain, plain], PoolerSettings(kind, True))
+        np.testing.assert_allclose(first, rows[0] if kind != "ALL" else rows[:1])
+        np.testing.assert_allclose(second, want)
+    (cut,) = pool(rows[1:], [3], [PoolingParams(dimensions=2)], PoolerSettings("LAST", True))
+    np.testing.assert_allclose(cut, rows[3, :2] / np.linalg.norm(rows[3, :2]))
+    (tokens,) = pool(rows, [4], [PoolingParams(task="token_embed")], PoolerSettings("LAST", True))
+    np.testing.assert_allclose(np.linalg.norm(tokens, axis=-1), 1.0, rtol=1e-6)
+
+
+def test_sentence_transformers_files(tmp_path):
+    assert sentence_transformers_pooler(tmp_path) == {}
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]  # fmt: skip
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    config = {"word_embedding_dimension": 8, "pooling_mode_cls_token": False,
+              "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False}  # fmt: skip
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    assert sentence_transformers_pooler(tmp_path) == {"normalize": True, "pooling_type": "MEAN"}
+    config["pooling_mode_max_tokens"] = True
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="pooling_mode_max_tokens"):
+        sentence_transformers_pooler(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(pooler_config={"pooling": "MEAN"}), ValueError, "unknown key"),
+        (dict(pooler_config={"pooling_type": "MAX"}), ValueError, "pooling_type 'MAX'"),
+        (dict(pooler_config={"dimensions": 0}), ValueError, "dimensions must be"),
+        (dict(runner="draft"), NotImplementedError, "--runner draft is not supported yet"),
+        (dict(convert="classify"), NotImplementedError, "--convert classify is not supported"),
+    ],
+)
+def test_flags_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        EngineArgs(**kwargs).create_engine_config()
+
+
+def test_pooling_params_checks():
+    with pytest.raises(ValueError, match="dimensions must be at least 1"):
+        PoolingParams(dimensions=0)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or at least 1"):
+        PoolingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="pooling task 'magic'"):
+        PoolingParams(task="magic")
