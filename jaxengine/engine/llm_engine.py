@@ -71,12 +71,14 @@ class LLMEngine:
         self.kv_cache_size = host.kv_size
         self.pooler = host.pooler
         """A pooling model's pooler (`--runner pooling`), None for a generating one."""
-        self.structured_outputs = make_manager(
-            self.config.structured_outputs_config,
-            self.tokenizer,
-            self.vocab_size,
-            self.eos_token_id,
-        )
+        self.structured_outputs = None  # (a pooling model samples nothing to constrain)
+        if self.pooler is None:
+            self.structured_outputs = make_manager(
+                self.config.structured_outputs_config,
+                self.tokenizer,
+                self.vocab_size,
+                self.eos_token_id,
+            )
         self.scheduler = Scheduler(host.limits, self.structured_outputs)
         self.outputs = OutputProcessor(self.tokenizer)
         self.async_scheduling = self.config.scheduler_config.async_scheduling

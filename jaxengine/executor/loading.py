@@ -148,8 +148,8 @@ def stage_program(
             loaded.config.tie_word_embeddings,
         )
     plan = placement.plans[0]
-    module = loaded.module.clone(
-        attention_kwargs=plan.attention_kwargs(backend.module_kwargs()),
-        moe_kwargs=plan.moe_kwargs(),
-    )
+    kwargs = {"attention_kwargs": plan.attention_kwargs(backend.module_kwargs())}
+    if hasattr(loaded.module, "moe_kwargs"):  # (an encoder has no experts)
+        kwargs["moe_kwargs"] = plan.moe_kwargs()
+    module = loaded.module.clone(**kwargs)
     return SingleStage(module, len(loaded.config.layers), plan, k, store, pooling)

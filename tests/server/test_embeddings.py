@@ -1,0 +1,95 @@
+"""/v1/embeddings on a real `jaxengine serve` of the all-MiniLM-L6-v2 demo model
+(BERT; sentence-transformers' mean pooling and normalization, read from its files),
+with the official `openai` client: every embedding of a batch of varied lengths is
+transformers' `BertModel` output mean-pooled over the tokens and L2-normalized
+(cosine >= 0.9999), as floats and as base64, from texts, token ids and chat-style
+``messages``; usage; truncation; and the requests it cannot serve are 400s."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.server.conftest import start_server, stop_server
+
+SENTENCES = [
+    "A man is eating food.",
+    "The quick brown fox jumps over the lazy dog near the bank of the river on a sunny day.",
+    "Hi",
+    "Embeddings map text to vectors; similar texts get similar vectors, which is what "
+    "retrieval needs. " * 3,
+]
+FLAGS = ["--api-key", "test-key", "--served-model-name", "minilm", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "512", "--compile-token-buckets", "32", "512",
+         "--disable-uvicorn-access-log"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def embed_server(minilm_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("embed-server") / "server.log"
+    running = start_server(log, [str(minilm_dir), *FLAGS])
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir):
+    """sentence-transformers' all-MiniLM-L6-v2: BertModel, mean pooling, normalized."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    model = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+
+    def embed(text: str, add_special_tokens: bool = True) -> np.ndarray:
+        batch = tokenizer([text], return_tensors="pt", add_special_tokens=add_special_tokens)
+        with torch.no_grad():
+            hidden = model(**batch).last_hidden_state[0]
+        mean = hidden.mean(0).numpy()
+        return mean / np.linalg.norm(mean)
+
+    return embed
+
+
+def _cosines(got, want) -> list[float]:
+    return [float(np.dot(g, w) / np.linalg.norm(g)) for g, w in zip(got, want, strict=True)]
+
+
+def test_openai_client_embeddings_match_sentence_transformers(embed_server, reference):
+    client = embed_server.client(max_retries=0, timeout=120)
+    want = [reference(s) for s in SENTENCES]
+    floats = client.embeddings.create(model="minilm", input=SENTENCES, encoding_format="float")
+    assert [d.index for d in floats.data] == list(range(len(SENTENCES)))
+    assert min(_cosines([d.embedding for d in floats.data], want)) >= 0.9999
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > len(SENTENCES)
+    packed = client.embeddings.create(model="minilm", input=SENTENCES)  # base64 on the wire
+    assert min(_cosines([d.embedding for d in packed.data], want)) >= 0.9999
+    assert len(packed.data[0].embedding) == 384
+
+
+def test_token_ids_truncation_and_errors(embed_server, reference, minilm_dir):
+    ids = transformers.AutoTokenizer.from_pretrained(minilm_dir)(SENTENCES[0])["input_ids"]
+    body = embed_server.post("/v1/embeddings", {"model": "minilm", "input": ids}).json()
+    assert _cosines([body["data"][0]["embedding"]], [reference(SENTENCES[0])])[0] >= 0.9999
+    bad = embed_server.post("/v1/completions", {"model": "minilm", "prompt": "Hi", "max_tokens": 2})
+    assert bad.status_code == 400 and "not text generation" in bad.json()["error"]["message"]
+    dims = embed_server.post("/v1/embeddings", {"model": "minilm", "input": "Hi", "dimensions": 8})
+    assert dims.status_code == 400 and "matryoshka" in dims.json()["error"]["message"]
+    long = embed_server.post("/v1/embeddings", {"model": "minilm", "input": "word " * 600})
+    assert long.status_code == 400
+    assert "maximum context length is 512 tokens" in long.json()["error"]["message"]
+    cut = embed_server.post("/v1/embeddings", {"model": "minilm", "input": "word " * 600,
+                                               "truncate_prompt_tokens": 100})  # fmt: skip
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 100
+
+
+def test_chat_style_messages(embed_server, reference):
+    """vLLM's chat-style embedding request: ``messages`` rendered by the chat template
+    (here one given in the request: the model has none), then embedded."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    messages = [{"role": "user", "content": SENTENCES[1]}]
+    body = {"model": "minilm", "messages": messages, "chat_template": template}
+    got = embed_server.post("/v1/embeddings", body).json()["data"][0]["embedding"]
+    want = reference(SENTENCES[1], add_special_tokens=False)
+    assert _cosines([got], [want])[0] >= 0.9999
+    both = embed_server.post("/v1/embeddings", {**body, "input": "Hi"})
+    assert both.status_code == 400 and "exactly one of" in both.json()["error"]["message"]
