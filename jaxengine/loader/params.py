@@ -2,7 +2,8 @@
 
 The target tree comes from `jax.eval_shape` of the module's init, so shapes, dtypes
 and logical axis names are the model's own; checkpoint tensors are matched to it by
-their Hugging Face names (`layers.decoder.hf_param_path`). Every leaf must be filled
+their Hugging Face names (`checkpoint_names`: the decoders' `layers.decoder.hf_param_path`,
+or a family's own, such as `models.bert`'s). Every leaf must be filled
 exactly once with the right shape, else `CheckpointError` names the tensor. A model
 with `fused_projections` holds ``qkv_proj`` and ``gate_up_proj``: the checkpoint's
 q/k/v and gate/up tensors are concatenated into them here, once.
@@ -11,7 +12,7 @@ q/k/v and gate/up tensors are concatenated into them here, once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import flax.linen as nn
@@ -27,6 +28,16 @@ from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_par
 from jaxengine.models.layers.lora import LORA_LEAVES
 from jaxengine.models.layers.quant import METHODS, quantize
 from jaxengine.models.metadata import AttentionMetadata
+
+NameMapper = Callable[[str], tuple[tuple[str, ...], int | None] | None]
+"""A checkpoint tensor name -> (parameter path, stacked index), or None to skip it."""
+
+
+def checkpoint_names(module: nn.Module) -> NameMapper:
+    """How ``module``'s checkpoint names map to its parameters: its class's static
+    ``hf_param_path`` where the family defines one (`models.bert`), else the decoders'
+    (`layers.decoder.hf_param_path`)."""
+    return getattr(type(module), "hf_param_path", hf_param_path)
 
 
 def init_inputs(config: TransformerConfig) -> tuple:
@@ -196,8 +207,9 @@ def params_from_tensors(
     placement = _plain(shardings) if shardings is not None else None
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], set] = {}
+    names = checkpoint_names(module)
     for name, array in tensors:
-        slot = _slot(name, array, config, shapes, source)
+        slot = _slot(names(name), name, array, config, shapes, source)
         if slot is None:
             continue
         path, index, parts, leaf = slot
@@ -257,14 +269,16 @@ def _fill(
         _tree_set(out, target, place(value, dtype, sharding))
 
 
-def _slot(name: str, array: np.ndarray, config: TransformerConfig, shapes: Any, source: str):
+def _slot(
+    mapped: Any, name: str, array: np.ndarray, config: TransformerConfig, shapes: Any, source: str
+):
     """``(path, index, parts, leaf)`` of a checkpoint tensor, or None to skip it.
 
-    ``index`` is None (the tensor is the whole leaf), an int (one expert of a stacked
-    leaf) or a slice of rows (one projection of a fused leaf); ``parts`` is how many
-    tensors fill the leaf. Checks the tensor's shape against its place.
+    ``mapped`` is the tensor's ``(path, index)`` from `checkpoint_names`. ``index`` is
+    None (the tensor is the whole leaf), an int (one expert of a stacked leaf) or a
+    slice of rows (one projection of a fused leaf); ``parts`` is how many tensors fill
+    the leaf. Checks the tensor's shape against its place.
     """
-    mapped = hf_param_path(name)
     if mapped is None:
         return None
     path, index = mapped

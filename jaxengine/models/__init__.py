@@ -1,8 +1,9 @@
 """Model families and the lazy architecture registry.
 
 `get_model(hf_config, dtype)` returns ``(module, TransformerConfig)`` for the config's
-``architectures`` entry, importing only that family's file. Every module is a
-`layers.decoder.CausalLM`: apply it as a pure function of its parameter tree.
+``architectures`` entry, importing only that family's file. Every decoder module is a
+`layers.decoder.CausalLM`; the encoders (`bert`) share its forward contract. Apply
+either as a pure function of its parameter tree.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert",
 }
 
 # Configs without `architectures` (e.g. built in code) fall back on model_type.
@@ -28,6 +31,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "bert": "BertModel",
 }
 
 

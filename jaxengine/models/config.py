@@ -53,7 +53,7 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """A decoder-only transformer, as the shared layers need it."""
+    """A transformer as the shared layers need it: a decoder, or an encoder (BERT)."""
 
     vocab_size: int
     """Rows of the embedding and of the LM head."""
@@ -119,6 +119,18 @@ class TransformerConfig:
     once at load time from the checkpoint's separate tensors (fewer, larger ops: the
     CPU win). Only valid where those parameters are not split by tensor parallelism,
     so `jaxengine.loader.load_model` sets it for tensor size 1 only."""
+    bidirectional: bool = False
+    """An encoder (`models.bert`): every token attends to all tokens of its own request,
+    the whole prompt in one step, with no KV cache read or written."""
+    max_position_embeddings: int = 0
+    """Rows of a learned absolute position table (BERT); 0: positions are rotary."""
+    type_vocab_size: int = 0
+    """Rows of the token-type (segment) embedding (BERT); 0: none."""
+    layer_norm_eps: float = 1e-12
+    """Epsilon of every LayerNorm (BERT); the RMSNorm families read ``rms_norm_eps``."""
+    num_labels: int = 0
+    """Outputs of a sequence-classification head (`BertForSequenceClassification`);
+    0: the model has none."""
 
     @property
     def num_layers(self) -> int:

@@ -113,3 +113,93 @@ def test_installed_packages_are_used_without_pip(fake_demo, tmp_path, monkeypatc
     _forbid_pip(monkeypatch)
     path = demo.ensure_demo_model("fake", tmp_path / "cache")
     assert path.read_bytes() == b"".join(PARTS)
+
+
+FOLDER_FILES = {"config.json": b'{"model_type": "bert"}', "sub/vocab.txt": b"[PAD]\n[CLS]\n"}
+
+
+def _folder_wheel(folder: Path) -> tuple[Path, bytes]:
+    """A wheel ``fakefolder`` whose ``model.zip`` holds a small model folder."""
+    archive = folder / "model.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for name, data in FOLDER_FILES.items():
+            z.writestr(name, data)
+    path = folder / "fakefolder-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("fakefolder/__init__.py", "raise RuntimeError('must not be imported')")
+        z.write(archive, "fakefolder/model.zip")
+        meta = "fakefolder-1.0.dist-info"
+        z.writestr(f"{meta}/METADATA", "Metadata-Version: 2.1\nName: fakefolder\nVersion: 1.0\n")
+        z.writestr(
+            f"{meta}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        z.writestr(f"{meta}/RECORD", "")
+    return path, archive.read_bytes()
+
+
+@pytest.fixture
+def fake_folder_demo(tmp_path: Path, monkeypatch) -> demo.DemoModel:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel, archive = _folder_wheel(wheels)
+    fake = demo.DemoModel(
+        name="Fake-Folder",
+        aliases=("fakefolder",),
+        filename="Fake-Folder",
+        size=len(archive),
+        sha256=hashlib.sha256(archive).hexdigest(),
+        packages=(str(wheel),),
+        members=("fakefolder/model.zip",),
+        hub_id="someone/Fake-Folder",
+        unzip=True,
+    )
+    monkeypatch.setattr(demo, "DEMO_MODELS", (fake,))
+    return fake
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*.*")}
+
+
+def test_minilm_is_a_folder_demo():
+    minilm = demo.find_demo("all-minilm-l6-v2")
+    assert minilm is demo.find_demo("minilm") and minilm.name == "all-MiniLM-L6-v2"
+    assert minilm.unzip and minilm.members == ("all_minilm_l6_v2/model.zip",)
+    assert demo.find_demo_for_hub_id("sentence-transformers/all-MiniLM-L6-v2") is minilm
+    assert demo.find_demo("smollm2").unzip is False  # the GGUF demos are unchanged
+
+
+def test_folder_demo_is_extracted_then_reused(fake_folder_demo, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    path = demo.ensure_demo_model("fakefolder", cache)
+    assert path == cache / "Fake-Folder" / "Fake-Folder" and path.is_dir()
+    assert _files(path) == FOLDER_FILES
+    assert [p.name for p in path.parent.iterdir()] == ["Fake-Folder"]  # no temp files left
+    _forbid_pip(monkeypatch)
+    assert demo.ensure_demo_model("Fake-Folder", cache) == path
+
+
+def test_folder_demo_checksum_mismatch_leaves_nothing(fake_folder_demo, tmp_path, monkeypatch):
+    bad = dataclasses.replace(fake_folder_demo, sha256="0" * 64)
+    monkeypatch.setattr(demo, "DEMO_MODELS", (bad,))
+    with pytest.raises(DemoDownloadError, match="sha256"):
+        demo.ensure_demo_model("fakefolder", tmp_path / "cache")
+    assert list((tmp_path / "cache" / "Fake-Folder").iterdir()) == []
+
+
+def test_folder_demo_resolves_as_a_hf_folder(fake_folder_demo, tmp_path, monkeypatch):
+    from jaxengine.loader import sources
+
+    monkeypatch.setattr(sources, "_hub_source", lambda *a: pytest.fail("hub consulted"))
+    src = sources.resolve_model("FakeFolder", download_dir=tmp_path / "cache")
+    folder = tmp_path / "cache" / "Fake-Folder" / "Fake-Folder"
+    assert (src.path, src.gguf_file, src.kind, src.name) == (folder, None, "demo", "FakeFolder")
+
+
+def test_folder_demo_from_installed_package(fake_folder_demo, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    zipfile.ZipFile(tmp_path / "wheels" / "fakefolder-1.0-py3-none-any.whl").extractall(site)
+    monkeypatch.syspath_prepend(str(site))
+    _forbid_pip(monkeypatch)
+    path = demo.ensure_demo_model("fakefolder", tmp_path / "cache")
+    assert _files(path) == FOLDER_FILES

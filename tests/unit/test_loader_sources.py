@@ -156,3 +156,16 @@ def test_ignore_patterns_reach_the_hub_download(tmp_path, monkeypatch):
     src = resolve_model("org/model", ignore_patterns=["original/**/*", "*.pth"])
     assert src.kind == "hub"
     assert calls[0]["ignore_patterns"] == ["original/**/*", "*.pth"]
+
+
+def test_minilm_demo_resolves_to_its_folder(minilm_dir):
+    for name in ("all-MiniLM-L6-v2", "minilm"):
+        src = resolve_model(name)
+        assert (src.kind, src.gguf_file, src.path) == ("demo", None, minilm_dir)
+    assert (minilm_dir / "config.json").is_file() and (minilm_dir / "tokenizer.json").is_file()
+
+
+def test_hub_id_of_the_folder_demo_falls_back_to_it(no_hub, minilm_dir, caplog):
+    src = resolve_model("sentence-transformers/all-MiniLM-L6-v2")
+    assert (src.kind, src.gguf_file, src.path) == ("demo", None, minilm_dir)
+    assert "using the demo model all-MiniLM-L6-v2 (a copy from PyPI)" in caplog.text

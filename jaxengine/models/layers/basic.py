@@ -1,4 +1,4 @@
-"""Linear, embedding and RMSNorm layers with Hugging Face parameter names and layouts.
+"""Linear, embedding, RMSNorm and LayerNorm layers with Hugging Face names and layouts.
 
 Weights keep the checkpoint's layout (`Linear.weight` is ``[out, in]``) so loading is a
 rename, never a transpose; XLA contracts either layout at the same cost. Every
@@ -93,16 +93,20 @@ def lora_params(module: nn.Module, shape: tuple, axes: tuple, spec: LoRASpec):
 
 
 class Embed(nn.Module):
-    """Token embedding ``weight: [vocab, H]``; `attend` gives tied-head logits."""
+    """Token embedding ``weight: [vocab, H]``; `attend` gives tied-head logits.
+
+    ``axes`` names the table's (rows, H) axes: a small table that should not be split
+    (BERT's positions and token types) passes ``(None, "embed")``."""
 
     num_embeddings: int
     features: int
     dtype: Any = jnp.float32
+    axes: tuple[str | None, str] = ("vocab", "embed")
 
     def setup(self) -> None:
         self.weight = self.param(
             "weight",
-            nn.with_logical_partitioning(_normal(), ("vocab", "embed")),
+            nn.with_logical_partitioning(_normal(), self.axes),
             (self.num_embeddings, self.features),
             self.dtype,
         )
@@ -134,6 +138,26 @@ class RMSNorm(nn.Module):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * (self.offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm in float32 over the last axis: ``(x - mean) / std * weight + bias``."""
+
+    eps: float = 1e-12
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = (x.shape[-1],)
+        ones = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+        zeros = nn.with_logical_partitioning(nn.initializers.zeros, ("norm",))
+        weight = self.param("weight", ones, shape, self.dtype)
+        bias = self.param("bias", zeros, shape, self.dtype)
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def activation(name: str):

@@ -1,0 +1,299 @@
+"""BERT family: bidirectional encoders (BERT, MiniLM, sentence-transformers embedders).
+
+Post-norm encoder: word + learned absolute position + token-type embeddings and a
+LayerNorm, then per layer ``x = LN(x + attn(x))`` and ``x = LN(x + mlp(x))`` with
+biased projections and a GELU MLP. The forward has the decoders' contract
+(`layers.decoder.CausalLM`): ``(token_ids[T], positions[T], kv_caches, md) ->
+(hidden[T, H], kv_caches)``. Attention is bidirectional within each request of the
+flat packed batch (a segment mask from ``query_start_loc``): the whole prompt comes in
+one step, so no KV cache is read or written and ``kv_caches`` pass through unchanged.
+Token types are all 0 (single-sentence inputs).
+
+Parameters follow the checkpoint's names: ``encoder.layer.3.attention.self.query.weight``
+is ``encoder/layer_3/attention/self/query/weight``; each module class maps the names
+with its ``hf_param_path`` (`loader.params` uses it in place of the decoders').
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxengine.models.config import LayerSpec, RopeSpec, TransformerConfig
+from jaxengine.models.layers.basic import Embed, LayerNorm, Linear, activation
+from jaxengine.models.metadata import AttentionMetadata
+
+
+def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
+    """The TransformerConfig of a BertConfig (``num_labels`` only for a classifier)."""
+    position_type = getattr(hf_config, "position_embedding_type", "absolute")
+    if position_type != "absolute" or getattr(hf_config, "is_decoder", False):
+        raise ValueError(
+            f"BERT with position_embedding_type={position_type!r} or is_decoder=True is "
+            "not supported: only absolute-position encoders"
+        )
+    heads = hf_config.num_attention_heads
+    archs = getattr(hf_config, "architectures", None) or ()
+    classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    return TransformerConfig(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hf_config.hidden_size // heads,
+        layers=(LayerSpec(rope=RopeSpec()),) * hf_config.num_hidden_layers,  # rope unused
+        hidden_act=hf_config.hidden_act,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        bidirectional=True,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        type_vocab_size=hf_config.type_vocab_size,
+        layer_norm_eps=hf_config.layer_norm_eps,
+        num_labels=hf_config.num_labels if classifier else 0,
+        dtype=dtype,
+    )
+
+
+def segment_mask(md: AttentionMetadata, num_tokens: int) -> jax.Array:
+    """``[T, T]`` bool: token i may attend to token j (same request).
+
+    Request ``r`` owns rows ``query_start_loc[r]:query_start_loc[r+1]``; padding rows
+    (from ``query_start_loc[num_seqs]``) form one extra segment of their own, so every
+    row attends to at least itself (finite softmax) and never across requests.
+    """
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seg = jnp.searchsorted(md.query_start_loc[1:], t, side="right")  # [T] request index
+    padding = t >= md.query_start_loc[md.num_seqs]
+    seg = jnp.where(padding, md.query_start_loc.shape[0], seg)
+    return seg[:, None] == seg[None, :]
+
+
+class BertSelfAttention(nn.Module):
+    """q/k/v projections and dense masked attention (the reference: ``[Hq, T, T]``
+    scores, fine for prompts of encoder length; softmax in float32)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:  # [T, H] -> [T, H]
+        cfg = self.config
+        num_tokens, hq, d = x.shape[0], cfg.num_heads, cfg.head_dim
+        proj = dict(use_bias=True, dtype=cfg.dtype, quant=cfg.quantization)
+        q, k, v = (
+            Linear(hq * d, (heads, "embed"), **proj, name=n)(x).reshape(num_tokens, hq, d)
+            for n, heads in (("query", "q_heads"), ("key", "kv_heads"), ("value", "kv_heads"))
+        )  # [T, Hq, D] each
+        scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[None], scores * cfg.scale, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [Hq, T, T]
+        return jnp.einsum("hts,shd->thd", probs, v).reshape(num_tokens, hq * d)
+
+
+class BertResidual(nn.Module):
+    """``LN(residual + dense(x))``: BERT's ``attention.output`` and ``output`` blocks."""
+
+    config: TransformerConfig
+    axes: tuple[str, str]  # of ``dense``: (embed, q_heads) or (embed, mlp)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, residual: jax.Array) -> jax.Array:
+        cfg = self.config
+        dense = Linear(cfg.hidden_size, self.axes, True, cfg.dtype, cfg.quantization, name="dense")
+        return LayerNorm(cfg.layer_norm_eps, cfg.dtype, name="LayerNorm")(residual + dense(x))
+
+
+class BertAttention(nn.Module):
+    """``self`` (attention) then ``output`` (o-projection, residual, LayerNorm)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        h = BertSelfAttention(self.config, name="self")(x, mask)
+        return BertResidual(self.config, ("embed", "q_heads"), name="output")(h, x)
+
+
+class BertIntermediate(nn.Module):
+    """The MLP's up-projection and activation (``intermediate.dense``)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, H] -> [T, I]
+        cfg = self.config
+        dense = Linear(
+            cfg.intermediate_size, ("mlp", "embed"), True, cfg.dtype, cfg.quantization, name="dense"
+        )
+        return activation(cfg.hidden_act)(dense(x))
+
+
+class BertLayer(nn.Module):
+    """One post-norm encoder layer: attention block, then MLP block."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = BertAttention(self.config, name="attention")(x, mask)
+        h = BertIntermediate(self.config, name="intermediate")(x)
+        return BertResidual(self.config, ("embed", "mlp"), name="output")(h, x)
+
+
+class BertEmbeddings(nn.Module):
+    """Word + position + token-type (all 0) embeddings, then LayerNorm."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.config
+        small = (None, "embed")  # position and token-type tables stay whole
+        words = Embed(cfg.vocab_size, cfg.hidden_size, cfg.dtype, name="word_embeddings")
+        pos = Embed(cfg.max_position_embeddings, cfg.hidden_size, cfg.dtype, small,
+                    name="position_embeddings")  # fmt: skip
+        types = Embed(cfg.type_vocab_size, cfg.hidden_size, cfg.dtype, small,
+                      name="token_type_embeddings")  # fmt: skip
+        positions = jnp.clip(positions, 0, cfg.max_position_embeddings - 1)  # padding rows
+        x = words(token_ids) + types.weight[0] + pos(positions)  # [T, H]
+        return LayerNorm(cfg.layer_norm_eps, cfg.dtype, name="LayerNorm")(x)
+
+
+class BertEncoder(nn.Module):
+    """The encoder layers (Linen names them ``layer_{i}``, as ``encoder.layer.{i}``)."""
+
+    config: TransformerConfig
+
+    def setup(self) -> None:
+        self.layer = [BertLayer(self.config) for _ in self.config.layers]
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class BertPooler(nn.Module):
+    """``tanh(dense(x))`` of each request's first ([CLS]) hidden state."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [R, H] -> [R, H]
+        cfg = self.config
+        return jnp.tanh(
+            Linear(cfg.hidden_size, ("embed", "embed"), True, cfg.dtype, name="dense")(x)
+        )
+
+
+class BertModel(nn.Module):
+    """The encoder: ``hidden`` is HF's ``last_hidden_state`` (after the last LayerNorm).
+
+    As a checkpoint's top-level model (``architectures: ["BertModel"]``, e.g.
+    sentence-transformers) it has no pooler: a checkpoint's ``pooler.*`` tensors,
+    like any head's (``cls.*`` of a pre-training checkpoint loaded through
+    ``model_type: bert``), are skipped. Inside `BertForSequenceClassification`
+    (``with_pooler``) it holds ``pooler.dense``.
+    """
+
+    config: TransformerConfig
+    attention_kwargs: Any = None  # unused: attention here is the dense segment-masked one
+    with_pooler: bool = False
+    supports_fused_projections: ClassVar[bool] = False  # q/k/v stay apart (`loader._model`)
+
+    def setup(self) -> None:
+        if self.config.lora is not None:
+            raise ValueError("LoRA adapters are not supported on BERT models")
+        self.embeddings = BertEmbeddings(self.config)
+        self.encoder = BertEncoder(self.config)
+        if self.with_pooler:
+            self.pooler = BertPooler(self.config)
+
+    def __call__(
+        self,
+        token_ids: jax.Array,  # [T] int32
+        positions: jax.Array,  # [T] int32, 0..n-1 within each request
+        kv_caches: tuple[jax.Array, ...],  # returned as they are
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        mask = segment_mask(md, token_ids.shape[0])  # [T, T]
+        return self.encoder(self.embeddings(token_ids, positions), mask), kv_caches
+
+    def forward_and_logits(self, token_ids, positions, kv_caches, md) -> jax.Array:
+        """The hidden states; touches every parameter (for init; the pooler is touched
+        by `BertForSequenceClassification.classify`)."""
+        return self(token_ids, positions, kv_caches, md)[0]
+
+    def pool(self, hidden: jax.Array) -> jax.Array:  # [R, H] [CLS] rows -> [R, H]
+        return self.pooler(hidden)
+
+    @staticmethod
+    def hf_param_path(name: str) -> tuple[tuple[str, ...], None] | None:
+        """A checkpoint tensor's parameter path; None for the pooler and heads."""
+        return hf_param_path(name, head_model=False)
+
+
+class BertForSequenceClassification(nn.Module):
+    """`BertModel` (``bert``, with its pooler) and a linear ``classifier`` head."""
+
+    config: TransformerConfig
+    attention_kwargs: Any = None  # unused, as in `BertModel`
+    supports_fused_projections: ClassVar[bool] = False
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.bert = BertModel(cfg, with_pooler=True)
+        self.classifier = Linear(cfg.num_labels, (None, "embed"), True, cfg.dtype)
+
+    def __call__(self, token_ids, positions, kv_caches, md):
+        """`BertModel`'s forward: ``(hidden[T, H], kv_caches)``."""
+        return self.bert(token_ids, positions, kv_caches, md)
+
+    def forward_and_logits(self, token_ids, positions, kv_caches, md) -> jax.Array:
+        """Logits of each request's first token; touches every parameter (for init)."""
+        hidden, _ = self(token_ids, positions, kv_caches, md)
+        return self.classify(hidden[md.query_start_loc[:-1]])  # [R, num_labels]
+
+    def classify(self, hidden: jax.Array) -> jax.Array:
+        """``[R, H]`` [CLS] hidden states -> ``[R, num_labels]`` float32 logits."""
+        return self.classifier(self.bert.pool(hidden)).astype(jnp.float32)
+
+    @staticmethod
+    def hf_param_path(name: str) -> tuple[tuple[str, ...], None] | None:
+        """A checkpoint tensor's parameter path (``bert.*``, ``classifier.*``)."""
+        return hf_param_path(name, head_model=True)
+
+
+_ENCODER = ("embeddings", "encoder")  # the body's tensors BertModel keeps
+_BUFFERS = ("position_ids", "token_type_ids")  # registered buffers, not parameters
+_LEGACY = {"gamma": "weight", "beta": "bias"}  # TF-era LayerNorm names
+_LAYER = re.compile(r"(?<=encoder)\.layer\.(\d+)\.")
+
+
+def hf_param_path(name: str, head_model: bool) -> tuple[tuple[str, ...], None] | None:
+    """Maps a BERT checkpoint tensor name to ``(parameter path, None)``, or None to skip.
+
+    ``encoder.layer.3.output.LayerNorm.weight`` -> ``(encoder, layer_3, output,
+    LayerNorm, weight)``; ``gamma``/``beta`` are read as ``weight``/``bias``. With
+    ``head_model`` (`BertForSequenceClassification`) the body (embeddings, encoder,
+    pooler) lives under ``bert``, prefixed or not in the checkpoint, and other tensors
+    keep their names (``classifier.weight``); without, a ``bert.`` prefix is dropped
+    and the pooler and any head are skipped. Buffers (``position_ids``) are skipped.
+    """
+    body = name.removeprefix("bert.")
+    top, leaf = body.split(".", 1)[0], body.rsplit(".", 1)[-1]
+    if leaf in _BUFFERS:
+        return None
+    if head_model:
+        path = "bert." + body if top in (*_ENCODER, "pooler") else name
+    elif top in _ENCODER:
+        path = body
+    else:
+        return None
+    *parent, leaf = _LAYER.sub(lambda m: f".layer_{m.group(1)}.", path).split(".")
+    return (*parent, _LEGACY.get(leaf, leaf)), None
