@@ -5,9 +5,10 @@ LayerNorm, then per layer ``x = LN(x + attn(x))`` and ``x = LN(x + mlp(x))`` wit
 biased projections and a GELU MLP. The forward has the decoders' contract
 (`layers.decoder.CausalLM`): ``(token_ids[T], positions[T], kv_caches, md) ->
 (hidden[T, H], kv_caches)``. Attention is bidirectional within each request of the
-flat packed batch (a segment mask from ``query_start_loc``): the whole prompt comes in
-one step, so no KV cache is read or written and ``kv_caches`` pass through unchanged.
-Token types are all 0 (single-sentence inputs).
+flat packed batch: the whole prompt comes in one step; every token's k/v is written
+to the request's pages, then each token attends to all of them (the backend's
+attention with ``causal=False``). Token types ride in the ids' high bits
+(`TOKEN_TYPE_SHIFT`): 0 for a single text, 1 for a pair's second text.
 
 Parameters follow the checkpoint's names: ``encoder.layer.3.attention.self.query.weight``
 is ``encoder/layer_3/attention/self/query/weight``; each module class maps the names
@@ -17,6 +18,7 @@ with its ``hf_param_path`` (`loader.params` uses it in place of the decoders').
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -26,6 +28,8 @@ import jax.numpy as jnp
 from jaxengine.models.config import LayerSpec, RopeSpec, TransformerConfig
 from jaxengine.models.layers.basic import Embed, LayerNorm, Linear, activation
 from jaxengine.models.metadata import AttentionMetadata
+from pallas_kernels.kv_cache_update import reference as kv_update
+from pallas_kernels.ragged_paged_attention import reference
 
 
 def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
@@ -60,28 +64,31 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
     )
 
 
-def segment_mask(md: AttentionMetadata, num_tokens: int) -> jax.Array:
-    """``[T, T]`` bool: token i may attend to token j (same request).
+TOKEN_TYPE_SHIFT = 30
+"""A token id's bits from this one up carry its token type (1: the second text of a
+pair, for a cross-encoder), as vLLM encodes them: ids stay plain ints in every
+host structure, and `BertEmbeddings` splits them again."""
 
-    Request ``r`` owns rows ``query_start_loc[r]:query_start_loc[r+1]``; padding rows
-    (from ``query_start_loc[num_seqs]``) form one extra segment of their own, so every
-    row attends to at least itself (finite softmax) and never across requests.
-    """
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seg = jnp.searchsorted(md.query_start_loc[1:], t, side="right")  # [T] request index
-    padding = t >= md.query_start_loc[md.num_seqs]
-    seg = jnp.where(padding, md.query_start_loc.shape[0], seg)
-    return seg[:, None] == seg[None, :]
+
+def with_token_types(token_ids, token_type_ids) -> list[int]:
+    """``token_ids`` with each one's type in its high bits (`TOKEN_TYPE_SHIFT`)."""
+    return [
+        int(t) | (int(k) << TOKEN_TYPE_SHIFT)
+        for t, k in zip(token_ids, token_type_ids, strict=True)
+    ]
 
 
 class BertSelfAttention(nn.Module):
-    """q/k/v projections and dense masked attention (the reference: ``[Hq, T, T]``
-    scores, fine for prompts of encoder length; softmax in float32)."""
+    """q/k/v projections and bidirectional attention over the request's own tokens,
+    through the paged KV cache: the step writes every token's k/v, then each token
+    attends to all of its request's keys (``causal=False``, `attention_fn`)."""
 
     config: TransformerConfig
+    attention_fn: Callable[..., jax.Array] = reference.ragged_paged_attention
+    update_fn: Callable[..., jax.Array] = kv_update.update_kv_cache
 
     @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:  # [T, H] -> [T, H]
+    def __call__(self, x: jax.Array, kv_cache: jax.Array, md: AttentionMetadata):
         cfg = self.config
         num_tokens, hq, d = x.shape[0], cfg.num_heads, cfg.head_dim
         proj = dict(use_bias=True, dtype=cfg.dtype, quant=cfg.quantization)
@@ -89,10 +96,12 @@ class BertSelfAttention(nn.Module):
             Linear(hq * d, (heads, "embed"), **proj, name=n)(x).reshape(num_tokens, hq, d)
             for n, heads in (("query", "q_heads"), ("key", "kv_heads"), ("value", "kv_heads"))
         )  # [T, Hq, D] each
-        scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[None], scores * cfg.scale, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [Hq, T, T]
-        return jnp.einsum("hts,shd->thd", probs, v).reshape(num_tokens, hq * d)
+        kv_cache = self.update_fn(kv_cache, k, v, md.slot_mapping)
+        out = self.attention_fn(
+            q, kv_cache, md.seq_lens, md.page_table, md.query_start_loc, md.num_seqs,
+            sm_scale=cfg.scale, causal=False,
+        )  # fmt: skip
+        return out.reshape(num_tokens, hq * d), kv_cache
 
 
 class BertResidual(nn.Module):
@@ -112,11 +121,13 @@ class BertAttention(nn.Module):
     """``self`` (attention) then ``output`` (o-projection, residual, LayerNorm)."""
 
     config: TransformerConfig
+    attention_kwargs: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        h = BertSelfAttention(self.config, name="self")(x, mask)
-        return BertResidual(self.config, ("embed", "q_heads"), name="output")(h, x)
+    def __call__(self, x: jax.Array, kv_cache: jax.Array, md: AttentionMetadata):
+        attn = BertSelfAttention(self.config, **(self.attention_kwargs or {}), name="self")
+        h, kv_cache = attn(x, kv_cache, md)
+        return BertResidual(self.config, ("embed", "q_heads"), name="output")(h, x), kv_cache
 
 
 class BertIntermediate(nn.Module):
@@ -137,12 +148,14 @@ class BertLayer(nn.Module):
     """One post-norm encoder layer: attention block, then MLP block."""
 
     config: TransformerConfig
+    attention_kwargs: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        x = BertAttention(self.config, name="attention")(x, mask)
+    def __call__(self, x: jax.Array, kv_cache: jax.Array, md: AttentionMetadata):
+        attention = BertAttention(self.config, self.attention_kwargs, name="attention")
+        x, kv_cache = attention(x, kv_cache, md)
         h = BertIntermediate(self.config, name="intermediate")(x)
-        return BertResidual(self.config, ("embed", "mlp"), name="output")(h, x)
+        return BertResidual(self.config, ("embed", "mlp"), name="output")(h, x), kv_cache
 
 
 class BertEmbeddings(nn.Module):
@@ -160,7 +173,9 @@ class BertEmbeddings(nn.Module):
         types = Embed(cfg.type_vocab_size, cfg.hidden_size, cfg.dtype, small,
                       name="token_type_embeddings")  # fmt: skip
         positions = jnp.clip(positions, 0, cfg.max_position_embeddings - 1)  # padding rows
-        x = words(token_ids) + types.weight[0] + pos(positions)  # [T, H]
+        kinds = jnp.clip(token_ids >> TOKEN_TYPE_SHIFT, 0, cfg.type_vocab_size - 1)
+        token_ids = token_ids & ((1 << TOKEN_TYPE_SHIFT) - 1)
+        x = words(token_ids) + types(kinds) + pos(positions)  # [T, H]
         return LayerNorm(cfg.layer_norm_eps, cfg.dtype, name="LayerNorm")(x)
 
 
@@ -168,14 +183,17 @@ class BertEncoder(nn.Module):
     """The encoder layers (Linen names them ``layer_{i}``, as ``encoder.layer.{i}``)."""
 
     config: TransformerConfig
+    attention_kwargs: Any = None
 
     def setup(self) -> None:
-        self.layer = [BertLayer(self.config) for _ in self.config.layers]
+        self.layer = [BertLayer(self.config, self.attention_kwargs) for _ in self.config.layers]
 
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        for layer in self.layer:
-            x = layer(x, mask)
-        return x
+    def __call__(self, x: jax.Array, kv_caches: tuple, md: AttentionMetadata):
+        new_caches = []
+        for layer, kv_cache in zip(self.layer, kv_caches, strict=True):
+            x, kv_cache = layer(x, kv_cache, md)
+            new_caches.append(kv_cache)
+        return x, tuple(new_caches)
 
 
 class BertPooler(nn.Module):
@@ -202,7 +220,7 @@ class BertModel(nn.Module):
     """
 
     config: TransformerConfig
-    attention_kwargs: Any = None  # unused: attention here is the dense segment-masked one
+    attention_kwargs: Any = None  # attention_fn / update_fn (the backend's)
     with_pooler: bool = False
     supports_fused_projections: ClassVar[bool] = False  # q/k/v stay apart (`loader._model`)
 
@@ -210,7 +228,7 @@ class BertModel(nn.Module):
         if self.config.lora is not None:
             raise ValueError("LoRA adapters are not supported on BERT models")
         self.embeddings = BertEmbeddings(self.config)
-        self.encoder = BertEncoder(self.config)
+        self.encoder = BertEncoder(self.config, self.attention_kwargs)
         if self.with_pooler:
             self.pooler = BertPooler(self.config)
 
@@ -218,11 +236,10 @@ class BertModel(nn.Module):
         self,
         token_ids: jax.Array,  # [T] int32
         positions: jax.Array,  # [T] int32, 0..n-1 within each request
-        kv_caches: tuple[jax.Array, ...],  # returned as they are
+        kv_caches: tuple[jax.Array, ...],  # per layer [P, S, 2*Hkv, D]
         md: AttentionMetadata,
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        mask = segment_mask(md, token_ids.shape[0])  # [T, T]
-        return self.encoder(self.embeddings(token_ids, positions), mask), kv_caches
+        return self.encoder(self.embeddings(token_ids, positions), kv_caches, md)
 
     def forward_and_logits(self, token_ids, positions, kv_caches, md) -> jax.Array:
         """The hidden states; touches every parameter (for init; the pooler is touched
@@ -242,12 +259,12 @@ class BertForSequenceClassification(nn.Module):
     """`BertModel` (``bert``, with its pooler) and a linear ``classifier`` head."""
 
     config: TransformerConfig
-    attention_kwargs: Any = None  # unused, as in `BertModel`
+    attention_kwargs: Any = None  # attention_fn / update_fn (the backend's)
     supports_fused_projections: ClassVar[bool] = False
 
     def setup(self) -> None:
         cfg = self.config
-        self.bert = BertModel(cfg, with_pooler=True)
+        self.bert = BertModel(cfg, self.attention_kwargs, with_pooler=True)
         self.classifier = Linear(cfg.num_labels, (None, "embed"), True, cfg.dtype)
 
     def __call__(self, token_ids, positions, kv_caches, md):

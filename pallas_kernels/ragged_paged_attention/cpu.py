@@ -46,15 +46,19 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_chunk: int = 64,
-    block_q: int = 128,
+    block_q: int | None = None,
+    causal: bool = True,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
-    As `reference.ragged_paged_attention`. ``kv_chunk`` (tokens, rounded to whole pages)
-    is the context walked per step; ``block_q`` the query rows of a prefill tile.
+    As `reference.ragged_paged_attention` (``causal`` False: bidirectional).
+    ``kv_chunk`` (tokens, rounded to whole pages) is the context walked per step;
+    ``block_q`` the query rows of a prefill tile (default 128; 32 for ``causal``
+    False: an encoder's requests are short, and a tile never spans two of them).
     Accumulates in float32; the output has ``q``'s dtype; padding tokens are zero.
     """
     num_tokens, num_q_heads, head_dim = q.shape
+    block_q = block_q or (128 if causal else 32)
     page_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
     group = num_q_heads // (two_hkv // 2)
     pages_per_chunk = max(1, min(kv_chunk // page_size, page_table.shape[1]))
@@ -66,7 +70,7 @@ def ragged_paged_attention(
     out = jnp.zeros((num_tokens + 1,) + qg.shape[1:], jnp.float32)  # row T: dropped writes
     out = _last_tokens(out, qg, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, spec)
     out = _earlier_tokens(
-        out, qg, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, spec, block_q
+        out, qg, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, spec, block_q, causal
     )
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
@@ -86,8 +90,11 @@ def _last_tokens(out, qg, kv_cache, seq_lens, page_table, qsl, num_seqs, spec):
     return out.at[rows].set(o[:, 0])
 
 
-def _earlier_tokens(out, qg, kv_cache, seq_lens, page_table, qsl, num_seqs, spec, block_q):
-    """The other new tokens of multi-token requests, in tiles of ``block_q`` rows."""
+def _earlier_tokens(
+    out, qg, kv_cache, seq_lens, page_table, qsl, num_seqs, spec, block_q, causal=True
+):
+    """The other new tokens of multi-token requests, in tiles of ``block_q`` rows
+    (``causal`` False: each sees its request's every key, as its last token does)."""
     num_tokens = qg.shape[0]
     num_reqs = seq_lens.shape[0]
     block_q = max(1, min(block_q, num_tokens))
@@ -104,7 +111,8 @@ def _earlier_tokens(out, qg, kv_cache, seq_lens, page_table, qsl, num_seqs, spec
         ok = local < earlier[r]
         rows = jnp.where(ok, qsl[r] + local, num_tokens)  # [B]
         q_rows = qg[jnp.minimum(rows, num_tokens - 1)][None]  # [1, B, Hkv, G, D]
-        q_pos = jnp.where(ok, seq_lens[r] - q_len[r] + local, -1)[None]  # [1, B]
+        pos = seq_lens[r] - q_len[r] + local if causal else seq_lens[r] - 1 + 0 * local
+        q_pos = jnp.where(ok, pos, -1)[None]  # [1, B]
         o = _attend(q_rows, q_pos, kv_cache, page_table[r][None], **spec)
         return out.at[rows].set(o[0])
 

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.cost import attention_cost
 
 _MASKED = -1e30  # finite: an all-masked row gives exp(0) * 0, never NaN
@@ -262,12 +263,18 @@ def ragged_paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    causal: bool = True,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
     Semantics of `reference.ragged_paged_attention`: float32 accumulation, ``q``'s dtype
     out, padding tokens exactly zero. ``interpret=True`` runs the kernel on CPU.
     """
+    if not causal:  # an encoder's bidirectional attention: the reference runs it
+        return reference.ragged_paged_attention(
+            q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, causal=False,
+        )  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, two_hkv, _ = kv_cache.shape
     num_kv_heads = two_hkv // 2

@@ -55,12 +55,14 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     pages_per_chunk: int = 4,
+    causal: bool = True,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
     ``sliding_window`` w keeps keys with ``q_pos - kv_pos < w``; ``soft_cap`` c maps
-    scores to ``c * tanh(s / c)`` after scaling. Accumulates in float32; the output has
-    ``q``'s dtype.
+    scores to ``c * tanh(s / c)`` after scaling. ``causal`` False (an encoder): every
+    token attends to all ``seq_lens[r]`` keys of its request, as if it were the last.
+    Accumulates in float32; the output has ``q``'s dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_hkv, _ = kv_cache.shape
@@ -74,6 +76,8 @@ def ragged_paged_attention(
     chunk_len = chunk * page_size
 
     req, q_pos, valid = _token_layout(query_start_loc, seq_lens, num_seqs, num_tokens)
+    if not causal:
+        q_pos = jnp.where(valid, seq_lens[req] - 1, -1)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     qg = qg * sm_scale
     token_pages = page_table[req]  # [T, M']

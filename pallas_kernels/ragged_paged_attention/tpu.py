@@ -49,6 +49,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.cost import attention_cost
 
 _MASKED = -1e30  # finite: an all-masked row gives exp(0) * 0, never NaN
@@ -286,8 +287,14 @@ def ragged_paged_attention(
     heads_per_block: int | None = None,
     vmem_limit_bytes: int = DEFAULT_VMEM_LIMIT,
     interpret: bool = False,
+    causal: bool = True,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``."""
+    if not causal:  # an encoder's bidirectional attention: the reference runs it
+        return reference.ragged_paged_attention(
+            q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, causal=False,
+        )  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_hkv, _ = kv_cache.shape
     num_kv_heads = two_hkv // 2

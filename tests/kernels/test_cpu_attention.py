@@ -17,6 +17,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention import cpu
+from pallas_kernels.ragged_paged_attention.reference import (
+    ragged_paged_attention as reference_attention,
+)
 from tests.kernels.ragged_batches import Shape, build, check_kernel, shapes
 
 DECODE = Shape(16, 2, 4, 128, (1,) * 5, (3, 17, 40, 64, 0), 2, 3, None, None)
@@ -90,3 +93,18 @@ def test_one_compile_serves_every_batch_of_a_shape():
         outs.append(np.asarray(fn(*args)))
     assert fn._cache_size() == 1
     assert all(np.isfinite(out).all() for out in outs)
+
+
+@settings(max_examples=10, deadline=None)
+@given(shape=shapes(), seed=st.integers(0, 2**31 - 1))
+@example(shape=SMOLLM2_MIXED, seed=6)
+def test_bidirectional_matches_reference(shape, seed):
+    """``causal=False`` (an encoder's attention over its request's keys)."""
+    batch = build(shape, seed)
+    kernel = functools.partial(cpu.ragged_paged_attention, causal=False)
+    args = batch.args(jax.numpy.float32, None)
+    want = reference_attention(*args, **batch.kwargs(), causal=False)
+    got = kernel(*args, **batch.kwargs())
+    real = batch.num_real_tokens
+    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)

@@ -37,15 +37,16 @@ def batches(draw):
     num_real = draw(st.integers(1, 4))
     q_lens = [draw(st.integers(1, 9)) for _ in range(num_real)]
     ctx = [draw(st.integers(0, 40)) for _ in range(num_real)]
-    window = draw(st.one_of(st.none(), st.integers(1, 12)))
+    causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.integers(1, 12))) if causal else None
     soft_cap = draw(st.one_of(st.none(), st.just(5.0)))
-    return page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap
+    return page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap, causal
 
 
 @settings(max_examples=25, deadline=None)
 @given(batches(), st.integers(0, 2**31 - 1))
 def test_reference_matches_dense(batch, seed):
-    page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap = batch
+    page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap, causal = batch
     rng = np.random.default_rng(seed)
     hq = hkv * group
     num_reqs = len(q_lens) + 1  # one padding request row
@@ -80,11 +81,13 @@ def test_reference_matches_dense(batch, seed):
         sliding_window=window,
         soft_cap=soft_cap,
         pages_per_chunk=2,
+        causal=causal,
     )
     out = np.asarray(out)
     assert np.isfinite(out).all()
     for r, (c, ql) in enumerate(zip(ctx, q_lens, strict=True)):
-        q_pos = np.arange(c, c + ql)
+        # bidirectional (an encoder): every token sees the request's keys, as its last does
+        q_pos = np.arange(c, c + ql) if causal else np.full(ql, c + ql - 1)
         want = dense_attention(
             q[qsl[r] : qsl[r + 1]].astype(np.float64),
             keys[r].astype(np.float64),

@@ -20,6 +20,7 @@ from jaxengine.loader import load_model
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.loader.params import checkpoint_names, params_from_tensors
 from jaxengine.loader.safetensors_io import iter_safetensors
+from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.models.metadata import AttentionMetadata
 from jaxengine.runner.batch import SeqChunk, pack_batch
 
@@ -68,10 +69,12 @@ def run_packed(loaded, prompts, num_tokens=32, num_reqs=6, pad_token=0):
     token_ids[batch.query_start_loc[len(prompts)] :] = pad_token
     md = AttentionMetadata(**{k: jnp.asarray(v) for k, v in batch.metadata_fields().items()})
     variables = {"params": loaded.params}
+    page = kv_cache_shape(loaded.config, 1 + len(prompts), PAGE_SIZE)
+    caches = tuple(jnp.zeros(page, jnp.float32) for _ in loaded.config.layers)
     hidden, caches = loaded.module.apply(
-        variables, jnp.asarray(token_ids), jnp.asarray(batch.positions), (), md
+        variables, jnp.asarray(token_ids), jnp.asarray(batch.positions), caches, md
     )
-    assert caches == ()
+    assert len(caches) == len(loaded.config.layers)
     return np.asarray(hidden), batch.query_start_loc
 
 

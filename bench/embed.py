@@ -1,0 +1,137 @@
+"""Embedding throughput: jaxengine's `LLM.embed` against transformers, in one run.
+
+    python -m bench.embed --num-sentences 1000 --rounds 3
+
+The workload is ``--num-sentences`` short sentences (5-20 words, made from a fixed
+word list with a fixed seed). The peers embed all of them, one round after the
+other, alternating so drift on a noisy machine hits both:
+
+- jaxengine: ``LLM(model).embed(sentences)`` on the demo all-MiniLM-L6-v2 (the
+  pooling runner; mean pooling and normalization from the model's
+  sentence-transformers files);
+- transformers: the same folder's ``AutoModel`` in float32, batches of
+  ``--hf-batch-size`` (sentence-transformers' default, 32) padded per batch, mean
+  pooling over the attention mask and L2 normalization, which is what
+  sentence-transformers runs for this model.
+
+The figure is sentences per second; the ratio is per round. Every embedding pair is
+checked (the lowest cosine similarity is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+
+from bench.common import describe_run, fmt, format_table, log, machine_info, positive_int
+
+WORDS = (
+    "the a river city small old new quick bright dark report market model team "
+    "runs reads builds finds opens closes moves grows shows sells data water music "
+    "night morning road house garden system train plan idea story price light "
+    "after before under over with without near far today slowly quietly again"
+).split()
+
+
+def sentences(count: int, seed: int = 0) -> list[str]:
+    rs = np.random.RandomState(seed)
+    return [" ".join(rs.choice(WORDS, rs.randint(5, 21))).capitalize() + "." for _ in range(count)]
+
+
+def hf_embedder(folder: str, batch_size: int):
+    """transformers' mean-pooled, normalized embeddings in batches (float32)."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModel.from_pretrained(folder).eval()
+
+    def embed(texts: list[str]) -> np.ndarray:
+        out = []
+        for i in range(0, len(texts), batch_size):
+            batch = tokenizer(texts[i : i + batch_size], padding=True, return_tensors="pt")
+            with torch.no_grad():
+                hidden = model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            mean = (hidden * mask).sum(1) / mask.sum(1)
+            out.append(torch.nn.functional.normalize(mean, dim=-1).numpy())
+        return np.concatenate(out)
+
+    return embed
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    from jaxengine import LLM
+    from jaxengine.loader.sources import resolve_model
+
+    folder = str(resolve_model(args.model).path)
+    texts = sentences(args.num_sentences)
+    llm = LLM(args.model, **args.engine_kwargs)
+    peers = {
+        "jaxengine": lambda t: np.array(
+            [o.outputs.embedding for o in llm.embed(t, use_tqdm=False)]
+        ),
+        "transformers": hf_embedder(folder, args.hf_batch_size),
+    }
+    for embed in peers.values():  # warm-up
+        embed(texts[:64])
+    speeds: dict[str, list[float]] = {name: [] for name in peers}
+    results: dict[str, np.ndarray] = {}
+    for r in range(args.rounds):
+        for name, embed in peers.items():
+            start = perf_counter()
+            results[name] = embed(texts)
+            speeds[name].append(len(texts) / (perf_counter() - start))
+            log(f"round {r} {name}: {speeds[name][-1]:.1f} sentences/s")
+    cosine = float(np.min(np.sum(results["jaxengine"] * results["transformers"], axis=1)))
+    compiles = llm.engine.executor.compiles_after_warmup
+    llm.shutdown()
+    report(args, command, speeds, cosine, compiles)
+    return 0
+
+
+def report(args, command: str, speeds: dict, cosine: float, compiles: int) -> None:
+    workload = {"model": args.model, "num_sentences": args.num_sentences,
+                "rounds": args.rounds, "hf_batch_size": args.hf_batch_size,
+                "engine_kwargs": args.engine_kwargs}  # fmt: skip
+    print(describe_run("embedding throughput", machine_info(), workload))
+    base = speeds["transformers"]
+    rows = []
+    for name, values in speeds.items():
+        ratios = [v / b for v, b in zip(values, base, strict=True)]
+        rows.append([name, fmt(statistics.mean(values), 1), fmt(statistics.mean(ratios), 2)])
+    print(format_table(["peer", "sentences/s", "ratio vs transformers"], rows))
+    print(f"lowest cosine similarity between the peers: {cosine:.6f}")
+    print(f"compilations after warm-up: {compiles}")
+    if args.json:
+        out = {"benchmark": "embed", "command": command, "machine": machine_info(),
+               "workload": workload, "results": speeds, "min_cosine": cosine}  # fmt: skip
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="all-MiniLM-L6-v2")
+    p.add_argument("--num-sentences", type=positive_int, default=1000)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--hf-batch-size", type=positive_int, default=32)
+    p.add_argument("--engine-kwargs", type=json.loads, default={})
+    p.add_argument("--json", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    return run(args, "python -m bench.embed " + shlex.join(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
