@@ -21,6 +21,8 @@ _LAZY = {
     "PoolingParams": "jaxengine.pooling_params",
     "PoolingRequestOutput": "jaxengine.outputs",
     "EmbeddingRequestOutput": "jaxengine.outputs",
+    "ClassificationRequestOutput": "jaxengine.outputs",
+    "ScoringRequestOutput": "jaxengine.outputs",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -217,3 +217,45 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
         embedding = EmbeddingOutput([float(x) for x in data])
         return cls(out.request_id, embedding, out.prompt_token_ids, out.finished, out.prompt,
                    out.metrics, out.lora_request, out.num_cached_tokens)  # fmt: skip
+
+
+@dataclass
+class ClassificationOutput:
+    """vLLM's view of one classification: the labels' probabilities."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's view of one scored pair: the cross-encoder's score."""
+
+    score: float
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """`PoolingRequestOutput` whose ``outputs`` is a `ClassificationOutput`."""
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        probs = ClassificationOutput([float(x) for x in out.outputs.data])
+        return cls(out.request_id, probs, out.prompt_token_ids, out.finished, out.prompt,
+                   out.metrics, out.lora_request, out.num_cached_tokens)  # fmt: skip
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """`PoolingRequestOutput` whose ``outputs`` is a `ScoringOutput` (a head of one
+    label's sigmoid, as vLLM scores cross-encoders)."""
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ScoringRequestOutput:
+        data = out.outputs.data
+        if len(data) != 1:
+            raise ValueError(f"scoring needs a head of one label; this one has {len(data)}")
+        return cls(out.request_id, ScoringOutput(float(data[0])), out.prompt_token_ids,
+                   out.finished, out.prompt, out.metrics, out.lora_request,
+                   out.num_cached_tokens)  # fmt: skip

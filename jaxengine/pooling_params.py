@@ -9,14 +9,61 @@ normalized when ``normalize``. Pure Python.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from jaxengine.sampling_params import RequestOutputKind
 
-POOLING_TASKS = ("embed", "token_embed", "encode")
+TOKEN_TYPE_SHIFT = 30
+"""A prompt token id's bits from this one up carry its token type (1: the second text
+of a cross-encoder's pair), as vLLM encodes them: ids stay plain ints on the host,
+and the encoder (`models.bert`) splits them again."""
+
+
+def with_token_types(token_ids, token_type_ids) -> list[int]:
+    """``token_ids`` with each one's type in its high bits (`TOKEN_TYPE_SHIFT`)."""
+    pairs = zip(token_ids, token_type_ids, strict=True)
+    return [int(t) | (int(k) << TOKEN_TYPE_SHIFT) for t, k in pairs]
+
+
+def plain_token_ids(token_ids) -> list[int]:
+    """``token_ids`` without their token types."""
+    return [int(t) & ((1 << TOKEN_TYPE_SHIFT) - 1) for t in token_ids]
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple]:
+    """The (text_1, text_2) pairs to score: 1 x N, or N x N pairwise (as vLLM)."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not first or not second:
+        raise ValueError("score needs at least one text on each side")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(
+            f"score pairs {len(first)} texts with {len(second)}: give one first text, "
+            "or as many as second texts"
+        )
+    return list(zip(first, second, strict=True))
+
+
+def pair_prompt(tokenizer: Any, text_1: str, text_2: str) -> dict:
+    """A cross-encoder's prompt for a pair: both texts in one sequence, the second's
+    tokens typed 1 (`with_token_types`)."""
+    if tokenizer is None:
+        raise ValueError("scoring text pairs needs a tokenizer (--skip-tokenizer-init is set)")
+    encoded = tokenizer(text_1, text_2)
+    ids = encoded["input_ids"]
+    types = encoded.get("token_type_ids") or [0] * len(ids)
+    return {"prompt": None, "prompt_token_ids": with_token_types(ids, types)}
+
+
+POOLING_TASKS = ("embed", "token_embed", "encode", "classify", "score")
 """The tasks that run: one vector per request ("embed") or one per token
-("token_embed"; "encode" is vLLM's older name for it)."""
-REFUSED_TASKS = ("classify", "score", "token_classify", "reward")
+("token_embed"; "encode" is vLLM's older name for it); a classification model's
+label probabilities ("classify") or a cross-encoder's score of a pair ("score")."""
+REFUSED_TASKS = ("token_classify", "reward")
 """vLLM's other pooling tasks: not supported yet."""
 
 
@@ -31,7 +78,10 @@ class PoolingParams:
     normalize: bool | None = None
     """L2-normalize the result (None: the model's default, `PoolerConfig`)."""
     task: str | None = None
-    """"embed" (the default) or "token_embed"."""
+    """"embed" (the default), "token_embed", "classify" or "score"."""
+    use_activation: bool | None = None
+    """classify / score: sigmoid (one label) or softmax of the head's logits (the
+    default), or the logits themselves (False)."""
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     # what the engine's sequence bookkeeping reads of a request's parameters

@@ -32,15 +32,19 @@ from server.errors import APIError, error_response, validation_message
 from server.lora import add_lora_routes, runtime_updating_allowed
 from server.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from server.serving import ServerOptions, ServingContext
 from server.serving_chat import ChatHandler
 from server.serving_completion import CompletionHandler
 from server.serving_embedding import EmbeddingHandler
+from server.serving_score import ScoreHandler
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -155,12 +159,30 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler)
 
 
 def _add_pooling_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:
-    """A pooling model's endpoints (``--runner pooling``): /v1/embeddings."""
+    """A pooling model's endpoints (``--runner pooling``): /v1/embeddings, and a
+    classification model's /score, /rerank (with /v1/ aliases) and /classify."""
     embeddings = EmbeddingHandler(ctx, chat)
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request):
         return _respond(await embeddings.create(request, raw_request))
+
+    scores = ScoreHandler(ctx)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(request: ScoreRequest, raw_request: Request):
+        return _respond(await scores.score(request, raw_request))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def do_rerank(request: RerankRequest, raw_request: Request):
+        return _respond(await scores.rerank(request, raw_request))
+
+    @app.post("/classify")
+    async def create_classify(request: ClassificationRequest, raw_request: Request):
+        return _respond(await scores.classify(request, raw_request))
 
 
 def _add_token_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:

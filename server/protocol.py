@@ -329,3 +329,38 @@ class EmbeddingRequest(OpenAIModel):
         if all(isinstance(x, int) for x in data):
             return [list(data)]
         return list(data)
+
+
+class PoolingFields(OpenAIModel):
+    """What every pooling endpoint takes besides its inputs (vLLM's names)."""
+
+    model: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    use_activation: bool | None = None
+    priority: int = 0
+    request_id: str | None = None
+    user: str | None = None
+
+
+class ScoreRequest(PoolingFields):
+    """POST /score (/v1/score): a cross-encoder's score of ``text_1`` against each
+    ``text_2`` (one first text), or of the two lists pairwise."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(PoolingFields):
+    """POST /rerank (/v1/rerank, Jina's and Cohere's shape): the documents ordered by
+    their score against ``query``, the best ``top_n`` (0: all)."""
+
+    query: str
+    documents: list[str]
+    top_n: int = Field(0, ge=0)
+    return_documents: bool = True
+
+
+class ClassificationRequest(PoolingFields):
+    """POST /classify: a classification model's label probabilities per input."""
+
+    input: str | list[str]

@@ -46,7 +46,7 @@ class EmbeddingHandler:
         request_id = request.request_id or R.random_id("embd")
         ctx.log_request(request_id, prepared)
         streams = ctx.streams(request_id, prepared, request.priority)
-        finals = await until_disconnected(raw_request, _collect(streams))
+        finals = await until_disconnected(raw_request, collect_pooled(streams))
         data = [
             {"index": i, "object": "embedding", "embedding": _encode(finals[i], request)}
             for i in range(len(prepared))
@@ -67,7 +67,8 @@ class EmbeddingHandler:
         return [self.ctx.tokenize(p, request.add_special_tokens) for p in request.prompts()]
 
 
-async def _collect(streams) -> dict[int, Any]:
+async def collect_pooled(streams) -> dict[int, Any]:
+    """Each prompt's pooled result (``outputs.data``) by its index, once finished."""
     finals = {}
     async for index, out in streams:
         if out.finished:

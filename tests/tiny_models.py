@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
 
 
 def tiny_llama_config(vocab_size: int, **overrides: Any) -> transformers.LlamaConfig:
@@ -20,3 +30,19 @@ def tiny_llama_config(vocab_size: int, **overrides: Any) -> transformers.LlamaCo
         max_position_embeddings=256,
     )
     return transformers.LlamaConfig(**{**fields, **overrides})
+
+
+def tiny_cross_encoder(folder: Path, tokenizer_dir: Path, num_labels: int):
+    """A random 2-layer `BertForSequenceClassification` (BERT's vocabulary) saved in
+    ``folder`` with the tokenizer files of ``tokenizer_dir``; returns the model."""
+    torch.manual_seed(num_labels)
+    config = transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, num_labels=num_labels,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(config).eval()
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    return model

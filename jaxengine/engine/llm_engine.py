@@ -28,7 +28,7 @@ from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.abstract import StepResult
 from jaxengine.outputs import RequestOutput
-from jaxengine.pooling_params import PoolingParams
+from jaxengine.pooling_params import PoolingParams, plain_token_ids
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.structured_output import make_manager
 
@@ -135,10 +135,14 @@ class LLMEngine:
                 "/v1/embeddings), not text generation"
             )
         params = params.clone()
+        self._check_task(params)
         keep = params.truncate_prompt_tokens
         if keep is not None:
             ids = ids[-(self.max_model_len if keep == -1 else keep) :]
-        self._check_prompt(ids, None)
+        plain = plain_token_ids(ids)
+        if plain != ids and not getattr(self.model_config, "type_vocab_size", 0) > 1:
+            raise ValueError("token types (a text pair) need a model with token types (BERT)")
+        self._check_prompt(plain, None)
         self._check_dimensions(params)
         budget = self.config.scheduler_config.max_num_batched_tokens
         if len(ids) > budget:
@@ -147,6 +151,19 @@ class LLMEngine:
                 f"most --max-num-batched-tokens {budget} tokens"
             )
         return params, ids
+
+    def _check_task(self, params: PoolingParams) -> None:
+        head = self.pooler.num_labels > 0
+        if params.task in ("classify", "score") and not head:
+            raise ValueError(
+                f"the {params.task} task needs a model with a classification head "
+                "(*ForSequenceClassification); this one has no classification head"
+            )
+        if params.task in (None, "embed", "token_embed", "encode") and head:
+            raise ValueError(
+                "this is a classification model: use classify or score (LLM.classify, "
+                "LLM.score, /classify, /score, /rerank), not embeddings"
+            )
 
     def _check_dimensions(self, params: PoolingParams) -> None:
         dims = params.dimensions

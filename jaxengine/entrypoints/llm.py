@@ -27,8 +27,14 @@ from jaxengine.engine_args import EngineArgs
 from jaxengine.lora import LoRARequest
 from jaxengine.metrics import PrometheusStatLogger
 from jaxengine.metrics_reader import Metric, get_metrics_snapshot
-from jaxengine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from jaxengine.pooling_params import PoolingParams
+from jaxengine.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from jaxengine.pooling_params import PoolingParams, pair_prompt, score_pairs
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 
 PromptLike = str | dict | Sequence[int]
@@ -174,6 +180,36 @@ class LLM:
             pooling_task="embed",
         )
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """A classification model's label probabilities per prompt (``outputs.probs``)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm,
+                           lora_request=lora_request, pooling_task="classify")  # fmt: skip
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """A cross-encoder's score of each pair: one ``data_1`` against every
+        ``data_2``, or the two lists pairwise."""
+        pairs = score_pairs(data_1, data_2)
+        prompts = [pair_prompt(self.engine.tokenizer, a, b) for a, b in pairs]
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, pooling_task="score")  # fmt: skip
+        return [ScoringRequestOutput.from_base(o) for o in outs]
 
     def chat(
         self,

@@ -48,6 +48,7 @@ from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
 from jaxengine.runner.pooler import PoolerSettings
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import logprobs_bucket
+from jaxengine.runner.step import make_classifier
 from sharding.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -220,25 +221,13 @@ def executable_store(
     return ExecutableStore(directory, program)
 
 
-def build_worker(
-    config: EngineConfig, devices: Sequence[Any] | None = None
-) -> tuple[ModelRunner, HostParts]:
-    """This process's runner on ``devices`` (one replica's: pipeline x tensor of them;
-    the first ones by default), and the host parts."""
-    placement, loaded, backend = load_replica(config, devices)
-    config, tokenizer, generation_config = _host_side(config, loaded)
-    eos = _eos(generation_config, tokenizer, loaded.hf_config)
-    model, mc, sc = loaded.config, config.model_config, config.scheduler_config
-    pooler = resolve_pooler(config, loaded)
-    draft = load_draft(config, devices, loaded)
-    extra = draft_bytes_per_block(config, draft)
-    kv_size, limits, dtype = _size_cache(config, placement, model, extra)
-    heads = placement.plans[0].kv_cache_heads
-    settings = RunnerSettings(
+def _runner_settings(config, model, kv_size, limits, dtype, heads, eos, pooler) -> RunnerSettings:
+    mc = config.model_config
+    return RunnerSettings(
         block_size=kv_size.block_size,
         num_blocks=kv_size.num_blocks,
         max_model_len=mc.max_model_len,
-        max_num_seqs=sc.max_num_seqs,
+        max_num_seqs=config.scheduler_config.max_num_seqs,
         token_buckets=token_buckets(config),
         vocab_size=model.vocab_size,
         cache_page_shape=kv_cache_shape(model, 1, kv_size.block_size, heads)[1:],
@@ -252,7 +241,25 @@ def build_worker(
         calculate_kv_scales=config.cache_config.calculate_kv_scales and model.kv_cache_scales,
         num_speculative_tokens=num_speculative_tokens(config),
         pooler=pooler,
+        hidden_size=model.hidden_size,
     )
+
+
+def build_worker(
+    config: EngineConfig, devices: Sequence[Any] | None = None
+) -> tuple[ModelRunner, HostParts]:
+    """This process's runner on ``devices`` (one replica's: pipeline x tensor of them;
+    the first ones by default), and the host parts."""
+    placement, loaded, backend = load_replica(config, devices)
+    config, tokenizer, generation_config = _host_side(config, loaded)
+    eos = _eos(generation_config, tokenizer, loaded.hf_config)
+    model, mc = loaded.config, config.model_config
+    pooler = resolve_pooler(config, loaded)
+    draft = load_draft(config, devices, loaded)
+    extra = draft_bytes_per_block(config, draft)
+    kv_size, limits, dtype = _size_cache(config, placement, model, extra)
+    heads = placement.plans[0].kv_cache_heads
+    settings = _runner_settings(config, model, kv_size, limits, dtype, heads, eos, pooler)
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
     store = executable_store(config, loaded, backend)
     program = stage_program(loaded, placement, backend, k, store, pooling=pooler is not None)
@@ -267,7 +274,13 @@ def build_worker(
     )
     proposer = make_proposer(config, draft, settings, loaded)
     runner = ModelRunner(
-        program, loaded.params, settings, sampler, lora_slots(config, loaded), proposer
+        program,
+        loaded.params,
+        settings,
+        sampler,
+        lora_slots(config, loaded),
+        proposer,
+        make_classifier(loaded.module) if pooler and pooler.num_labels else None,
     )
     limits = dataclasses.replace(
         limits,

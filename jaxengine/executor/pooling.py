@@ -22,13 +22,13 @@ def resolve_pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerSettings 
     combinations that do not run."""
     mc = config.model_config
     arch = ", ".join(getattr(loaded.hf_config, "architectures", None) or [])
-    if "ForSequenceClassification" in arch:
-        raise NotImplementedError(
-            f"--convert classify ({arch}: a classification model) is not supported yet"
-        )
+    num_labels = getattr(loaded.config, "num_labels", 0)
+    if "ForSequenceClassification" in arch and not hasattr(loaded.module, "classify"):
+        raise NotImplementedError(f"{arch} (a classification head) is not supported yet")
     runner = mc.runner
     if runner == "auto":
-        runner = "pooling" if is_encoder(loaded) or mc.convert == "embed" else "generate"
+        pooled = is_encoder(loaded) or num_labels or mc.convert == "embed"
+        runner = "pooling" if pooled else "generate"
     if runner == "generate":
         if is_encoder(loaded) or mc.convert == "embed":
             raise ValueError(
@@ -42,10 +42,13 @@ def resolve_pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerSettings 
     options = mc.pooler_config or {}
     kind = options.get("pooling_type") or st.get("pooling_type")
     kind = str(kind or ("CLS" if is_encoder(loaded) else "LAST")).upper()
-    normalize = options.get("normalize", st.get("normalize", True))
+    normalize = options.get("normalize", st.get("normalize", not num_labels))
     hf = loaded.hf_config
     matryoshka = getattr(hf, "is_matryoshka", False) or getattr(hf, "matryoshka_dimensions", None)
-    return PoolerSettings(kind, bool(normalize), options.get("dimensions"), bool(matryoshka))
+    dims = options.get("dimensions")
+    names = getattr(hf, "id2label", None) or {}
+    labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
+    return PoolerSettings(kind, bool(normalize), dims, bool(matryoshka), num_labels, labels)
 
 
 def _check_pooling_engine(config: EngineConfig, loaded: LoadedModel) -> None:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxengine.models.config import LayerSpec, RopeSpec, TransformerConfig
 from jaxengine.models.layers.basic import Embed, LayerNorm, Linear, activation
 from jaxengine.models.metadata import AttentionMetadata
+from jaxengine.pooling_params import TOKEN_TYPE_SHIFT
 from pallas_kernels.kv_cache_update import reference as kv_update
 from pallas_kernels.ragged_paged_attention import reference
 
@@ -62,20 +63,6 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
         num_labels=hf_config.num_labels if classifier else 0,
         dtype=dtype,
     )
-
-
-TOKEN_TYPE_SHIFT = 30
-"""A token id's bits from this one up carry its token type (1: the second text of a
-pair, for a cross-encoder), as vLLM encodes them: ids stay plain ints in every
-host structure, and `BertEmbeddings` splits them again."""
-
-
-def with_token_types(token_ids, token_type_ids) -> list[int]:
-    """``token_ids`` with each one's type in its high bits (`TOKEN_TYPE_SHIFT`)."""
-    return [
-        int(t) | (int(k) << TOKEN_TYPE_SHIFT)
-        for t, k in zip(token_ids, token_type_ids, strict=True)
-    ]
 
 
 class BertSelfAttention(nn.Module):

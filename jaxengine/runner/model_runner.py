@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,7 +45,7 @@ from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
 from jaxengine.runner.kv_scales import with_kv_scales
 from jaxengine.runner.lora_slots import LoRASlots
-from jaxengine.runner.pooler import PoolerSettings, pool
+from jaxengine.runner.pooler import PoolerSettings, activate, pool
 from jaxengine.runner.program import Caches, Params, StageProgram, abstract_like
 from jaxengine.runner.request_table import RequestState, RequestTable
 from jaxengine.runner.sampler_functions import SamplerFunctions
@@ -82,6 +83,7 @@ class RunnerSettings:
     calculate_kv_scales: bool = False  # `runner.kv_scales`
     num_speculative_tokens: int = 0  # proposals verified per request and step
     pooler: PoolerSettings | None = None  # a pooling model's (no sampling at all)
+    hidden_size: int = 0  # (a classification head's input width)
 
     @property
     def pages_per_req(self) -> int:
@@ -125,9 +127,12 @@ class ModelRunner:
         sampler: SamplerFunctions,
         lora: LoRASlots | None = None,
         proposer: Proposer | None = None,
+        classifier: Callable[[Params, np.ndarray], jax.Array] | None = None,
     ) -> None:
         """``lora``: the adapter slots (``--enable-lora``), None without LoRA.
-        ``proposer``: speculative decoding's (``--speculative-config``), or None."""
+        ``proposer``: speculative decoding's (``--speculative-config``), or None.
+        ``classifier``: a classification model's head (`step.make_classifier`)."""
+        self.classifier = classifier
         self.program = program
         self.lora = lora
         self.proposer = proposer
@@ -199,6 +204,8 @@ class ModelRunner:
             jobs.append((("lora_write",), lambda: self.lora.precompile(self.params)))
         if self.proposer is not None:
             jobs += self.proposer.compile_jobs()
+        if self.classifier is not None:
+            jobs.append((("classify",), lambda: self._classify(np.zeros((1, 1), np.float32))))
         if self.calibrate_kv:
             largest = self.buckets.buckets[-1]
             batch = self._pack([], largest)
@@ -359,11 +366,24 @@ class ModelRunner:
         sizes = [len(c.token_ids) for c in step.chunks]
         params = [s.params for s in step.states]
         pooled = pool(hidden, sizes, params, self.settings.pooler)
+        if self.classifier is not None:
+            self.compiles.ensure(("classify",))
+            logits = self._classify(np.stack(pooled))
+            pooled = [activate(row, p) for row, p in zip(logits, params, strict=False)]
         return RunnerOutput(
             req_ids=step.order,
             sampled_token_ids=[[] for _ in step.order],
             pooler_output=pooled,
         )
+
+    def _classify(self, rows: np.ndarray) -> np.ndarray:
+        """The head's logits ``[R, num_labels]`` of pooled rows ``[R, H]`` (padded to
+        ``max_num_seqs`` rows: one compiled shape)."""
+        n, width = self.settings.max_num_seqs, self.settings.hidden_size
+        padded = np.zeros((n, width), np.float32)
+        padded[: rows.shape[0], : rows.shape[1]] = rows
+        logits = self.classifier(self.params, padded)
+        return np.asarray(jax.device_get(logits))[: rows.shape[0]]
 
     def _propose(self, step: PendingStep) -> list[list[int]] | None:
         """Each request's proposals for its next step (speculative decoding): none for

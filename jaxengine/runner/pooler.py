@@ -25,6 +25,8 @@ class PoolerSettings:
     normalize: bool  # the default when a request does not say
     dimensions: int | None = None  # the default cut (Matryoshka), None: all
     matryoshka: bool = False  # requests may ask for fewer dimensions
+    num_labels: int = 0  # a classification model's: pooled rows go through its head
+    labels: tuple[str, ...] = ()  # its label names (config.json's id2label)
 
 
 def pool(
@@ -36,6 +38,19 @@ def pool(
         out.append(pool_rows(hidden[start : start + n], p, settings))
         start += n
     return out
+
+
+def activate(logits: np.ndarray, params: PoolingParams) -> np.ndarray:
+    """A classification head's output as a request gets it: probabilities (sigmoid
+    for one label, softmax over several), or the logits with ``use_activation``
+    False."""
+    logits = np.asarray(logits, np.float64)
+    if params.use_activation is False:
+        return logits.astype(np.float32)
+    if logits.shape[-1] == 1:
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
 def pool_rows(rows: np.ndarray, params: PoolingParams, settings: PoolerSettings) -> np.ndarray:

@@ -61,6 +61,12 @@ def make_step(module: Any, logits_sharding: Any = None, with_logits: bool = True
     return jax.jit(step, donate_argnums=(1,), static_argnames=("spec",))
 
 
+def make_classifier(module: Any):
+    """``classify(params, rows[R, H])`` -> ``[R, num_labels]``: a classification
+    model's head (``module.classify``) on its pooled rows."""
+    return jax.jit(lambda params, rows: module.apply({"params": params}, rows, method="classify"))
+
+
 def make_kv_calibration(module: Any):
     """``fn(params, kv_caches, buffers, spec)`` -> the forward's ``kv_amax`` per
     attention layer (`layers.attention`; a tree of ``[2]`` arrays: largest |k|, |v|).

@@ -93,3 +93,9 @@ def test_chat_style_messages(embed_server, reference):
     assert _cosines([got], [want])[0] >= 0.9999
     both = embed_server.post("/v1/embeddings", {**body, "input": "Hi"})
     assert both.status_code == 400 and "exactly one of" in both.json()["error"]["message"]
+
+
+def test_scoring_needs_a_classification_head(embed_server):
+    body = {"model": "minilm", "text_1": "a", "text_2": ["b", "c"]}
+    bad = embed_server.post("/score", body)
+    assert bad.status_code == 400 and "no classification head" in bad.json()["error"]["message"]

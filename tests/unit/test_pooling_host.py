@@ -10,8 +10,13 @@ import pytest
 
 from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.pooling import sentence_transformers_pooler
-from jaxengine.pooling_params import PoolingParams
-from jaxengine.runner.pooler import PoolerSettings, pool
+from jaxengine.pooling_params import (
+    PoolingParams,
+    plain_token_ids,
+    score_pairs,
+    with_token_types,
+)
+from jaxengine.runner.pooler import PoolerSettings, activate, pool
 
 
 def test_pool_types_dimensions_and_normalization():
@@ -71,3 +76,17 @@ def test_pooling_params_checks():
         PoolingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="pooling task 'magic'"):
         PoolingParams(task="magic")
+
+
+def test_activation_pairs_and_token_types():
+    one, three = np.array([0.5]), np.array([1.0, 2.0, 3.0])
+    np.testing.assert_allclose(activate(one, PoolingParams()), [1 / (1 + np.exp(-0.5))], rtol=1e-6)
+    probs = activate(three, PoolingParams())
+    np.testing.assert_allclose(probs, np.exp(three) / np.exp(three).sum(), rtol=1e-6)
+    np.testing.assert_allclose(activate(three, PoolingParams(use_activation=False)), three)
+    assert score_pairs("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
+    assert score_pairs(["x", "y"], ["a", "b"]) == [("x", "a"), ("y", "b")]
+    with pytest.raises(ValueError, match="at least one text"):
+        score_pairs("q", [])
+    ids = with_token_types([101, 7, 102, 9, 102], [0, 0, 0, 1, 1])
+    assert ids[3] == 9 | (1 << 30) and plain_token_ids(ids) == [101, 7, 102, 9, 102]

@@ -1,0 +1,108 @@
+"""A classification model's endpoints, as vLLM serves them: POST /score and
+/v1/score (a cross-encoder's score of text pairs), /rerank and /v1/rerank (Jina's and
+Cohere's shape: documents ordered by their score against a query) and /classify
+(label probabilities per input).
+
+A pair is one sequence with the second text's tokens typed 1 (`pair_prompt`); the
+score is the one-label head's sigmoid (``use_activation`` false: the logit). Every
+input is one engine request, all prepared before any is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxengine.pooling_params import PoolingParams, pair_prompt, score_pairs
+from server import responses as R
+from server.errors import APIError
+from server.protocol import ClassificationRequest, RerankRequest, ScoreRequest
+from server.serving import ServingContext, until_disconnected
+from server.serving_embedding import collect_pooled
+
+
+class ScoreHandler:
+    """/score, /rerank and /classify on one `ServingContext`."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def _run(self, request: Any, prompts: list[dict], task: str, prefix: str, raw):
+        """(model name, request id, results in input order, prompt tokens)."""
+        ctx = self.ctx
+        model, lora = ctx.resolve_model(request.model)
+        pooler = ctx.engine.pooler
+        if pooler is None or not pooler.num_labels:
+            raise APIError(
+                f"this model has no classification head: /{task} needs a "
+                "*ForSequenceClassification model (a cross-encoder to score)",
+                param="model",
+            )
+        params = PoolingParams(
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+            use_activation=request.use_activation,
+            task=task,
+        )
+        prepared = ctx.prepare(prompts, params, lora)
+        request_id = request.request_id or R.random_id(prefix)
+        ctx.log_request(request_id, prepared)
+        streams = ctx.streams(request_id, prepared, request.priority)
+        finals = await until_disconnected(raw, collect_pooled(streams))
+        results = [finals[i] for i in range(len(prepared))]
+        return model, request_id, results, sum(len(p.token_ids) for p in prepared)
+
+    def _pairs(self, first: Any, second: Any) -> list[dict]:
+        try:
+            pairs = score_pairs(first, second)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        tokenizer = self.ctx.need_tokenizer()
+        return [pair_prompt(tokenizer, a, b) for a, b in pairs]
+
+    async def score(self, request: ScoreRequest, raw=None) -> dict[str, Any]:
+        prompts = self._pairs(request.text_1, request.text_2)
+        model, rid, results, tokens = await self._run(request, prompts, "score", "score", raw)
+        data = [{"index": i, "object": "score", "score": _one(r)} for i, r in enumerate(results)]
+        return {"id": rid, "object": "list", "created": R.now(), "model": model,
+                "data": data, "usage": _usage(tokens)}  # fmt: skip
+
+    async def rerank(self, request: RerankRequest, raw=None) -> dict[str, Any]:
+        if not request.documents:
+            raise APIError("`documents` must not be empty", param="documents")
+        prompts = self._pairs(request.query, request.documents)
+        model, rid, results, tokens = await self._run(request, prompts, "score", "rerank", raw)
+        order = sorted(range(len(results)), key=lambda i: -_one(results[i]))
+        if request.top_n:
+            order = order[: request.top_n]
+        ranked = []
+        for i in order:
+            item: dict[str, Any] = {"index": i, "relevance_score": _one(results[i])}
+            if request.return_documents:
+                item["document"] = {"text": request.documents[i]}
+            ranked.append(item)
+        return {"id": rid, "model": model, "usage": {"total_tokens": tokens}, "results": ranked}
+
+    async def classify(self, request: ClassificationRequest, raw=None) -> dict[str, Any]:
+        texts = [request.input] if isinstance(request.input, str) else list(request.input)
+        if not texts:
+            raise APIError("`input` must not be empty", param="input")
+        prompts = [self.ctx.tokenize(t, True) for t in texts]
+        model, rid, results, tokens = await self._run(request, prompts, "classify", "classify", raw)
+        labels = self.ctx.engine.pooler.labels
+        data = []
+        for i, probs in enumerate(results):
+            values = [float(x) for x in probs]
+            best = max(range(len(values)), key=values.__getitem__)
+            data.append({"index": i, "label": labels[best] if labels else str(best),
+                         "probs": values, "num_classes": len(values)})  # fmt: skip
+        return {"id": rid, "object": "list", "created": R.now(), "model": model,
+                "data": data, "usage": _usage(tokens)}  # fmt: skip
+
+
+def _one(result: Any) -> float:
+    if len(result) != 1:
+        raise APIError(f"scoring needs a head of one label; this one has {len(result)}")
+    return float(result[0])
+
+
+def _usage(tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
