@@ -8,6 +8,7 @@ either as a pure function of its parameter tree.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -19,6 +20,8 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
+    "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
     "BertModel": "bert",
     "BertForSequenceClassification": "bert",
 }
@@ -62,6 +65,8 @@ def get_model(hf_config: Any, dtype: Any, attention_kwargs: dict | None = None):
     """``(module, TransformerConfig)`` for ``hf_config`` with parameters in ``dtype``."""
     arch, family = _family(hf_config)
     config = family.from_hf(hf_config, dtype)
+    if arch.endswith("ForSequenceClassification") and not config.num_labels:
+        config = dataclasses.replace(config, num_labels=hf_config.num_labels)
     module = getattr(family, arch)(config, attention_kwargs=attention_kwargs)
     return module, config
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import tiny_cross_encoder
+from tiny_models import tiny_cross_encoder, tiny_llama_config
 
 from jaxengine import LLM, PoolingParams
 
@@ -66,3 +66,25 @@ def test_classify_gives_the_softmax_of_the_logits(tmp_path, minilm_dir):
         want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
         np.testing.assert_allclose(out.outputs.probs, want, atol=1e-4)
         assert out.outputs.num_classes == 3
+
+
+def test_a_decoder_classifier_reads_the_last_token(tmp_path):
+    """`LlamaForSequenceClassification` (a ``score`` head on the last token): its
+    probabilities, and its one-label score, are transformers' within 1e-4."""
+    torch.manual_seed(3)
+    config = tiny_llama_config(64, num_labels=3, pad_token_id=0)
+    model = transformers.LlamaForSequenceClassification(config).eval()
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, **KWARGS)
+    rs = np.random.RandomState(0)
+    prompts = [rs.randint(1, 64, n).tolist() for n in (3, 17, 40)]
+    try:
+        outs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        assert llm.engine.executor.compiles_after_warmup == 0
+    finally:
+        llm.shutdown()
+    for ids, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].numpy()
+        want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        np.testing.assert_allclose(out.outputs.probs, want, atol=1e-4)

@@ -129,6 +129,32 @@ class CausalLM(nn.Module):
         return logits
 
 
+class SequenceClassifier(nn.Module):
+    """A decoder model plus a classification head (``score``, no bias: HF's
+    ``*ForSequenceClassification``), read at each request's last token."""
+
+    config: TransformerConfig
+    layer_cls: Any = DecoderLayer
+    attention_kwargs: Any = None
+    moe_kwargs: Any = None
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.model = DecoderModel(cfg, self.layer_cls, self.attention_kwargs, self.moe_kwargs)
+        self.score = Linear(cfg.num_labels, (None, "embed"), False, cfg.dtype)
+
+    def __call__(self, token_ids, positions, kv_caches, md):
+        return self.model(token_ids, positions, kv_caches, md)
+
+    def forward_and_logits(self, token_ids, positions, kv_caches, md) -> jax.Array:
+        """Forward then the head on every token: touches every parameter (for init)."""
+        hidden, _ = self(token_ids, positions, kv_caches, md)
+        return self.classify(hidden)
+
+    def classify(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, num_labels] f32
+        return self.score(hidden).astype(jnp.float32)
+
+
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight(\w*)$")  # weight_scale...
 _SKIPPED = ("rotary_emb.inv_freq",)
