@@ -205,6 +205,11 @@ class PoolingRequestOutput:
     lora_request: Any = None
     num_cached_tokens: int | None = None
 
+    @classmethod
+    def _viewed(cls, out: PoolingRequestOutput, outputs: Any):
+        """``out`` as this class, its ``outputs`` replaced by ``outputs``."""
+        return cls(**{**vars(out), "outputs": outputs})
+
 
 class EmbeddingRequestOutput(PoolingRequestOutput):
     """`PoolingRequestOutput` whose ``outputs`` is an `EmbeddingOutput`."""
@@ -214,9 +219,7 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
         data = out.outputs.data
         if getattr(data, "ndim", 1) != 1:
             raise ValueError("embed() gives one vector per request; use encode() for tokens")
-        embedding = EmbeddingOutput([float(x) for x in data])
-        return cls(out.request_id, embedding, out.prompt_token_ids, out.finished, out.prompt,
-                   out.metrics, out.lora_request, out.num_cached_tokens)  # fmt: skip
+        return cls._viewed(out, EmbeddingOutput([float(x) for x in data]))
 
 
 @dataclass
@@ -242,9 +245,7 @@ class ClassificationRequestOutput(PoolingRequestOutput):
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        probs = ClassificationOutput([float(x) for x in out.outputs.data])
-        return cls(out.request_id, probs, out.prompt_token_ids, out.finished, out.prompt,
-                   out.metrics, out.lora_request, out.num_cached_tokens)  # fmt: skip
+        return cls._viewed(out, ClassificationOutput([float(x) for x in out.outputs.data]))
 
 
 class ScoringRequestOutput(PoolingRequestOutput):
@@ -256,6 +257,4 @@ class ScoringRequestOutput(PoolingRequestOutput):
         data = out.outputs.data
         if len(data) != 1:
             raise ValueError(f"scoring needs a head of one label; this one has {len(data)}")
-        return cls(out.request_id, ScoringOutput(float(data[0])), out.prompt_token_ids,
-                   out.finished, out.prompt, out.metrics, out.lora_request,
-                   out.num_cached_tokens)  # fmt: skip
+        return cls._viewed(out, ScoringOutput(float(data[0])))

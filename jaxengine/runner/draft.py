@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
-from jaxengine.runner.program import StageProgram, abstract_like
+from jaxengine.runner.program import StageProgram, abstract_like, delete_arrays
 from jaxengine.spec import ProposalInput, StepFeatures
 
 
@@ -188,7 +188,5 @@ class DraftProposer:
         )
 
     def release(self) -> None:
-        for leaf in jax.tree_util.tree_leaves((self.params, self.caches)):
-            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-                leaf.delete()
+        delete_arrays((self.params, self.caches))
         self.params = self.caches = None

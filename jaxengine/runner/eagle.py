@@ -35,7 +35,7 @@ import numpy as np
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.draft import DraftSettings
-from jaxengine.runner.program import abstract_like, zero_caches
+from jaxengine.runner.program import abstract_like, delete_arrays, zero_caches
 from jaxengine.runner.step import step_inputs
 from jaxengine.runner.transfer import unpack_tree
 from jaxengine.spec import ProposalInput, StepFeatures
@@ -217,7 +217,5 @@ class EagleProposer:
         return batch
 
     def release(self) -> None:
-        for leaf in jax.tree_util.tree_leaves((self.params, self.caches)):
-            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-                leaf.delete()
+        delete_arrays((self.params, self.caches))
         self.params = self.caches = None

@@ -46,7 +46,13 @@ from jaxengine.runner.compile_guard import CompileGuard
 from jaxengine.runner.kv_scales import with_kv_scales
 from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.runner.pooler import PoolerSettings, activate, pool
-from jaxengine.runner.program import Caches, Params, StageProgram, abstract_like
+from jaxengine.runner.program import (
+    Caches,
+    Params,
+    StageProgram,
+    abstract_like,
+    delete_arrays,
+)
 from jaxengine.runner.request_table import RequestState, RequestTable
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import (
@@ -523,9 +529,7 @@ class ModelRunner:
         self._feed = None
         if self.proposer is not None:
             self.proposer.release()
-        for leaf in jax.tree_util.tree_leaves((self.params, self.kv_caches, self.no_feed)):
-            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-                leaf.delete()
+        delete_arrays((self.params, self.kv_caches, self.no_feed))
         self.params = self.kv_caches = None
         self.swap = None
 

@@ -106,6 +106,13 @@ def _placed(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
+def delete_arrays(tree: Any) -> None:
+    """Frees the device buffers of ``tree``'s JAX arrays (those not freed yet)."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
 def zero_caches(shape: tuple, dtype: Any, count: int, sharding: Any = None) -> tuple:
     """``count`` zeroed cache arrays, created on device (placed by ``sharding``)."""
     placed = None if sharding is None else (sharding,) * count
