@@ -130,3 +130,25 @@ def test_smollm2_embeddings_match_transformers(smollm2_gguf, smollm2_hf, smollm2
         got = np.asarray(out.outputs.embedding)
         cosine = float(got @ want) / np.linalg.norm(want)
         assert cosine >= 0.9999, (text, cosine)
+
+
+@pytest.mark.slow
+def test_minilm_embeddings_match_sentence_transformers(minilm_dir):
+    """all-MiniLM-L6-v2 by its demo name: mean pooling and normalization come from its
+    sentence-transformers files; every embedding of a batch of varied lengths is
+    transformers' `BertModel` output mean-pooled and normalized (cosine >= 0.9999)."""
+    texts = ["Hi", "A man is eating food.", "Retrieval needs vectors that keep meaning. " * 12]
+    llm = LLM("all-MiniLM-L6-v2", max_num_batched_tokens=512, compile_token_buckets=[32, 512])
+    try:
+        assert llm.engine.pooler.pooling_type == "MEAN" and llm.engine.pooler.normalize
+        outs = llm.embed(texts, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    model = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    for text, out in zip(texts, outs, strict=True):
+        with torch.no_grad():
+            hidden = model(**tokenizer([text], return_tensors="pt")).last_hidden_state[0]
+        want = hidden.mean(0).numpy()
+        got = np.asarray(out.outputs.embedding)
+        assert float(got @ want) / np.linalg.norm(want) >= 0.9999
