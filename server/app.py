@@ -36,6 +36,7 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -159,13 +160,17 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler)
 
 
 def _add_pooling_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:
-    """A pooling model's endpoints (``--runner pooling``): /v1/embeddings, and a
+    """A pooling model's endpoints (``--runner pooling``): /v1/embeddings, /pooling, and a
     classification model's /score, /rerank (with /v1/ aliases) and /classify."""
     embeddings = EmbeddingHandler(ctx, chat)
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request):
         return _respond(await embeddings.create(request, raw_request))
+
+    @app.post("/pooling")
+    async def create_pooling(request: PoolingRequest, raw_request: Request):
+        return _respond(await embeddings.pooling(request, raw_request))
 
     scores = ScoreHandler(ctx)
 

@@ -331,6 +331,13 @@ class EmbeddingRequest(OpenAIModel):
         return list(data)
 
 
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling (vLLM): an embedding request whose result is the raw pooled
+    output, one vector per input ("embed") or one per token ("token_embed")."""
+
+    task: Literal["embed", "token_embed"] = "embed"
+
+
 class PoolingFields(OpenAIModel):
     """What every pooling endpoint takes besides its inputs (vLLM's names)."""
 

@@ -1,5 +1,5 @@
-"""POST /v1/embeddings: OpenAI's embeddings endpoint on a pooling model
-(``--runner pooling``), with vLLM's extra fields (``truncate_prompt_tokens``,
+"""POST /v1/embeddings and vLLM's /pooling on a pooling model (``--runner pooling``):
+OpenAI's embeddings endpoint with vLLM's extra fields (``truncate_prompt_tokens``,
 ``normalize``, ``messages`` for a conversation through the chat template).
 
 Each input is one engine request (`PoolingParams`), prepared before any is queued;
@@ -17,7 +17,7 @@ import numpy as np
 from jaxengine.pooling_params import PoolingParams
 from server import responses as R
 from server.errors import APIError
-from server.protocol import EmbeddingRequest
+from server.protocol import EmbeddingRequest, PoolingRequest
 from server.serving import ServingContext, until_disconnected
 
 
@@ -28,6 +28,14 @@ class EmbeddingHandler:
         self.ctx, self.chat = ctx, chat
 
     async def create(self, request: EmbeddingRequest, raw_request=None) -> dict[str, Any]:
+        """/v1/embeddings: one embedding per input."""
+        return await self._respond(request, "embed", "embedding", raw_request)
+
+    async def pooling(self, request: PoolingRequest, raw_request=None) -> dict[str, Any]:
+        """/pooling: each input's pooled output (``task`` "token_embed": per token)."""
+        return await self._respond(request, request.task, "pooling", raw_request)
+
+    async def _respond(self, request: Any, task: str, kind: str, raw) -> dict[str, Any]:
         ctx = self.ctx
         model, lora = ctx.resolve_model(request.model)
         if ctx.engine.pooler is None:
@@ -40,26 +48,22 @@ class EmbeddingHandler:
             truncate_prompt_tokens=request.truncate_prompt_tokens,
             dimensions=request.dimensions,
             normalize=request.normalize,
-            task="embed",
+            task=task,
         )
         prepared = ctx.prepare(self._prompts(request), params, lora)
-        request_id = request.request_id or R.random_id("embd")
+        request_id = request.request_id or R.random_id("embd" if kind == "embedding" else "pool")
         ctx.log_request(request_id, prepared)
         streams = ctx.streams(request_id, prepared, request.priority)
-        finals = await until_disconnected(raw_request, collect_pooled(streams))
+        finals = await until_disconnected(raw, collect_pooled(streams))
+        field = "embedding" if kind == "embedding" else "data"
         data = [
-            {"index": i, "object": "embedding", "embedding": _encode(finals[i], request)}
+            {"index": i, "object": kind, field: _encode(finals[i], request)}
             for i in range(len(prepared))
         ]
         tokens = sum(len(p.token_ids) for p in prepared)
-        return {
-            "id": request_id,
-            "object": "list",
-            "created": R.now(),
-            "model": model,
-            "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return {"id": request_id, "object": "list", "created": R.now(), "model": model,
+                "data": data, "usage": usage}  # fmt: skip
 
     def _prompts(self, request: EmbeddingRequest) -> list[dict]:
         if request.messages is not None:

@@ -99,3 +99,19 @@ def test_scoring_needs_a_classification_head(embed_server):
     body = {"model": "minilm", "text_1": "a", "text_2": ["b", "c"]}
     bad = embed_server.post("/score", body)
     assert bad.status_code == 400 and "no classification head" in bad.json()["error"]["message"]
+
+
+def test_pooling_endpoint(embed_server, reference, minilm_dir):
+    """vLLM's /pooling: "embed" gives what /v1/embeddings gives; "token_embed" one
+    normalized vector per prompt token."""
+    body = {"model": "minilm", "input": SENTENCES[0]}
+    pooled = embed_server.post("/pooling", body).json()["data"][0]
+    assert pooled["object"] == "pooling"
+    assert _cosines([pooled["data"]], [reference(SENTENCES[0])])[0] >= 0.9999
+    tokens = embed_server.post("/pooling", {**body, "task": "token_embed"}).json()["data"][0]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    model = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    with torch.no_grad():
+        hidden = model(**tokenizer([SENTENCES[0]], return_tensors="pt")).last_hidden_state[0]
+    want = hidden.numpy() / np.linalg.norm(hidden.numpy(), axis=-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(tokens["data"]), want, atol=1e-4)
