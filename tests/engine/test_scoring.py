@@ -88,3 +88,23 @@ def test_a_decoder_classifier_reads_the_last_token(tmp_path):
             logits = model(torch.tensor([ids])).logits[0].numpy()
         want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
         np.testing.assert_allclose(out.outputs.probs, want, atol=1e-4)
+
+
+def test_a_decoder_cross_encoder_scores_pairs(tmp_path, smollm2_tokenizer):
+    """A one-label `LlamaForSequenceClassification` with SmolLM2's tokenizer scores a
+    pair as one sequence (the tokenizer's own pair layout): transformers' sigmoid."""
+    torch.manual_seed(4)
+    vocab = len(smollm2_tokenizer)
+    config = tiny_llama_config(vocab, num_labels=1, pad_token_id=0)
+    model = transformers.LlamaForSequenceClassification(config).eval()
+    model.save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), **KWARGS)
+    try:
+        outs = llm.score(QUERY, DOCS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for doc, out in zip(DOCS, outs, strict=True):
+        with torch.no_grad():
+            logit = model(**smollm2_tokenizer(QUERY, doc, return_tensors="pt")).logits[0, 0]
+        assert abs(out.outputs.score - 1 / (1 + np.exp(-logit.item()))) < 1e-4
