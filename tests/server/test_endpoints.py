@@ -189,3 +189,12 @@ def test_metrics_count_traffic(server, client):
     for name in COUNTERS[:4] + [f"{h}_count" for h in HISTOGRAMS]:
         assert after[name] > 0, name
     assert wait_for(lambda: all(server.metrics()[name] == 0 for name in idle))
+
+
+def test_a_generating_model_serves_no_pooling(server):
+    """Embeddings, scores and classes from a text-generation server: a 400 naming the
+    flag that serves them (as vLLM answers a model without the pooling runner)."""
+    embed = server.post("/v1/embeddings", {"model": MODEL, "input": "Hi"})
+    assert embed.status_code == 400 and "--runner pooling" in embed.json()["error"]["message"]
+    score = server.post("/score", {"model": MODEL, "text_1": "a", "text_2": "b"})
+    assert score.status_code == 400 and "classification head" in score.json()["error"]["message"]
