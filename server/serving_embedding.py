@@ -50,15 +50,14 @@ class EmbeddingHandler:
             normalize=request.normalize,
             task=task,
         )
-        prepared = ctx.prepare(self._prompts(request), params, lora)
-        request_id = request.request_id or R.random_id("embd" if kind == "embedding" else "pool")
-        ctx.log_request(request_id, prepared)
-        streams = ctx.streams(request_id, prepared, request.priority)
-        finals = await until_disconnected(raw, collect_pooled(streams))
+        prefix = "embd" if kind == "embedding" else "pool"
+        prompts = self._prompts(request)
+        request_id, finals, prepared = await run_pooled(
+            ctx, request, prompts, (params, lora), prefix, raw
+        )
         field = "embedding" if kind == "embedding" else "data"
         data = [
-            {"index": i, "object": kind, field: _encode(finals[i], request)}
-            for i in range(len(prepared))
+            {"index": i, "object": kind, field: _encode(v, request)} for i, v in enumerate(finals)
         ]
         tokens = sum(len(p.token_ids) for p in prepared)
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
@@ -71,8 +70,21 @@ class EmbeddingHandler:
         return [self.ctx.tokenize(p, request.add_special_tokens) for p in request.prompts()]
 
 
-async def collect_pooled(streams) -> dict[int, Any]:
-    """Each prompt's pooled result (``outputs.data``) by its index, once finished."""
+async def run_pooled(ctx: ServingContext, request: Any, prompts: list[dict], run: tuple,
+                     prefix: str, raw) -> tuple[str, list[Any], list]:  # fmt: skip
+    """Runs one engine request per prompt with ``run`` = (`PoolingParams`, LoRA
+    adapter or None), all prepared before any is queued: (request id, each prompt's
+    pooled result in input order, the prepared prompts)."""
+    params, lora = run
+    prepared = ctx.prepare(prompts, params, lora)
+    request_id = request.request_id or R.random_id(prefix)
+    ctx.log_request(request_id, prepared)
+    streams = ctx.streams(request_id, prepared, request.priority)
+    finals = await until_disconnected(raw, _collect(streams))
+    return request_id, [finals[i] for i in range(len(prepared))], prepared
+
+
+async def _collect(streams) -> dict[int, Any]:
     finals = {}
     async for index, out in streams:
         if out.finished:

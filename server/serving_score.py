@@ -16,8 +16,8 @@ from jaxengine.pooling_params import PoolingParams, pair_prompt, score_pairs
 from server import responses as R
 from server.errors import APIError
 from server.protocol import ClassificationRequest, RerankRequest, ScoreRequest
-from server.serving import ServingContext, until_disconnected
-from server.serving_embedding import collect_pooled
+from server.serving import ServingContext
+from server.serving_embedding import run_pooled
 
 
 class ScoreHandler:
@@ -42,12 +42,9 @@ class ScoreHandler:
             use_activation=request.use_activation,
             task=task,
         )
-        prepared = ctx.prepare(prompts, params, lora)
-        request_id = request.request_id or R.random_id(prefix)
-        ctx.log_request(request_id, prepared)
-        streams = ctx.streams(request_id, prepared, request.priority)
-        finals = await until_disconnected(raw, collect_pooled(streams))
-        results = [finals[i] for i in range(len(prepared))]
+        request_id, results, prepared = await run_pooled(
+            ctx, request, prompts, (params, lora), prefix, raw
+        )
         return model, request_id, results, sum(len(p.token_ids) for p in prepared)
 
     def _pairs(self, first: Any, second: Any) -> list[dict]:

@@ -39,7 +39,6 @@ import jax
 import numpy as np
 
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
-from jaxengine.pooling_params import PoolingParams
 from jaxengine.runner.batch import PackedBatch, SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
@@ -268,7 +267,11 @@ class ModelRunner:
             feed, self._feed = self._feed, None
             slots = self._lora_slots(states)
             chunks, fed = self._chunks(out, order, states, feed, slots)
-            sampling = self._sampling_rows(out, order, states, fed)
+            sampling = (  # a pooling model's requests sample nothing
+                [None] * len(order)
+                if self.settings.pooler is not None
+                else self._sampling_rows(out, order, states, fed)
+            )
             groups = self.program.micro_batches([len(c.token_ids) for c in chunks])
             if len(groups) > 1 and any(f is not None for f in fed):
                 raise RuntimeError("a fed token id needs one micro-batch (async scheduling)")
@@ -421,8 +424,6 @@ class ModelRunner:
         any): one, or one more per proposal it verifies (with the proposals before
         it among its outputs), or None for a request mid-prefill (it samples
         nothing). A fed request's row counts its token in flight."""
-        if any(isinstance(s.params, PoolingParams) for s in states):
-            return [None] * len(order)  # (a pooling model's step: all pooling requests)
         spec = out.scheduled_spec_decode_tokens
         masks, row = {}, 0
         for r in out.structured_output_req_ids:  # 1 + proposals rows each
