@@ -8,9 +8,8 @@ normalized when ``normalize``. Pure Python.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jaxengine.sampling_params import RequestOutputKind
@@ -108,7 +107,9 @@ class PoolingParams:
     is_pooling = True  # (a class attribute: the scheduler tells requests apart by it)
 
     def clone(self) -> PoolingParams:
-        return copy.deepcopy(self)
+        # every field is an immutable scalar (or a tuple): a shallow copy is a clone,
+        # and costs a tenth of a deep one (3 clones per request on the embed path)
+        return replace(self)
 
     @property
     def per_token(self) -> bool:

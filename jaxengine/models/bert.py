@@ -29,6 +29,7 @@ from jaxengine.models.config import LayerSpec, RopeSpec, TransformerConfig
 from jaxengine.models.layers.basic import Embed, LayerNorm, Linear, activation
 from jaxengine.models.metadata import AttentionMetadata
 from jaxengine.pooling_params import TOKEN_TYPE_SHIFT
+from pallas_kernels.encoder_attention import encoder_attention
 from pallas_kernels.kv_cache_update import reference as kv_update
 from pallas_kernels.ragged_paged_attention import reference
 
@@ -66,9 +67,11 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
 
 
 class BertSelfAttention(nn.Module):
-    """q/k/v projections and bidirectional attention over the request's own tokens,
-    through the paged KV cache: the step writes every token's k/v, then each token
-    attends to all of its request's keys (``causal=False``, `attention_fn`)."""
+    """q/k/v projections and bidirectional attention over the request's own tokens.
+    The step writes every token's k/v to the paged cache; each token then attends to
+    all of its request's keys: in a window of the step's own keys when the requests
+    are short and whole (`encoder_attention`), else through `attention_fn` with
+    ``causal=False``."""
 
     config: TransformerConfig
     attention_fn: Callable[..., jax.Array] = reference.ragged_paged_attention
@@ -84,9 +87,9 @@ class BertSelfAttention(nn.Module):
             for n, heads in (("query", "q_heads"), ("key", "kv_heads"), ("value", "kv_heads"))
         )  # [T, Hq, D] each
         kv_cache = self.update_fn(kv_cache, k, v, md.slot_mapping)
-        out = self.attention_fn(
-            q, kv_cache, md.seq_lens, md.page_table, md.query_start_loc, md.num_seqs,
-            sm_scale=cfg.scale, causal=False,
+        out = encoder_attention(
+            q, k, v, kv_cache, md.seq_lens, md.page_table, md.query_start_loc, md.num_seqs,
+            sm_scale=cfg.scale, fallback=self.attention_fn,
         )  # fmt: skip
         return out.reshape(num_tokens, hq * d), kv_cache
 

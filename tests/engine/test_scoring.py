@@ -68,31 +68,11 @@ def test_classify_gives_the_softmax_of_the_logits(tmp_path, minilm_dir):
         assert out.outputs.num_classes == 3
 
 
-def test_a_decoder_classifier_reads_the_last_token(tmp_path):
-    """`LlamaForSequenceClassification` (a ``score`` head on the last token): its
-    probabilities, and its one-label score, are transformers' within 1e-4."""
-    torch.manual_seed(3)
-    config = tiny_llama_config(64, num_labels=3, pad_token_id=0)
-    model = transformers.LlamaForSequenceClassification(config).eval()
-    model.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, **KWARGS)
-    rs = np.random.RandomState(0)
-    prompts = [rs.randint(1, 64, n).tolist() for n in (3, 17, 40)]
-    try:
-        outs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
-        assert llm.engine.executor.compiles_after_warmup == 0
-    finally:
-        llm.shutdown()
-    for ids, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].numpy()
-        want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
-        np.testing.assert_allclose(out.outputs.probs, want, atol=1e-4)
-
-
 def test_a_decoder_cross_encoder_scores_pairs(tmp_path, smollm2_tokenizer):
-    """A one-label `LlamaForSequenceClassification` with SmolLM2's tokenizer scores a
-    pair as one sequence (the tokenizer's own pair layout): transformers' sigmoid."""
+    """A one-label `LlamaForSequenceClassification` (a ``score`` head read at the last
+    token) with SmolLM2's tokenizer scores a pair as one sequence (the tokenizer's own
+    pair layout), and classifies single texts: transformers' sigmoid, within 1e-4.
+    (Several labels' softmax is the encoder classifier's test above.)"""
     torch.manual_seed(4)
     vocab = len(smollm2_tokenizer)
     config = tiny_llama_config(vocab, num_labels=1, pad_token_id=0)
@@ -102,9 +82,14 @@ def test_a_decoder_cross_encoder_scores_pairs(tmp_path, smollm2_tokenizer):
     llm = LLM(str(tmp_path), **KWARGS)
     try:
         outs = llm.score(QUERY, DOCS, use_tqdm=False)
+        classes = llm.classify(DOCS, use_tqdm=False)
+        assert llm.engine.executor.compiles_after_warmup == 0
     finally:
         llm.shutdown()
-    for doc, out in zip(DOCS, outs, strict=True):
+    sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    for doc, out, cls in zip(DOCS, outs, classes, strict=True):
         with torch.no_grad():
             logit = model(**smollm2_tokenizer(QUERY, doc, return_tensors="pt")).logits[0, 0]
-        assert abs(out.outputs.score - 1 / (1 + np.exp(-logit.item()))) < 1e-4
+            alone = model(**smollm2_tokenizer(doc, return_tensors="pt")).logits[0, 0]
+        assert abs(out.outputs.score - sigmoid(logit.item())) < 1e-4
+        np.testing.assert_allclose(cls.outputs.probs, [sigmoid(alone.item())], atol=1e-4)

@@ -1,0 +1,85 @@
+"""The encoder's windowed attention against the paged reference with ``causal=False``.
+
+Batches are an encoder step's: every request whole in the step (no cached prefix),
+padding rows and tokens after the real ones. The step's k/v are written to a paged
+cache first, as the model does, so the reference reads the same keys the window sees.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from ragged_batches import Shape, build
+
+from pallas_kernels.encoder_attention import encoder_attention, windowed_attention
+from pallas_kernels.encoder_attention.windowed import choose_window
+from pallas_kernels.kv_cache_update.reference import update_kv_cache
+from pallas_kernels.ragged_paged_attention import reference
+
+
+def encoder_batch(q_lens, ctx_lens=None, seed=0, heads=2, head_dim=32, pad_tokens=3):
+    """(batch, k, v, cache with this step's k/v written): a whole-request step."""
+    ctx_lens = ctx_lens or (0,) * len(q_lens)
+    shape = Shape(16, heads, 1, head_dim, tuple(q_lens), tuple(ctx_lens), 1, pad_tokens, None, None)
+    batch = build(shape, seed)
+    rng = np.random.default_rng(seed + 1)
+    k, v = (rng.standard_normal(batch.q.shape).astype(np.float32) for _ in range(2))
+    slots = np.full(batch.q.shape[0], -1, np.int32)  # padding tokens: dropped
+    for r, (c, n) in enumerate(zip(ctx_lens, q_lens, strict=True)):
+        pos = c + np.arange(n)
+        start = batch.query_start_loc[r]
+        slots[start : start + n] = batch.page_table[r, pos // 16] * 16 + pos % 16
+    cache = update_kv_cache(jnp.asarray(batch.kv_cache), jnp.asarray(k), jnp.asarray(v), slots)
+    return batch, jnp.asarray(k), jnp.asarray(v), cache
+
+
+def reference_out(batch, cache) -> np.ndarray:
+    q, _, *meta = batch.args()
+    out = reference.ragged_paged_attention(q, cache, *meta, sm_scale=batch.sm_scale, causal=False)
+    return np.asarray(out)
+
+
+@settings(max_examples=5, deadline=None)
+@given(q_lens=st.lists(st.integers(1, 40), min_size=1, max_size=6), seed=st.integers(0, 99))
+@example(q_lens=[40, 1, 33, 7], seed=3)
+def test_window_matches_reference(q_lens, seed):
+    batch, k, v, cache = encoder_batch(q_lens, seed=seed)
+    q, _, _, _, qsl, num_seqs = batch.args()
+    got = windowed_attention(
+        q, k, v, qsl, num_seqs, sm_scale=batch.sm_scale, max_len=max(q_lens), block_q=8
+    )
+    real = batch.num_real_tokens
+    want = reference_out(batch, cache)
+    np.testing.assert_allclose(np.asarray(got)[:real], want[:real], atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)
+
+
+CASES = [  # (q_lens, cached prefix lengths, the branch encoder_attention takes)
+    ((5, 32, 17), None, 0),  # all within the 32-token window
+    ((3, 100, 9), None, 1),  # the 128-token window
+    ((130, 4), None, 2),  # longer than every window: the paged kernel
+    ((6, 9), (4, 0), 2),  # keys from an earlier step: the paged kernel
+]
+
+
+@pytest.mark.parametrize(("q_lens", "ctx", "branch"), CASES)
+def test_each_branch_matches_reference(q_lens, ctx, branch):
+    batch, k, v, cache = encoder_batch(q_lens, ctx, seed=len(q_lens))
+    q, _, seq_lens, page_table, qsl, num_seqs = batch.args()
+    assert int(choose_window(seq_lens, qsl, num_seqs, (32, 128))) == branch
+    run = jax.jit(
+        functools.partial(encoder_attention, fallback=reference.ragged_paged_attention),
+        static_argnames="sm_scale",
+    )
+    got = np.asarray(
+        run(q, k, v, cache, seq_lens, page_table, qsl, num_seqs, sm_scale=batch.sm_scale)
+    )
+    real = batch.num_real_tokens
+    np.testing.assert_allclose(got[:real], reference_out(batch, cache)[:real], atol=2e-5)
+    np.testing.assert_array_equal(got[real:], 0.0)
