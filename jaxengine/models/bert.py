@@ -69,9 +69,9 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
 class BertSelfAttention(nn.Module):
     """q/k/v projections and bidirectional attention over the request's own tokens.
     The step writes every token's k/v to the paged cache; each token then attends to
-    all of its request's keys: in a window of the step's own keys when the requests
-    are short and whole (`encoder_attention`), else through `attention_fn` with
-    ``causal=False``."""
+    all of its request's keys: from the step's own keys, each request padded to 32
+    slots, when the requests are short and whole (`encoder_attention`), else through
+    `attention_fn` with ``causal=False``."""
 
     config: TransformerConfig
     attention_fn: Callable[..., jax.Array] = reference.ragged_paged_attention

@@ -1,16 +1,13 @@
-"""Bidirectional attention for encoders over the step's own keys, in fixed windows.
+"""Bidirectional attention for encoders over the step's own keys, requests padded.
 
 An encoder request (BERT) is scheduled whole, with no cached prefix, so every key it
-attends to was computed in the same step and lies next to its queries in the flat
-token layout. `windowed.py` exploits that: each tile of ``block_q`` queries attends to
-a window of the step's keys that reaches ``max_len - 1`` tokens to either side, masked
-to the query's own request. `encoder_attention` picks, inside one compiled program,
-the smallest window that covers the step's longest request, and falls back to the
-paged kernel (``causal=False``) for longer requests or a cached prefix. The
-definition it must match is `pallas_kernels.ragged_paged_attention.reference` with
-``causal=False``.
+attends to was computed in the same step. `padded.py` gathers each request's tokens
+into a row of ``max_len`` slots and runs dense attention per row; `encoder_attention`
+picks it inside the compiled step when the step's requests are short and whole, and
+the paged kernel (``causal=False``) otherwise. The definition both must match is
+`pallas_kernels.ragged_paged_attention.reference` with ``causal=False``.
 """
 
-from pallas_kernels.encoder_attention.windowed import encoder_attention, windowed_attention
+from pallas_kernels.encoder_attention.padded import encoder_attention, padded_attention
 
-__all__ = ["encoder_attention", "windowed_attention"]
+__all__ = ["encoder_attention", "padded_attention"]

@@ -1,8 +1,8 @@
-"""The encoder's windowed attention against the paged reference with ``causal=False``.
+"""The encoder's padded attention against the paged reference with ``causal=False``.
 
 Batches are an encoder step's: every request whole in the step (no cached prefix),
 padding rows and tokens after the real ones. The step's k/v are written to a paged
-cache first, as the model does, so the reference reads the same keys the window sees.
+cache first, as the model does, so the reference reads the same keys the padded rows see.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from ragged_batches import Shape, build
 
-from pallas_kernels.encoder_attention import encoder_attention, windowed_attention
-from pallas_kernels.encoder_attention.windowed import choose_window
+from pallas_kernels.encoder_attention import encoder_attention, padded_attention
+from pallas_kernels.encoder_attention.padded import fits_padded
 from pallas_kernels.kv_cache_update.reference import update_kv_cache
 from pallas_kernels.ragged_paged_attention import reference
 
@@ -46,33 +46,30 @@ def reference_out(batch, cache) -> np.ndarray:
 
 
 @settings(max_examples=5, deadline=None)
-@given(q_lens=st.lists(st.integers(1, 40), min_size=1, max_size=6), seed=st.integers(0, 99))
-@example(q_lens=[40, 1, 33, 7], seed=3)
-def test_window_matches_reference(q_lens, seed):
+@given(q_lens=st.lists(st.integers(1, 32), min_size=1, max_size=6), seed=st.integers(0, 99))
+@example(q_lens=[32, 1, 31, 7], seed=3)
+def test_padded_matches_reference(q_lens, seed):
     batch, k, v, cache = encoder_batch(q_lens, seed=seed)
     q, _, _, _, qsl, num_seqs = batch.args()
-    got = windowed_attention(
-        q, k, v, qsl, num_seqs, sm_scale=batch.sm_scale, max_len=max(q_lens), block_q=8
-    )
+    got = padded_attention(q, k, v, qsl, num_seqs, sm_scale=batch.sm_scale, max_len=32)
     real = batch.num_real_tokens
     want = reference_out(batch, cache)
     np.testing.assert_allclose(np.asarray(got)[:real], want[:real], atol=2e-5)
     np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)
 
 
-CASES = [  # (q_lens, cached prefix lengths, the branch encoder_attention takes)
-    ((5, 32, 17), None, 0),  # all within the 32-token window
-    ((3, 100, 9), None, 1),  # the 128-token window
-    ((130, 4), None, 2),  # longer than every window: the paged kernel
-    ((6, 9), (4, 0), 2),  # keys from an earlier step: the paged kernel
+CASES = [  # (q_lens, cached prefix lengths, whether encoder_attention pads them)
+    ((5, 32, 17), None, True),  # all at most 32 tokens long
+    ((3, 33, 9), None, False),  # one longer: the paged kernel
+    ((6, 9), (4, 0), False),  # keys from an earlier step: the paged kernel
 ]
 
 
-@pytest.mark.parametrize(("q_lens", "ctx", "branch"), CASES)
-def test_each_branch_matches_reference(q_lens, ctx, branch):
+@pytest.mark.parametrize(("q_lens", "ctx", "padded"), CASES)
+def test_each_branch_matches_reference(q_lens, ctx, padded):
     batch, k, v, cache = encoder_batch(q_lens, ctx, seed=len(q_lens))
     q, _, seq_lens, page_table, qsl, num_seqs = batch.args()
-    assert int(choose_window(seq_lens, qsl, num_seqs, (32, 128))) == branch
+    assert bool(fits_padded(seq_lens, qsl, num_seqs, 32)) == padded
     run = jax.jit(
         functools.partial(encoder_attention, fallback=reference.ragged_paged_attention),
         static_argnames="sm_scale",
