@@ -14,6 +14,7 @@ _LAZY = {
     "LLM": "jaxengine.entrypoints.llm",
     "EngineArgs": "jaxengine.engine_args",
     "SamplingParams": "jaxengine.sampling_params",
+    "BeamSearchParams": "jaxengine.beam_search",
     "StructuredOutputsParams": "jaxengine.sampling_params",
     "RequestOutput": "jaxengine.outputs",
     "CompletionOutput": "jaxengine.outputs",

@@ -3,14 +3,38 @@
 After every engine step the engine hands each stat logger the scheduler's snapshot
 (`SchedulerStats`) and what the step produced (`IterationStats`, or None):
 
-- `PrometheusStatLogger` keeps vLLM-named metrics (prefix ``jaxengine:`` instead of
-  ``vllm:``), every one labelled ``model_name`` and ``engine`` (the data-parallel
-  replica's index), in its own `CollectorRegistry`; `render_metrics` turns a registry
-  into the body of ``GET /metrics``.
+- `PrometheusStatLogger` keeps vLLM's metrics, every one labelled ``model_name`` and
+  ``engine`` (the data-parallel replica's index) as vLLM labels them, in its own
+  `CollectorRegistry`; `render_metrics` turns a registry into the body of
+  ``GET /metrics``.
 - `LoggingStatLogger` accumulates tokens and logs one INFO line per interval
   (throughput, queue sizes, KV-cache usage, prefix-cache hit rate); an idle engine
   stays quiet. With data parallelism each replica has its own, its lines prefixed
   ``Engine 000:`` as in vLLM.
+
+Names: both ``vllm:`` and ``jaxengine:``. Every family is exposed under vLLM's exact
+name (``vllm:num_requests_running``), which vLLM's dashboards, autoscalers (KEDA,
+HPA adapters) and tests read, and under the same name with this project's prefix
+(``jaxengine:num_requests_running``), which existing users and tests read. Both are
+always on, with no flag: a flag would only choose which of two correct names a
+scrape lacks, and the cost of both is a larger scrape. There is one source of truth:
+the metrics are registered once, with bare names, in a private registry, and a
+`metrics_families.PrefixedCollector` in `registry` yields each family once per prefix
+from the same samples, so an observation is made once and the two names never
+disagree. The ``jaxengine:`` families keep today's label sets; the ``vllm:`` ones
+have vLLM's (they differ only for ``lora_requests_info``, which in vLLM has no
+``model_name`` or ``engine`` label).
+
+The families follow vLLM v1's ``PrometheusStatLogger`` for every feature this engine
+has: scheduler state (``num_requests_running``, ``num_requests_waiting``,
+``num_requests_waiting_by_reason``, ``kv_cache_usage_perc``, and v0's
+``num_requests_swapped``, since requests swap here), prefix caching, token counters
+(``prompt_tokens``, ``prompt_tokens_by_source``, ``prompt_tokens_cached``,
+``generation_tokens``), ``request_success`` by finish reason, ``iteration_tokens_total``,
+TTFT and inter-token latency, one histogram per finished request for each of its
+latencies and sizes, ``cache_config_info`` (when the engine's cache is given), and
+LoRA's and speculative decoding's families below. docs/architecture.md lists vLLM's
+series that are left out because their feature is not here.
 
 With LoRA on (``SchedulerStats.max_lora`` > 0) there is also vLLM's
 ``lora_requests_info``: one series per engine, labelled ``max_lora`` and the
@@ -34,7 +58,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -47,76 +71,21 @@ from prometheus_client import (
 
 from jaxengine.core.sched_output import SchedulerStats, SpecDecodingStats
 from jaxengine.engine.stats import FinishedRequestStats, IterationStats
+from jaxengine.metrics_families import (
+    CUMULATIVE_COUNTERS,
+    GAUGES,
+    LABELLED,
+    LABELS,
+    LORA_LABELS,
+    PREFIXES,
+    REQUEST_HISTOGRAMS,
+    SPEC_COUNTERS,
+    STEP_METRICS,
+    PrefixedCollector,
+    bucket_sets,
+)
 
 logger = logging.getLogger("jaxengine.metrics")
-
-PREFIX = "jaxengine:"
-FINISH_REASONS = ("stop", "length", "abort")
-"""request_success label values, pre-created so they are exposed at 0."""
-
-# fmt: off
-# Bucket boundaries as in vLLM v1 (`vllm/v1/metrics/loggers.py`).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                         1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-# Per finished request: (metric suffix, FinishedRequestStats field, buckets key, help).
-_REQUEST_HISTOGRAMS = (
-    ("e2e_request_latency_seconds", "e2e_latency", "request",
-     "End-to-end request latency in seconds (arrival to last token)."),
-    ("request_queue_time_seconds", "queued_time", "request",
-     "Seconds a request spent waiting before its first schedule."),
-    ("request_prefill_time_seconds", "prefill_time", "request",
-     "Seconds from a request's first schedule to its first token."),
-    ("request_decode_time_seconds", "decode_time", "request",
-     "Seconds from a request's first token to its last."),
-    ("request_time_per_output_token_seconds", "time_per_output_token", "token",
-     "Mean seconds per output token after the first, per request."),
-    ("request_prompt_tokens", "num_prompt_tokens", "tokens",
-     "Number of prompt tokens per finished request."),
-    ("request_generation_tokens", "num_generation_tokens", "tokens",
-     "Number of generated tokens per finished request (all sequences)."),
-    ("request_params_max_tokens", "max_tokens", "tokens",
-     "The max_tokens sampling parameter per finished request."),
-)
-
-# Per engine step, from IterationStats: (class, metric suffix, buckets key, help).
-_STEP_METRICS = (
-    (Counter, "prompt_tokens", None, "Prefill tokens processed."),
-    (Counter, "generation_tokens", None, "Generation tokens processed."),
-    (Histogram, "time_to_first_token_seconds", "ttft", "Time to first token in seconds."),
-    (Histogram, "inter_token_latency_seconds", "token", "Seconds between consecutive tokens."),
-    (Histogram, "iteration_tokens_total", "tokens", "Prompt + generation tokens per step."),
-)
-# fmt: on
-
-_GAUGES = (  # (metric suffix, SchedulerStats field, help)
-    ("num_requests_running", "num_running", "Number of requests in the running batch."),
-    ("num_requests_waiting", "num_waiting", "Number of requests waiting (swapped included)."),
-    ("num_requests_swapped", "num_swapped", "Number of requests swapped out to host memory."),
-    ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage: 1 means 100 percent."),
-)
-
-_CUMULATIVE_COUNTERS = (  # (metric suffix, SchedulerStats field, help)
-    ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
-    ("prefix_cache_queries", "prefix_cache_queries", "Prefix-cache queries, in tokens."),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
-)
-
-
-def build_1_2_5_buckets(max_value: int) -> list[int]:
-    """1, 2, 5, 10, 20, 50, ... up to and including the last one <= `max_value`."""
-    buckets, exponent = [], 0
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * 10**exponent
-            if value > max_value:
-                return buckets
-            buckets.append(value)
-        exponent += 1
 
 
 def render_metrics(registry: CollectorRegistry) -> tuple[bytes, str]:
@@ -130,13 +99,18 @@ def _delta(current: int, last: int) -> int:
 
 
 class PrometheusStatLogger:
-    """vLLM-style Prometheus metrics for one model, in a registry it owns by default.
+    """vLLM's Prometheus metrics for one model, in a registry it owns by default.
 
     Every sample is labelled ``model_name`` and ``engine`` (the data-parallel replica,
     "0" when there is one), as vLLM labels them. `record` takes the engine's index;
     `for_engine(i)` gives a logger with the plain ``record(scheduler_stats,
     iteration_stats)`` signature that records as engine ``i``, for that replica's
-    engine thread.
+    engine thread. ``cache_config_info`` (`metrics_families.cache_config_info`) adds
+    vLLM's ``cache_config_info`` gauge: 1, labelled with the cache config and the
+    engine, one series per engine.
+
+    The metrics live in ``families`` under bare names; ``registry`` holds one
+    `PrefixedCollector` that exposes them as ``vllm:*`` and ``jaxengine:*``.
 
     `record` may be called from engine threads while the server renders `registry`
     from another: prometheus_client metrics are thread-safe, and a lock guards the
@@ -149,55 +123,70 @@ class PrometheusStatLogger:
         registry: CollectorRegistry | None = None,
         max_model_len: int = 8192,
         engine_indexes: Sequence[int] = (0,),
+        cache_config_info: Mapping[str, str] | None = None,
     ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.families = CollectorRegistry()
+        self.registry.register(PrefixedCollector(self.families, PREFIXES))
         self._lock = threading.Lock()
-        buckets = {
-            "ttft": TTFT_BUCKETS,
-            "request": REQUEST_LATENCY_BUCKETS,
-            "token": TOKEN_LATENCY_BUCKETS,
-            "tokens": build_1_2_5_buckets(max_model_len),
-        }
-        gauges = {f: self._make(Gauge, n, h) for n, f, h in _GAUGES}
-        cumulative = {f: self._make(Counter, n, h) for n, f, h in _CUMULATIVE_COUNTERS}
-        request_histograms = {
-            field: self._make(Histogram, name, help_, buckets[kind])
-            for name, field, kind, help_ in _REQUEST_HISTOGRAMS
-        }
-        step = {
-            name: self._make(cls, name, help_, buckets.get(kind))
-            for cls, name, kind, help_ in _STEP_METRICS
-        }
-        success = Counter(
-            PREFIX + "request_success",
-            "Count of finished requests, by finish reason (stop, length, abort).",
-            labelnames=("model_name", "engine", "finished_reason"),
-            registry=self.registry,
-        )
+        shared = self._shared(max_model_len)
         self._engines = {
-            index: _EngineMetrics.of(
-                (model_name, str(index)), gauges, cumulative, request_histograms, step, success
-            )
-            for index in engine_indexes
+            index: _EngineMetrics.of((model_name, str(index)), **shared) for index in engine_indexes
         }
+        if cache_config_info is not None:
+            self._cache_config_gauge(cache_config_info, engine_indexes)
         self._lora_info: Gauge | None = None  # registered on the first LoRA snapshot
         self._spec: dict | None = None  # registered on the first speculative snapshot
 
-    def _make(self, cls: type, name: str, help_: str, buckets=None):
-        """One metric labelled with the model's name and the engine's index."""
+    def _shared(self, max_model_len: int) -> dict:
+        """The metrics every engine's `_EngineMetrics` binds its labels in."""
+        buckets = bucket_sets(max_model_len)
+        return {
+            "gauges": {f: self._make(Gauge, n, h) for n, f, h in GAUGES},
+            "cumulative": {f: self._make(Counter, n, h) for n, f, h in CUMULATIVE_COUNTERS},
+            "request_histograms": {
+                field: self._make(Histogram, name, help_, buckets[kind])
+                for name, field, kind, help_ in REQUEST_HISTOGRAMS
+            },
+            "step": {
+                name: self._make(cls, name, help_, buckets.get(kind))
+                for cls, name, kind, help_ in STEP_METRICS
+            },
+            "labelled": {
+                name: (self._make(cls, name, help_, extra=label), values)
+                for cls, name, label, values, help_ in LABELLED
+            },
+        }
+
+    def _make(self, cls: type, name: str, help_: str, buckets=None, extra: str | None = None):
+        """One metric labelled with the model's name and the engine's index (and
+        ``extra``, when given)."""
         kwargs = {} if buckets is None else {"buckets": buckets}
-        return cls(PREFIX + name, help_, _LABELS, registry=self.registry, **kwargs)
+        labels = LABELS if extra is None else (*LABELS, extra)
+        return cls(name, help_, labels, registry=self.families, **kwargs)
+
+    def _cache_config_gauge(self, info: Mapping[str, str], engine_indexes) -> None:
+        """vLLM's ``cache_config_info``: an info gauge (always 1) per engine, labelled
+        with the cache config and the engine (no ``model_name``, as in vLLM)."""
+        gauge = Gauge(
+            "cache_config_info",
+            "Information of the engine's CacheConfig.",
+            (*info, "engine"),
+            registry=self.families,
+        )
+        for index in engine_indexes:
+            gauge.labels(*info.values(), str(index)).set(1)
 
     def _lora_gauge(self) -> Gauge:
         """vLLM's ``lora_requests_info`` (the caller holds the lock); registered only
         once LoRA shows up, so a server without it exposes no empty family."""
         if self._lora_info is None:
             self._lora_info = Gauge(
-                PREFIX + "lora_requests_info",
+                "lora_requests_info",
                 "Running stats on lora requests.",
-                (*_LABELS, *_LORA_LABELS),
-                registry=self.registry,
+                (*LABELS, *LORA_LABELS),
+                registry=self.families,
             )
         return self._lora_info
 
@@ -206,13 +195,13 @@ class PrometheusStatLogger:
         only once speculative decoding shows up."""
         if self._spec is None:
             self._spec = {
-                field: self._make(Counter, name, help_) for name, field, help_ in _SPEC_COUNTERS
+                field: self._make(Counter, name, help_) for name, field, help_ in SPEC_COUNTERS
             }
-            self._spec["accepted_per_pos"] = Counter(
-                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            self._spec["accepted_per_pos"] = self._make(
+                Counter,
+                "spec_decode_num_accepted_tokens_per_pos",
                 "Accepted draft tokens, by their position in the draft.",
-                (*_LABELS, "position"),
-                registry=self.registry,
+                extra="position",
             )
         return self._spec
 
@@ -241,15 +230,6 @@ class PrometheusStatLogger:
             metrics.record_iteration(iteration_stats)
 
 
-_SPEC_COUNTERS = (  # (metric suffix, SpecDecodingStats field, help)
-    ("spec_decode_num_drafts", "num_drafts", "Number of spec decoding drafts."),
-    ("spec_decode_num_draft_tokens", "num_draft_tokens", "Number of draft tokens."),
-    ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Number of accepted tokens."),
-)
-_LABELS = ("model_name", "engine")
-_LORA_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
-
-
 @dataclasses.dataclass
 class _EngineMetrics:
     """One engine's children of the metrics (its label values bound)."""
@@ -258,14 +238,14 @@ class _EngineMetrics:
     cumulative: dict
     request_histograms: dict
     step: dict
-    success: dict  # finish reason -> counter child
+    labelled: dict  # metric name -> {extra label value -> child}
     last_cumulative: dict
     labels: tuple[str, str] = ("", "")  # (model_name, engine)
     lora_labels: tuple[str, ...] | None = None  # of the engine's lora_requests_info series
     last_spec: SpecDecodingStats = dataclasses.field(default_factory=SpecDecodingStats)
 
     @classmethod
-    def of(cls, labels, gauges, cumulative, request_histograms, step, success) -> _EngineMetrics:
+    def of(cls, labels, gauges, cumulative, request_histograms, step, labelled) -> _EngineMetrics:
         def bind(metrics: dict) -> dict:
             return {key: metric.labels(*labels) for key, metric in metrics.items()}
 
@@ -274,9 +254,12 @@ class _EngineMetrics:
             cumulative=bind(cumulative),
             request_histograms=bind(request_histograms),
             step=bind(step),
-            # every reason exposed from the start, at 0
-            success={reason: success.labels(*labels, reason) for reason in FINISH_REASONS},
-            last_cumulative={field: 0 for _, field, _ in _CUMULATIVE_COUNTERS},
+            # every value of the extra label exposed from the start, at 0
+            labelled={
+                name: {value: metric.labels(*labels, value) for value in values}
+                for name, (metric, values) in labelled.items()
+            },
+            last_cumulative={field: 0 for _, field, _ in CUMULATIVE_COUNTERS},
             labels=labels,
         )
 
@@ -284,6 +267,9 @@ class _EngineMetrics:
         """Gauges and cumulative counters (the caller holds the lock)."""
         for field, gauge in self.gauges.items():
             gauge.set(getattr(stats, field))
+        waiting = self.labelled["num_requests_waiting_by_reason"]
+        waiting["capacity"].set(stats.num_waiting - stats.num_deferred)
+        waiting["deferred"].set(stats.num_deferred)
         for field, counter in self.cumulative.items():
             current = getattr(stats, field)
             counter.inc(_delta(current, self.last_cumulative[field]))
@@ -322,9 +308,15 @@ class _EngineMetrics:
 
     def record_iteration(self, stats: IterationStats) -> None:
         step = self.step
+        cached = stats.num_cached_prompt_tokens
+        computed = stats.num_prompt_tokens - cached
         step["prompt_tokens"].inc(stats.num_prompt_tokens)
+        step["prompt_tokens_cached"].inc(cached)
+        by_source = self.labelled["prompt_tokens_by_source"]
+        by_source["local_compute"].inc(computed)
+        by_source["local_cache_hit"].inc(cached)
         step["generation_tokens"].inc(stats.num_generation_tokens)
-        step_tokens = stats.num_prompt_tokens + stats.num_generation_tokens
+        step_tokens = computed + stats.num_generation_tokens
         if step_tokens:  # idle loops report aborts with no step behind them
             step["iteration_tokens_total"].observe(step_tokens)
         for ttft in stats.time_to_first_tokens:
@@ -334,10 +326,10 @@ class _EngineMetrics:
         for finished in stats.finished_requests:
             self._record_finished(finished)
         if stats.num_aborted:
-            self.success["abort"].inc(stats.num_aborted)
+            self.labelled["request_success"]["abort"].inc(stats.num_aborted)
 
     def _record_finished(self, finished: FinishedRequestStats) -> None:
-        self.success[finished.finish_reason].inc()
+        self.labelled["request_success"][finished.finish_reason].inc()
         for field, histogram in self.request_histograms.items():
             value = getattr(finished, field)
             if value is not None:

@@ -4,7 +4,9 @@ Reads a `CollectorRegistry` (the `PrometheusStatLogger`'s) into a list of `Count
 `Gauge`, `Histogram` and `Vector` records, each with its name and labels, as vLLM's
 ``vllm.v1.metrics.reader`` gives them. A counter family with a ``position`` label
 (``spec_decode_num_accepted_tokens_per_pos``) becomes one `Vector` per engine whose
-values are indexed by position. Host side, no jax.
+values are indexed by position. Each family comes under both of its names
+(``vllm:generation_tokens`` and ``jaxengine:generation_tokens``: one set of samples,
+see `metrics_families.PrefixedCollector`). Host side, no jax.
 """
 
 from __future__ import annotations

@@ -42,12 +42,15 @@ def logprobs_dict(
     sampled_rank: int,
     top_ids: Sequence[int],
     top_logprobs: Sequence[float],
+    top_ranks: Sequence[int] | None = None,
 ) -> dict[int, Logprob]:
     """One position's logprobs: the sampled token first, then the top-k tokens with
-    ranks 1..k. A sampled token that is also in the top-k keeps its own rank."""
+    ranks 1..k (or the ``top_ranks`` given: the ranks of `logprob_token_ids`, which
+    are any tokens). A sampled token that is also among them keeps its own rank."""
     out = {int(sampled_id): Logprob(float(sampled_logprob), int(sampled_rank))}
-    for rank, (tok, lp) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1):
-        out.setdefault(int(tok), Logprob(float(lp), rank))
+    ranks = range(1, len(top_ids) + 1) if top_ranks is None else top_ranks
+    for rank, tok, lp in zip(ranks, top_ids, top_logprobs, strict=True):
+        out.setdefault(int(tok), Logprob(float(lp), int(rank)))
     return out
 
 

@@ -105,6 +105,7 @@ class PoolingParams:
             raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate}")
 
     is_pooling = True  # (a class attribute: the scheduler tells requests apart by it)
+    logprobs_top_k = None  # (as SamplingParams.logprobs_top_k: a pooling request samples nothing)
 
     def clone(self) -> PoolingParams:
         # every field is an immutable scalar (or a tuple): a shallow copy is a clone,

@@ -30,6 +30,9 @@ _MIN_TEMP = 1e-2
 """Positive temperatures below this are raised to it: dividing logits by a tiny
 temperature overflows float32 (vLLM's `_MAX_TEMP`, which it uses the same way)."""
 
+MAX_LOGPROB_TOKEN_IDS = 128
+"""Most `logprob_token_ids` one request may name (vLLM's cap; the sampler's width)."""
+
 LogitsProcessor = Callable[..., Any]
 """`f(output_token_ids, logits[V]) -> logits[V]` or
 `f(prompt_token_ids, output_token_ids, logits[V]) -> logits[V]`, as in vLLM. Run on
@@ -178,6 +181,11 @@ class SamplingParams:
     token's own); None returns none, -1 the whole vocabulary."""
     prompt_logprobs: int | None = None
     """Number of log probabilities to return per prompt token; -1 means all."""
+    logprob_token_ids: list[int] | None = None
+    """Specific token ids whose log probabilities each generated token returns, in
+    addition to the sampled token's, instead of the top `logprobs` (scoring a fixed
+    label set). At most `MAX_LOGPROB_TOKEN_IDS`; `logprobs`, if set, must equal
+    their count."""
     detokenize: bool = True
     """Whether to detokenize the output."""
     skip_special_tokens: bool = True
@@ -234,6 +242,8 @@ class SamplingParams:
             self.logit_bias = _parse_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
         if isinstance(self.output_kind, int):
             self.output_kind = RequestOutputKind(self.output_kind)
         if isinstance(self.structured_outputs, dict):
@@ -325,14 +335,33 @@ class SamplingParams:
                 "stop strings are only supported when detokenize is True. "
                 "Set detokenize=True to use stop."
             )
-        for name in ("stop_token_ids", "allowed_token_ids"):
+        for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
             for tok in getattr(self, name) or []:
                 if _check_int(name, tok) < 0:
                     raise ValueError(f"{name} must hold non-negative token ids, got {tok}.")
+        self._verify_logprob_token_ids()
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids is not None and empty!")
         if not all(isinstance(w, str) for w in self.bad_words or []):
             raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}.")
+
+    def _verify_logprob_token_ids(self) -> None:
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not ids:
+            raise ValueError("logprob_token_ids must not be an empty list.")
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(
+                f"Requested logprob_token_ids of length {len(ids)}, which is greater than "
+                f"max allowed: {MAX_LOGPROB_TOKEN_IDS}"
+            )
+        if self.logprobs is not None and self.logprobs != len(ids):
+            raise ValueError(
+                "When both logprobs and logprob_token_ids are set, logprobs must equal "
+                f"len(logprob_token_ids). Got logprobs={self.logprobs}, "
+                f"len(logprob_token_ids)={len(ids)}."
+            )
 
     def verify_against(self, max_logprobs: int, vocab_size: int) -> None:
         """Checks what needs the model: logprob counts and token ids in the vocab.
@@ -353,6 +382,7 @@ class SamplingParams:
         checks = {
             "logit_bias": list(self.logit_bias or {}),
             "allowed_token_ids": self.allowed_token_ids or [],
+            "logprob_token_ids": self.logprob_token_ids or [],
             "stop_token_ids": self.stop_token_ids or [],
             "bad_words": [t for word in self._bad_words_token_ids or [] for t in word],
         }
@@ -414,6 +444,15 @@ class SamplingParams:
         return SamplingType.RANDOM
 
     @property
+    def logprobs_top_k(self) -> int | None:
+        """How many top logprobs the sampler finds per generated token: `logprobs`
+        (-1: the whole vocabulary), 0 when only `logprob_token_ids` are asked for (the
+        sampled token's own logprob still comes), None for no logprobs at all."""
+        if self.logprobs is not None:
+            return 0 if self.logprob_token_ids else self.logprobs
+        return 0 if self.logprob_token_ids else None
+
+    @property
     def has_penalties(self) -> bool:
         """Whether any of presence, frequency or repetition penalty is not neutral."""
         return (
@@ -462,15 +501,21 @@ def _parse_logit_bias(bias: Any) -> dict[int, float]:
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}.")
     out: dict[int, float] = {}
+    not_ids, negative = [], []
     for key, value in bias.items():
         try:
             tok = int(key)
         except (TypeError, ValueError):
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}.") from None
+            not_ids.append(key)
+            continue
         val = _check_float("logit_bias", value)
         if val == math.inf:
             raise ValueError(f"logit_bias values must be finite or -inf, got {value!r}.")
         if tok < 0:
-            raise ValueError(f"logit_bias keys must be non-negative token ids, got {tok}.")
+            negative.append(tok)
         out[tok] = val
+    if not_ids:  # every bad key named, not only the first
+        raise ValueError(f"logit_bias keys must be token ids, got {', '.join(map(repr, not_ids))}.")
+    if negative:
+        raise ValueError(f"logit_bias keys must be non-negative token ids, got {negative}.")
     return out

@@ -15,7 +15,6 @@ import hmac
 import importlib
 import inspect
 import logging
-import os
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxengine.entrypoints.client import EngineClient, EngineDeadError
 from jaxengine.version import __version__
+from server import envs
 from server.errors import APIError, error_response, validation_message
+from server.extra_routes import add_extra_routes, respond
 from server.lora import add_lora_routes, runtime_updating_allowed
 from server.protocol import (
     ChatCompletionRequest,
@@ -61,6 +62,7 @@ def server_options(args: Any, engine: EngineClient) -> ServerOptions:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage,
+        enable_per_request_metrics=getattr(args, "enable_per_request_metrics", False),
         enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
@@ -97,6 +99,7 @@ def build_app(
         lifespan=_lifespan(stats_logs, args),
     )
     app.state.ctx = ctx
+    app.state.metrics = metrics  # also read for the ORCA load header (server/extra_routes.py)
     app.state.server_load = 0
     _add_exception_handlers(app)
     _add_middleware(app, args)
@@ -135,6 +138,13 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> N
     _add_pooling_routes(app, ctx, chat)
     _add_token_routes(app, ctx, chat)
     _add_status_routes(app, ctx, metrics, args)
+    handlers = {
+        "chat": chat,
+        "completions": CompletionHandler(ctx),
+        "embeddings": EmbeddingHandler(ctx, chat),
+        "scores": ScoreHandler(ctx),
+    }
+    add_extra_routes(app, ctx, handlers, args)  # batch chat, /invocations, /tokenizer_info
     if runtime_updating_allowed():
         if ctx.engine.config.lora_config.enable_lora:
             add_lora_routes(app, ctx.models)
@@ -148,11 +158,11 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
-        return _respond(await completions.create(request, raw_request))
+        return respond(await completions.create(request, raw_request), raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
-        return _respond(await chat.create(request, raw_request))
+        return respond(await chat.create(request, raw_request), raw_request)
 
     @app.get("/v1/models")
     async def show_models():
@@ -200,14 +210,15 @@ def _add_token_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> N
             ids = chat.render(request)
         else:
             ids = ctx.tokenize(request.prompt, request.add_special_tokens)["prompt_token_ids"]
-        body: dict[str, Any] = {
+        strs = None
+        if request.return_token_strs:
+            strs = ctx.need_tokenizer().convert_ids_to_tokens(ids)
+        return {
             "count": len(ids),
             "max_model_len": ctx.engine.max_model_len,
             "tokens": ids,
+            "token_strs": strs,  # vLLM always sends the key (null unless asked for)
         }
-        if request.return_token_strs:
-            body["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(ids)
-        return body
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):
@@ -302,7 +313,7 @@ def _add_middleware(app: FastAPI, args: Any) -> None:
         allow_methods=args.allowed_methods,
         allow_headers=args.allowed_headers,
     )
-    key = args.api_key or os.environ.get("JAXENGINE_API_KEY")
+    key = envs.api_key(args.api_key)  # the flag, else $JAXENGINE_API_KEY or $VLLM_API_KEY
     if key:
         app.add_middleware(AuthMiddleware, key=key)
     if args.enable_request_id_headers:
@@ -313,21 +324,34 @@ def _add_middleware(app: FastAPI, args: Any) -> None:
         _add_user_middleware(app, path)
 
 
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+"""The paths ``--api-key`` guards: vLLM's ``AuthenticationMiddleware`` prefixes. As in
+vLLM, the rest (/health, /ping, /load, /version, /metrics, /tokenize, /detokenize,
+/tokenizer_info, /invocations, /pooling, /score, /rerank, /classify, the docs) stays
+open."""
+
+
 class AuthMiddleware:
-    """401 for `/v1/*` requests without ``Authorization: Bearer <key>``."""
+    """401 for a request under `GUARDED_PREFIXES` (but a CORS preflight, OPTIONS)
+    without ``Authorization: Bearer <key>`` (the scheme in any case, as vLLM)."""
 
     def __init__(self, app, key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.expected = key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _is_api(scope):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+        if path.startswith(GUARDED_PREFIXES) and not self._authorized(scope):
             response = error_response("Unauthorized: a valid API key is required", 401)
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.expected)
 
 
 class RequestIdMiddleware:

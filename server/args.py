@@ -7,17 +7,15 @@ The engine flags (`EngineArgs.add_cli_args`) already include ``--chat-template``
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from jaxengine.config.arg_utils import parse_json
 from jaxengine.engine_args import EngineArgs
+from server import envs
 from server.lora import check_lora_modules, parse_lora_module
 
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 CONTENT_FORMATS = ("auto", "string", "openai")
-LOG_STATS_INTERVAL = float(os.environ.get("JAXENGINE_LOG_STATS_INTERVAL", "10"))
-"""Seconds between the periodic stats lines (``$JAXENGINE_LOG_STATS_INTERVAL``)."""
 
 
 def _json_list(text: str) -> list[str]:
@@ -45,7 +43,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_lora_args(g.add_argument)
     _add_logging_args(g.add_argument)
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(log_stats_interval=LOG_STATS_INTERVAL, background_compile=True)
+    # seconds between the stats lines: $JAXENGINE_LOG_STATS_INTERVAL or $VLLM_LOG_STATS_INTERVAL
+    parser.set_defaults(log_stats_interval=envs.log_stats_interval(), background_compile=True)
     return parser
 
 
@@ -63,8 +62,17 @@ def _add_http_args(add: Any) -> None:
     add(
         "--api-key",
         default=None,
-        help="require this key (Authorization: Bearer KEY) on /v1 routes; "
-        "also read from $JAXENGINE_API_KEY",
+        help="require this key (Authorization: Bearer KEY) on the routes under /v1, /v2, "
+        "/inference and /cohere, as vLLM (the others, e.g. /health, /metrics, /tokenize, "
+        "/invocations, stay open); without the flag, read from $JAXENGINE_API_KEY or "
+        "$VLLM_API_KEY",
+    )
+    add(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="API server processes in front of the engine; only 1 is supported",
     )
     add(
         "--chat-template-content-format",
@@ -110,7 +118,22 @@ def _add_api_args(add: Any) -> None:
     add(
         "--enable-force-include-usage",
         action="store_true",
-        help="a usage chunk at the end of every stream",
+        help="usage in every stream whatever its stream_options: on every chunk and in "
+        "a last usage-only chunk",
+    )
+    add(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: the tokenizer's configuration (its chat "
+        "template and other settings may be exposed)",
+    )
+    add(
+        "--enable-per-request-metrics",
+        action="store_true",
+        help="include per-request timing metrics in completions and chat completions "
+        "responses: a `metrics` object (time_to_first_token_ms, generation_time_ms, "
+        "queue_time_ms, mean_itl_ms, tokens_per_second) for a request with one prompt "
+        "and n = 1; when streaming, in the final usage chunk",
     )
 
 
@@ -170,14 +193,25 @@ def _add_logging_args(add: Any) -> None:
 
 def check_server_args(args: argparse.Namespace) -> None:
     """Frontend flags that cannot work (ValueError), checked before the engine loads:
-    auto tool choice without a parser, an unknown parser name, a broken plugin,
-    ``--lora-modules`` without ``--enable-lora`` or with a name twice."""
+    several API server processes, auto tool choice without a parser, an unknown parser
+    name, a broken plugin, ``--lora-modules`` without ``--enable-lora`` or with a name
+    twice, ``--enable-per-request-metrics`` with ``--disable-log-stats`` (as vLLM)."""
     from server.serving import tool_parser_class
 
+    if getattr(args, "api_server_count", 1) != 1:
+        raise ValueError(
+            f"--api-server-count {args.api_server_count} is not supported: jaxengine runs "
+            "one API server process in front of its engine (--api-server-count 1)"
+        )
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser to be set")
     tool_parser_class(args.tool_call_parser, args.tool_parser_plugin)
     check_lora_modules(getattr(args, "lora_modules", []), getattr(args, "enable_lora", False))
+    if getattr(args, "enable_per_request_metrics", False) and args.disable_log_stats:
+        raise ValueError(
+            "--enable-per-request-metrics requires engine statistics logging; remove "
+            "--disable-log-stats to enable per-request metrics."
+        )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -46,14 +46,26 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """(message, param) of pydantic/FastAPI validation errors, first error first."""
-    parts, param = [], None
+    """(message, param) of pydantic/FastAPI validation errors, as vLLM words them.
+
+    The message is vLLM's: ``"N validation error(s):"`` then each error as pydantic
+    reports it (its ``type``, ``loc``, ``msg``, ``input`` and ``ctx``), one per line,
+    so a client sees the error type (e.g. ``greater_than_equal``) and the limit. The
+    param is the first error's top-level field.
+    """
+    param = None
     for err in errors:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        msg = str(err.get("msg", "invalid value"))
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
-        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
-        if param is None and loc and not loc[0].isdigit():  # a digit: a JSON position
+        if loc and not loc[0].isdigit():  # a digit: a position in the JSON text
             param = loc[0]
-    return "; ".join(parts) or "invalid request", param
+            break
+    if not errors:
+        return "Validation error", None
+    label = "error" if len(errors) == 1 else "errors"
+    lines = "".join(f"\n  {_public(err)}" for err in errors)
+    return f"{len(errors)} validation {label}:{lines}", param
+
+
+def _public(err: dict[str, Any]) -> dict[str, Any]:
+    """The error without the documentation URL pydantic may add."""
+    return {k: v for k, v in err.items() if k != "url"}

@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from server import envs
 
 if TYPE_CHECKING:
     from jaxengine.entrypoints.client import EngineClient
@@ -19,14 +22,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger("jaxengine.server")
 
 
-def setup_logging(level: str = "info") -> None:
-    """One INFO handler for the ``jaxengine`` loggers (uvicorn configures its own)."""
+def setup_logging(level: str = "info", environ: Mapping[str, str] = os.environ) -> None:
+    """One handler for the ``jaxengine`` loggers (uvicorn configures its own), at
+    ``$VLLM_LOGGING_LEVEL`` or INFO (DEBUG for a ``debug`` uvicorn level), each line
+    after ``$VLLM_LOGGING_PREFIX``; nothing with ``$VLLM_CONFIGURE_LOGGING=0``."""
+    if not envs.configure_logging(environ):
+        return
     root = logging.getLogger("jaxengine")
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s] %(message)s"))
+        prefix = envs.logging_prefix(environ).replace("%", "%%")
+        fmt = f"{prefix}%(levelname)s %(asctime)s %(name)s] %(message)s"
+        handler.setFormatter(logging.Formatter(fmt))
         root.addHandler(handler)
-    root.setLevel(logging.DEBUG if level in ("debug", "trace") else logging.INFO)
+    root.setLevel(envs.logging_level(level, environ))
     root.propagate = False
 
 
@@ -47,6 +56,7 @@ def build_engine(args: argparse.Namespace) -> tuple[EngineClient, Any, list[Any]
     from jaxengine.engine.data_parallel import build_engine as build_llm_engine
     from jaxengine.entrypoints.dp_async_llm import async_engine
     from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
+    from jaxengine.metrics_families import engine_cache_config_info
     from server.args import engine_args_from
     from sharding.distributed import initialize_for
 
@@ -67,6 +77,7 @@ def build_engine(args: argparse.Namespace) -> tuple[EngineClient, Any, list[Any]
         model_name=engine.config.model_config.served_model_names[0],
         max_model_len=engine.max_model_len,
         engine_indexes=range(num_replicas),
+        cache_config_info=engine_cache_config_info(engine),
     )
     stats_logs = []
     if not args.disable_log_stats:
@@ -130,6 +141,7 @@ def uvicorn_config(app, args: argparse.Namespace):
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
+        timeout_keep_alive=envs.http_timeout_keep_alive(),  # $VLLM_HTTP_TIMEOUT_KEEP_ALIVE
         timeout_graceful_shutdown=5,
     )
 

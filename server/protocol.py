@@ -31,7 +31,9 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool | None = True
+    """vLLM's ``stream_options``: both off unless asked for (``{}`` sends no usage)."""
+
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
@@ -80,12 +82,21 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    """Which end `truncate_prompt_tokens` cuts: "left" (the default) keeps the last
+    tokens, "right" the first."""
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    """Token ids whose logprobs every generated position returns (with the sampled
+    token's) instead of the top-k; needs `logprobs`."""
     priority: int = 0
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    """Token ids beside the text: the prompt's and each choice's (per chunk when
+    streaming)."""
     # structured outputs (server/structured.py); the guided_* fields are vLLM's older names
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -96,16 +107,18 @@ class SamplingFields(OpenAIModel):
     structural_tag: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
-    # refused unless left at their defaults (server/unsupported_fields.py)
-    best_of: int | None = None
+    # beam search (server/serving_beam.py): ``n`` is the beam width
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    """transformers' (and vLLM v0's) stopping rule for beam search."""
+    # refused unless left at their defaults (server/unsupported_fields.py)
+    best_of: int | None = None
     logits_processors: list[Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
-    return_token_ids: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +141,38 @@ class SamplingFields(OpenAIModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
         return self
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream") and (value > 0 or value == -1):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        if value is not None and value < -1:
+            raise ValueError("`prompt_logprobs` must be a positive value or -1.")
+        return value
+
+    @field_validator("logprob_token_ids")
+    @classmethod
+    def _check_logprob_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not value:
+            raise ValueError("`logprob_token_ids` must not be an empty list.")
+        return value
+
+    @model_validator(mode="after")
+    def _check_logprob_token_ids_need_logprobs(self):
+        logprobs = getattr(self, "logprobs", None)  # chat: a bool; completions: a count
+        if self.logprob_token_ids and (logprobs is None or logprobs is False):
+            raise ValueError("when using `logprob_token_ids`, `logprobs` must be set.")
+        return self
+
+    def kept_prompt(self, ids: list[int]) -> list[int]:
+        """The prompt ids ``truncation_side: "right"`` keeps: the first
+        ``truncate_prompt_tokens``. Any other prompt is left whole here: the engine
+        keeps its last ``truncate_prompt_tokens`` ("left", vLLM's default)."""
+        keep = self.truncate_prompt_tokens
+        if self.truncation_side == "right" and keep is not None and 0 < keep < len(ids):
+            return ids[:keep]
+        return ids
 
     def sampling_params(
         self,
@@ -156,7 +201,9 @@ class SamplingFields(OpenAIModel):
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            logprobs=logprobs,
+            # explicit ids replace the top-k (vLLM: logprobs None, logprob_token_ids set)
+            logprobs=None if self.logprob_token_ids else logprobs,
+            logprob_token_ids=self.logprob_token_ids,
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
@@ -281,14 +328,18 @@ class ErrorResponse(BaseModel):
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """Token id -> bias clamped to [-100, 100]; a ValueError names every key that is
+    not a token id."""
     if not bias:
         return None
-    out = {}
+    out, bad = {}, []
     for key, value in bias.items():
         try:
             out[int(key)] = max(-100.0, min(100.0, float(value)))
         except ValueError:
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            bad.append(key)
+    if bad:
+        raise ValueError(f"logit_bias keys must be token ids, got {', '.join(map(repr, bad))}")
     return out
 
 

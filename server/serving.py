@@ -25,6 +25,7 @@ from jaxengine.sampling_params import SamplingParams
 from server.errors import APIError, error_body
 from server.lora import ServingModels
 from server.protocol import GENERATION_CONFIG_DEFAULTS
+from server.responses import per_request_metrics
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -42,6 +43,8 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = False
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
+    enable_per_request_metrics: bool = False
+    """Add vLLM's per-request timing ``metrics`` to completions and chat responses."""
     enable_log_requests: bool = False
     max_log_len: int | None = None
     enable_auto_tool_choice: bool = False
@@ -249,12 +252,32 @@ async def _wait_disconnect(raw_request: Request) -> None:
 
 
 def usage_flags(request: Any, options: ServerOptions) -> tuple[bool, bool]:
-    """(a final usage chunk, usage on every chunk) for a streamed request."""
+    """(a final usage chunk, usage on every chunk) for a streamed request, as vLLM:
+    ``--enable-force-include-usage`` turns both on whatever the request says."""
+    if options.enable_force_include_usage:
+        return True, True
     stream_options = request.stream_options
-    include = options.enable_force_include_usage or bool(
-        stream_options and stream_options.include_usage
-    )
-    return include, include and bool(stream_options and stream_options.continuous_usage_stats)
+    include = bool(stream_options and stream_options.include_usage)
+    return include, include and bool(stream_options.continuous_usage_stats)
+
+
+def timing_metrics(
+    options: ServerOptions, out: RequestOutput | None, completion_tokens: int, single: bool
+) -> dict[str, float | None] | None:
+    """A response's ``metrics`` (``--enable-per-request-metrics``), or None: the flag
+    is off, or the request is not ``single`` (one prompt, ``n`` = 1), as in vLLM,
+    whose timings describe one generation stream and are not attributed to a request
+    of several."""
+    if not options.enable_per_request_metrics or not single:
+        return None
+    return per_request_metrics(out.metrics if out is not None else None, completion_tokens)
+
+
+def add_stream_metrics(chunk: dict[str, Any], metrics: dict[str, Any] | None) -> None:
+    """Puts ``metrics`` on a stream's final usage chunk as vLLM serializes that chunk
+    (``exclude_none``): no key without metrics, and no null fields inside."""
+    if metrics is not None:
+        chunk["metrics"] = {k: v for k, v in metrics.items() if v is not None}
 
 
 async def sse(payloads: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

@@ -4,6 +4,12 @@ The stream sends, per choice, a first delta with the role, content deltas, and o
 last chunk carrying ``finish_reason``. ``echo`` repeats the final message's content
 when it has the response role (``continue_final_message``).
 
+``return_token_ids`` adds the prompt's token ids (at the top level; streamed, in the
+role chunks) and each choice's (per chunk when streaming); ``prompt_logprobs`` come
+at the top level. ``--enable-per-request-metrics`` adds vLLM's timing ``metrics`` to a
+response with ``n`` = 1 (null otherwise); a stream carries them in its final usage
+chunk.
+
 Tools (`server/tool_calls.py`) and reasoning split the generated text into
 ``reasoning_content``, ``content`` and ``tool_calls`` (`server/chat_output.py`);
 a "required" or named ``tool_choice`` constrains the output with structured outputs,
@@ -20,10 +26,18 @@ from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import StructuredOutputsParams
 from jaxengine.tokenizer import apply_chat_template, resolve_chat_template
 from server import responses as R
+from server import serving_beam
 from server.chat_output import ChatOutputParser
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
-from server.serving import ServingContext, sse, until_disconnected, usage_flags
+from server.serving import (
+    ServingContext,
+    add_stream_metrics,
+    sse,
+    timing_metrics,
+    until_disconnected,
+    usage_flags,
+)
 from server.structured import structured_outputs_params
 from server.tool_calls import NO_TOOLS, ToolChoice, forced_schema, resolve_tool_choice
 
@@ -84,7 +98,7 @@ class ChatHandler:
         tool_parser = ctx.tool_parser() if choice.mode == "auto" else None
         if tool_parser is not None:
             request = tool_parser.adjust_request(request)
-        ids = self.render(request)
+        ids = request.kept_prompt(self.render(request))
         params = request.sampling_params(
             request.wanted_max_tokens(),
             request.wanted_logprobs(),
@@ -94,11 +108,12 @@ class ChatHandler:
         prepared = ctx.prepare([{"prompt_token_ids": ids}], params, lora)
         request_id = request.request_id or R.random_id("chatcmpl")
         ctx.log_request(request_id, prepared)
-        streams = ctx.streams(request_id, prepared, request.priority)
+        streams = serving_beam.streams(ctx, request, request_id, prepared)
         parser = ChatOutputParser(
             request, choice, ctx.reasoning_parser(), tool_parser, _tool_call_id
         )
-        view = _ChatView(ctx, request, model, request_id, len(prepared[0].token_ids), parser)
+        prompt_ids = prepared[0].token_ids
+        view = _ChatView(ctx, request, model, request_id, len(prompt_ids), parser, prompt_ids)
         if request.stream:
             return sse(view.stream(streams))
         return await until_disconnected(raw_request, view.collect(streams))
@@ -194,9 +209,12 @@ class _ChatView:
         rid: str,
         n_prompt: int,
         parser: ChatOutputParser | None = None,
+        prompt_token_ids: list[int] | None = None,
     ):
         self.ctx, self.request, self.model, self.id = ctx, request, model, rid
         self.n_prompt = n_prompt
+        self.prompt_ids = list(prompt_token_ids or [])
+        self.token_ids = bool(request.return_token_ids)
         self.parser = parser or ChatOutputParser(request, NO_TOOLS, None, None, _tool_call_id)
         self.created = R.now()
         self.role = ctx.options.response_role
@@ -212,6 +230,8 @@ class _ChatView:
         top = self.request.wanted_logprobs()
         if top is None:
             return None
+        if self.request.logprob_token_ids:
+            top = None  # every entry: the sampled token and the ids
         return R.chat_logprobs(
             seq.token_ids, seq.logprobs or [], top, self.ctx.tokenizer, self.as_ids
         )
@@ -238,6 +258,7 @@ class _ChatView:
                     "logprobs": self._logprobs(seq),
                     "finish_reason": _finish_reason(seq.finish_reason, called),
                     "stop_reason": seq.stop_reason,
+                    "token_ids": list(seq.token_ids) if self.token_ids else None,
                 }
             )
         completion = sum(len(s.token_ids) for s in final.outputs)
@@ -248,8 +269,15 @@ class _ChatView:
             "model": self.model,
             "choices": choices,
             "usage": self._usage(final, completion),
-            "prompt_logprobs": None,
+            "prompt_logprobs": R.prompt_logprobs(final.prompt_logprobs),
+            "prompt_token_ids": list(final.prompt_token_ids) if self.token_ids else None,
+            "metrics": self._metrics(final, completion),
         }
+
+    def _metrics(self, out: RequestOutput | None, completion: int) -> dict | None:
+        """vLLM's per-request ``metrics``: for n = 1 only."""
+        single = (self.request.n or 1) == 1
+        return timing_metrics(self.ctx.options, out, completion, single)
 
     async def stream(self, streams: AsyncIterator[tuple[int, RequestOutput]]):
         include_usage, continuous = usage_flags(self.request, self.ctx.options)
@@ -258,6 +286,8 @@ class _ChatView:
         for index in range(self.request.n):  # the role first, for every choice
             delta = {"role": self.role, "content": self.echo}
             chunk = self._chunk(index, delta, None, None, None)
+            if self.token_ids:
+                chunk["prompt_token_ids"] = self.prompt_ids
             if continuous:
                 chunk["usage"] = self._usage(None, 0)
             yield chunk
@@ -272,16 +302,19 @@ class _ChatView:
                     delta = delta.add(parsed.finish())
                 body = self.parser.delta_dict(delta)
                 logprobs = self._logprobs(seq)
-                if not body and logprobs is None and seq.finish_reason is None:
+                held = not body and logprobs is None and seq.finish_reason is None
+                if held and not self.token_ids:
                     continue  # the parsers hold this text back
                 finish = _finish_reason(seq.finish_reason, parsed.tools_called)
                 chunk = self._chunk(seq.index, body, logprobs, finish, seq.stop_reason)
+                chunk["choices"][0]["token_ids"] = list(seq.token_ids) if self.token_ids else None
                 if continuous:
                     chunk["usage"] = self._usage(out, sum(sent.values()))
                 yield chunk
         if include_usage and last is not None:
             final = self._base([])
             final["usage"] = self._usage(last, sum(sent.values()))
+            add_stream_metrics(final, self._metrics(last, sum(sent.values())))
             yield final
 
     def _base(self, choices: list) -> dict[str, Any]:

@@ -32,16 +32,15 @@ def _given(value: Any, _: dict[str, Any]) -> bool:
     return value is not None and value != {} and value != []
 
 
-def _true(value: Any, _: dict[str, Any]) -> bool:
-    return bool(value)
-
-
 REFUSED: dict[str, Refusal] = {
     # both endpoints (vLLM's extra fields, and OpenAI's best_of)
-    "use_beam_search": Refusal(_true, "beam search is not supported"),
     "length_penalty": Refusal(
-        lambda v, _: v is not None and v != 1.0,
-        "length_penalty applies to beam search, which is not supported",
+        lambda v, data: v is not None and v != 1.0 and not data.get("use_beam_search"),
+        "length_penalty applies to beam search only: set use_beam_search",
+    ),
+    "early_stopping": Refusal(
+        lambda v, data: v not in (None, False) and not data.get("use_beam_search"),
+        "early_stopping applies to beam search only: set use_beam_search",
     ),
     "best_of": Refusal(
         lambda v, data: v is not None and v != data.get("n", 1),
@@ -58,7 +57,6 @@ REFUSED: dict[str, Refusal] = {
     "cache_salt": Refusal(
         _given, "cache_salt is not supported: the prefix cache is shared by all requests"
     ),
-    "return_token_ids": Refusal(_true, "return_token_ids is not supported"),
     # completions
     "suffix": Refusal(_given, "suffix is not supported"),
     "prompt_embeds": Refusal(_given, "prompt_embeds are not supported (text and token ids only)"),

@@ -5,7 +5,9 @@ background thread compiles every step shape (``--no-background-compile``: compil
 them all first; ``--enforce-eager``: compile each on first use). It serves
 ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/detokenize``,
 ``/health``, ``/version``, ``/metrics`` (and ``/load`` with
-``--enable-server-load-tracking``) on ``--host``/``--port``.
+``--enable-server-load-tracking``), vLLM's ``/v1/chat/completions/batch``, SageMaker's
+``/invocations`` and ``/ping`` (and ``/tokenizer_info`` with
+``--enable-tokenizer-info-endpoint``) on ``--host``/``--port``.
 
     jaxengine serve --port 8000
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\

@@ -184,3 +184,7 @@ class SchedulerStats:
     """``--max-loras`` (0: LoRA off)."""
     spec_decoding: SpecDecodingStats | None = None
     """Speculative-decoding counters (None: speculative decoding off)."""
+    num_deferred: int = 0
+    """Of ``num_waiting``, the requests the last admission pass skipped (vLLM's
+    "deferred": LoRA budget, grammar still compiling, a token in flight, the
+    partial-prefill limit); the others wait for capacity."""

@@ -128,6 +128,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_deferred = 0  # waiting requests the last admission pass skipped
         self.spec_stats = SpecDecodingStats()
 
     # ---- requests in and out -----------------------------------------------------
@@ -213,6 +214,7 @@ class Scheduler:
             waiting_lora_adapters=_lora_counts(self.waiting),
             max_lora=self.limits.max_loras,
             spec_decoding=self.spec_stats if self.limits.num_speculative_tokens else None,
+            num_deferred=min(self.num_deferred, len(self.waiting)),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -320,6 +322,7 @@ class Scheduler:
                 continue
             if verdict is _Verdict.SKIP:
                 skipped.append(self.waiting.pop())
+        self.num_deferred = len(skipped)
         for req in reversed(skipped):
             self.waiting.prepend(req)
 

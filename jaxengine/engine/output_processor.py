@@ -121,7 +121,7 @@ class OutputProcessor:
                     params.spaces_between_special_tokens,
                 )
             seq = SequenceState(i, params, detok)
-            if params.logprobs is not None:
+            if params.logprobs_top_k is not None:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
             sequences.append(seq)
         state = RequestState(
@@ -194,6 +194,9 @@ class OutputProcessor:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             stats.num_prompt_tokens += len(state.prompt_token_ids)
+            stats.num_cached_prompt_tokens += min(
+                state.num_cached_tokens, len(state.prompt_token_ids)
+            )
             stats.time_to_first_tokens.append(now - metrics.arrival_time)
         elif now > metrics.last_token_time:  # once per step, for n > 1 too
             stats.inter_token_latencies.append(now - metrics.last_token_time)
@@ -219,6 +222,9 @@ class OutputProcessor:
                 prefill_time=first - scheduled,
                 decode_time=decode,
                 time_per_output_token=decode / (longest - 1) if longest > 1 else 0.0,
+                n=len(state.sequences),
+                max_num_generation_tokens=longest,
+                num_cached_tokens=min(state.num_cached_tokens, len(state.prompt_token_ids)),
             )
         )
 
@@ -240,9 +246,9 @@ class OutputProcessor:
             for token, entry in zip(new_ids, _as_list(new_logprobs), strict=False):
                 if entry is None:
                     continue
-                lp, rank, top_ids, top_lps = entry
+                lp, rank, top_ids, top_lps, *top_ranks = entry  # ranks: logprob_token_ids
                 seq.logprobs.append(
-                    self._decorate(logprobs_dict(token, lp, rank, top_ids, top_lps))
+                    self._decorate(logprobs_dict(token, lp, rank, top_ids, top_lps, *top_ranks))
                 )
                 seq.cumulative_logprob += lp
         if seq.detokenizer is None:

@@ -32,6 +32,22 @@ class FinishedRequestStats:
     """Seconds from the first token to the last."""
     time_per_output_token: float
     """decode_time / (tokens of the longest sequence - 1); 0 with one token."""
+    n: int
+    """The request's ``n`` (its number of sequences)."""
+    max_num_generation_tokens: int
+    """Tokens of its longest sequence (``num_generation_tokens`` when n == 1)."""
+    num_cached_tokens: int
+    """Prompt tokens found in the prefix cache when it was first scheduled."""
+
+    @property
+    def inference_time(self) -> float:
+        """Seconds from the first schedule to the last token (prefill + decode)."""
+        return self.prefill_time + self.decode_time
+
+    @property
+    def num_prefill_kv_computed_tokens(self) -> int:
+        """Prompt tokens whose KV its prefill computed (the cached ones excluded)."""
+        return self.num_prompt_tokens - self.num_cached_tokens
 
 
 @dataclasses.dataclass
@@ -41,6 +57,8 @@ class IterationStats:
     iteration_timestamp: float = dataclasses.field(default_factory=time.time)
     num_prompt_tokens: int = 0
     """Prompt tokens of the requests whose first token came in this step."""
+    num_cached_prompt_tokens: int = 0
+    """Of those, the tokens found in the prefix cache (their KV was not computed)."""
     num_generation_tokens: int = 0
     """Tokens generated in this step, over every sequence."""
     time_to_first_tokens: list[float] = dataclasses.field(default_factory=list)

@@ -16,8 +16,11 @@ import it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
+
+from jaxengine.beam_search import BeamSearch, BeamSearchParams, check_engine, eos_token_ids
 
 if TYPE_CHECKING:
     from jaxengine.config import EngineConfig
@@ -56,6 +59,68 @@ class EngineFront:
 
     async def list_loras(self) -> set[int]:
         return self.engine.list_loras()
+
+    def beam_search(
+        self,
+        prompt: PreparedPrompt,
+        params: BeamSearchParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        logprobs: int | None = None,
+        skip_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """A prepared prompt's beam search (`jaxengine.beam_search`): one final
+        `RequestOutput` with its ``beam_width`` sequences, best first (their
+        ``logprobs`` when ``logprobs`` is given). Each step runs one ``generate``
+        request per live beam, ``{request_id}-s{step}-b{beam}``, wherever
+        ``generate`` routes it; leaving early aborts them. Raises ValueError at once
+        (nothing queued) when the engine cannot score the search (`check_engine`)."""
+        engine = self.engine
+        eos = eos_token_ids(engine.eos_token_id, engine.generation_config)
+        search = BeamSearch(prompt.token_ids, params, eos, prompt.lora_request)
+        check_engine(search, engine.config.model_config)
+        tokenizer = engine.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            if tokenizer is None:
+                return ""
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        return self._beam_search(search, prompt.text, request_id, priority, logprobs, decode)
+
+    async def _beam_search(
+        self, search: BeamSearch, text, request_id, priority, logprobs, decode
+    ) -> AsyncIterator[RequestOutput]:
+        step_params = search.step_params(logprobs)
+        for number in itertools.count():
+            beams = search.live()
+            if not beams:
+                break
+            request_ids = [f"{request_id}-s{number}-b{j}" for j in range(len(beams))]
+            tasks = [
+                asyncio.ensure_future(self._beam_step(b, step_params, search, rid, priority))
+                for b, rid in zip(beams, request_ids, strict=True)
+            ]
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:  # after a failure: the other beams' requests abort
+                    task.cancel()
+            search.advance(results)
+        yield search.request_output(request_id, text, decode, logprobs is not None)
+
+    async def _beam_step(self, ids, params, search, request_id, priority) -> Any:
+        """One beam's next-token logprobs: a one-token request of its tokens."""
+        prepared = self.prepare({"prompt_token_ids": ids}, params, search.lora_request)
+        stream = self.generate(prepared, prepared.params, request_id, priority=priority)
+        last = None
+        try:
+            async for out in stream:
+                last = out
+        finally:
+            await stream.aclose()
+        return last.outputs[0].logprobs[0]
 
 
 class StatLogger(Protocol):
@@ -175,6 +240,20 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Aborts requests in any state (unknown ids are ignored)."""
+        ...
+
+    def beam_search(
+        self,
+        prompt: PreparedPrompt,
+        params: BeamSearchParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        logprobs: int | None = None,
+        skip_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """A prepared prompt's beam search: one final `RequestOutput` holding its
+        sequences, best first (`EngineFront.beam_search`)."""
         ...
 
     def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:

@@ -23,9 +23,18 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jaxengine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    check_engine,
+    eos_token_ids,
+    run_beam_searches,
+)
 from jaxengine.engine_args import EngineArgs
 from jaxengine.lora import LoRARequest
 from jaxengine.metrics import PrometheusStatLogger
+from jaxengine.metrics_families import engine_cache_config_info
 from jaxengine.metrics_reader import Metric, get_metrics_snapshot
 from jaxengine.outputs import (
     ClassificationRequestOutput,
@@ -254,12 +263,60 @@ class LLM:
         loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
         return self._run(prompts, params, use_tqdm, None, loras)
 
+    def beam_search(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's API, transformers' selection rules:
+        `jaxengine.beam_search`): per prompt, its best ``params.beam_width``
+        sequences, best first, whose ``tokens`` start with the prompt's and whose
+        ``text`` decodes them all. Each step is one engine request per live beam,
+        whose full pages come from the prefix cache. Every prompt is validated
+        before any runs; ``concurrency_limit`` prompts are searched at a time (all
+        by default)."""
+        prompt_list = _as_prompt_list(prompts)
+        loras = _per_prompt(lora_request, len(prompt_list), "LoRA requests")
+        pairs = zip(prompt_list, loras, strict=True)
+        searches = [self._beam_search_of(prompt, params, lora) for prompt, lora in pairs]
+        limit = concurrency_limit or max(len(searches), 1)
+        groups = [searches[i : i + limit] for i in range(0, len(searches), limit)]
+        bar = tqdm(total=len(groups) * params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        try:
+            for group in groups:
+                run_beam_searches(group, self._score_beams, on_step=lambda: bar.update(1))
+        finally:
+            bar.close()
+        tokenizer = self.engine.tokenizer
+        decode = tokenizer.decode if tokenizer is not None else None
+        return [search.output(decode) for search in searches]
+
     # ------------------------------------------------------------------ details
 
     def _params_list(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         return _per_prompt(sampling_params, count, "sampling params")
+
+    def _beam_search_of(self, prompt, params: BeamSearchParams, lora) -> BeamSearch:
+        """A prompt's search, after the checks a generation of ``max_tokens`` gets."""
+        engine = self.engine
+        prepared = engine.prepare(prompt, SamplingParams(max_tokens=params.max_tokens), lora)
+        eos = eos_token_ids(engine.eos_token_id, engine.generation_config)
+        search = BeamSearch(prepared.token_ids, params, eos, prepared.lora_request)
+        check_engine(search, engine.config.model_config)
+        return search
+
+    def _score_beams(self, batch) -> list:
+        """One step of beam search: each (search, token ids)'s next-token logprobs."""
+        prompts = [{"prompt_token_ids": ids} for _, ids in batch]
+        params = [search.step_params() for search, _ in batch]
+        loras = [search.lora_request for search, _ in batch]
+        outputs = self._run(prompts, params, False, None, loras)
+        return [out.outputs[0].logprobs[0] for out in outputs]
 
     def _run(self, prompts, params, use_tqdm, priority, loras=None) -> list[RequestOutput]:
         engine = self.engine
@@ -304,4 +361,9 @@ class LLM:
 def _stat_logger(engine: Any, model: str) -> PrometheusStatLogger:
     replicas = getattr(engine, "replicas", [engine])
     max_len = replicas[0].config.model_config.max_model_len
-    return PrometheusStatLogger(model, max_model_len=max_len, engine_indexes=range(len(replicas)))
+    return PrometheusStatLogger(
+        model,
+        max_model_len=max_len,
+        engine_indexes=range(len(replicas)),
+        cache_config_info=engine_cache_config_info(engine),
+    )

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +53,9 @@ from jaxengine.runner.step import make_classifier
 from sharding.placement import Placement
 
 logger = logging.getLogger(__name__)
+
+ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+"""Set to 1: ``--max-model-len`` may exceed the model's context (vLLM's variable)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,18 +97,31 @@ def resolve_max_model_len(
     hf_config: Any,
     model: TransformerConfig | None = None,
     disable_sliding_window: bool = False,
+    environ: Mapping[str, str] = os.environ,
 ) -> int:
     """``--max-model-len``, or the model's context; with ``--disable-sliding-window``
-    at most the model's sliding window (so no layer's window ever binds)."""
+    at most the model's sliding window (so no layer's window ever binds).
+
+    ``$VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` (vLLM's variable) lets ``--max-model-len``
+    exceed the model's context, with a warning: positions past it were never trained.
+    """
     limit, what = model_max_len(hf_config), "the model's maximum context length"
     window = sliding_window(model) if disable_sliding_window and model is not None else None
     if window is not None and window < limit:
         limit, what = window, "the sliding window (--disable-sliding-window)"
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"--max-model-len {requested} exceeds {what} {limit}")
-    return requested
+    if requested is None or requested <= limit:
+        return limit if requested is None else requested
+    if window is None and environ.get(ALLOW_LONG_ENV, "0").strip().lower() in ("1", "true"):
+        logger.warning(
+            "--max-model-len %d exceeds %s %d: allowed by $%s; outputs past %d positions "
+            "may be wrong",
+            *(requested, what, limit, ALLOW_LONG_ENV, limit),
+        )
+        return requested
+    raise ValueError(
+        f"--max-model-len {requested} exceeds {what} {limit}"
+        + (f" (set ${ALLOW_LONG_ENV}=1 to allow it)" if window is None else "")
+    )
 
 
 def _eos(generation_config: dict, tokenizer: Any, hf_config: Any) -> int | None:

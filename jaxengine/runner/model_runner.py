@@ -620,12 +620,24 @@ def _accepted(state: RequestState, chunk: SeqChunk, token_ids, lp, row: int):
         tokens.append(int(token_ids[row + len(tokens)]))
     state.token_ids.extend(tokens)
     state.num_computed -= len(drafts) + 1 - len(tokens)
-    k = state.params.logprobs
-    entries = [_row_logprobs(lp, row + j, k) for j in range(len(tokens))]
+    entries = [_row_logprobs(lp, row + j, state.params) for j in range(len(tokens))]
     return tokens, (entries if drafts else entries[0])
 
 
-def _row_logprobs(lp, i: int, k: int | None):
+def _row_logprobs(lp, i: int, params):
+    """Row ``i``'s entry: `_pick` of the top-k, or with ``logprob_token_ids`` (sampled
+    logprob, rank, the ids, their logprobs, their ranks)."""
+    k = params.logprobs_top_k
     if lp is None or k is None:
         return None
-    return _pick(lp, i, k)
+    ids = params.logprob_token_ids
+    if not ids:
+        return _pick(lp, i, k)
+    n = len(ids)
+    return (
+        float(lp.sampled_logprob[i]),
+        int(lp.sampled_rank[i]),
+        list(ids),
+        lp.ids_logprobs[i, :n].tolist(),
+        lp.ids_ranks[i, :n].tolist(),
+    )

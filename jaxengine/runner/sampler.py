@@ -17,7 +17,10 @@
    min_p * the top probability), top-k (keep the k largest, ties included), top-p
    (keep the smallest top set whose probability, renormalised after top-k, reaches
    p), then a Gumbel-max draw with the row's own key: argmax(logits + Gumbel noise)
-   is an exact sample of softmax(logits).
+   is an exact sample of softmax(logits);
+7. logprobs (variants with `num_logprobs`): the sampled token's logprob and rank,
+   the top-k, and with `logprob_ids_width` the logprobs and ranks of each row's
+   `logprob_token_ids` (`gather_token_logprobs`).
 
 Each row's key is `fold_in(threefry(seed), step)` and its noise is drawn per row
 (vmap over keys), so a row's token does not depend on the other rows or its slot.
@@ -44,6 +47,8 @@ class LogprobsOutput(NamedTuple):
     sampled_rank: jax.Array  # [R] i32, 1-based: #tokens with logprob >= the sampled one
     topk_ids: jax.Array  # [R, K] i32, by decreasing logprob
     topk_logprobs: jax.Array  # [R, K] f32
+    ids_logprobs: jax.Array | None = None  # [R, Kl] f32 of `logprob_ids` (flag set)
+    ids_ranks: jax.Array | None = None  # [R, Kl] i32, 1-based, as `sampled_rank`
 
 
 class SamplerOutput(NamedTuple):
@@ -191,7 +196,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, flags: SamplerFlags) -> S
     source = raw if flags.logprobs_mode.startswith("raw") else final
     if flags.logprobs_mode.endswith("logprobs"):
         source = jax.nn.log_softmax(source, axis=-1)
-    return SamplerOutput(token_ids, gather_logprobs(source, token_ids, flags.num_logprobs))
+    out = gather_logprobs(source, token_ids, flags.num_logprobs)
+    if flags.logprob_ids_width:
+        out = out._replace(**gather_token_logprobs(source, md.logprob_ids))
+    return SamplerOutput(token_ids, out)
 
 
 def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array, k: int) -> LogprobsOutput:
@@ -205,6 +213,27 @@ def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array, k: int) -> Logpro
         top_vals = jnp.zeros((logprobs.shape[0], 0), logprobs.dtype)
         top_ids = jnp.zeros((logprobs.shape[0], 0), jnp.int32)
     return LogprobsOutput(chosen[:, 0], rank, top_ids.astype(jnp.int32), top_vals)
+
+
+def gather_token_logprobs(logprobs: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
+    """The logprobs and 1-based ranks of given ids (`ids [R, Kl]`, -1 padding) of
+    each row of `logprobs [R, V]` (`logprob_token_ids`).
+
+    The ranks take a sort of every row, so they are computed only when some row
+    names ids (`lax.cond`): a batch of top-k requests pays for the gather alone.
+    """
+    values = jnp.take_along_axis(logprobs, jnp.maximum(ids, 0), axis=-1)  # [R, Kl]
+
+    def ranks(_) -> jax.Array:
+        ascending = jnp.sort(logprobs, axis=-1)  # [R, V]
+        below = jax.vmap(lambda row, v: jnp.searchsorted(row, v, side="left"))(
+            ascending, values
+        )  # [R, Kl]: how many tokens are strictly less likely
+        return (logprobs.shape[-1] - below).astype(jnp.int32)
+
+    none = jnp.zeros(ids.shape, jnp.int32)
+    rank = jax.lax.cond(jnp.any(ids >= 0), ranks, lambda _: none, None)
+    return {"ids_logprobs": values, "ids_ranks": rank}
 
 
 def prompt_logprobs(logits: jax.Array, target_ids: jax.Array, k: int) -> LogprobsOutput:

@@ -28,6 +28,7 @@ from jaxengine.runner.sampling_metadata import (
 )
 from jaxengine.runner.step import make_sampler
 from jaxengine.runner.transfer import pack_tree
+from jaxengine.sampling_params import MAX_LOGPROB_TOKEN_IDS
 
 if TYPE_CHECKING:
     from jax.sharding import Sharding
@@ -94,7 +95,11 @@ def sampler_variants(
 ) -> list[SamplerFlags]:
     """Greedy; greedy with logprobs; temperature + filters; everything; and each
     again with the structured-output bitmask (a batch mixing constrained and free
-    requests runs one of those and compiles nothing)."""
+    requests runs one of those and compiles nothing).
+
+    "Everything" also gathers `logprob_token_ids`: a batch naming ids runs it. Its
+    ranks sort the vocabulary only in steps where a row names ids (`lax.cond`), so
+    the other batches that need it pay nothing for them."""
     k = logprobs_bucket(max_logprobs, vocab)
     base = [
         SamplerFlags(all_greedy=True, logprobs_mode=mode),
@@ -107,6 +112,7 @@ def sampler_variants(
             allowed_width=width_bucket(ALLOWED_WIDTH, cap=vocab),
             num_logprobs=k,
             logprobs_mode=mode,
+            logprob_ids_width=MAX_LOGPROB_TOKEN_IDS,
         ),
     ]
     return base + [dataclasses.replace(f, token_bitmask=True) for f in base]

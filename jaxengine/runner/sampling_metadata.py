@@ -24,6 +24,8 @@ Design choices:
   of every unconstrained and padding row), a fixed shape whatever the grammar.
 - `allowed_token_ids` is a sparse allow-list `allowed_ids [R, Ka]` with a per-row
   flag `has_allowed [R]`.
+- `logprob_token_ids` are `logprob_ids [R, Kl]` (padding -1): the sampler gathers
+  their logprobs (and ranks) beside the sampled token's.
 - Penalties read `penalty_ids [R, Lp]`: a row's output token ids followed by its
   prompt ids (prompt only when `repetition_penalty != 1`, the one penalty that looks
   at the prompt), padding -1, and `penalty_num_output [R]`. The device scatter-adds
@@ -51,7 +53,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from jaxengine.sampling_params import SamplingParams, SamplingType
+from jaxengine.sampling_params import MAX_LOGPROB_TOKEN_IDS, SamplingParams, SamplingType
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
 _MASK64 = (1 << 64) - 1
@@ -86,6 +88,8 @@ class SamplerFlags:
     """`ModelConfig.logprobs_mode`: fixed for an engine, so it multiplies nothing."""
     token_bitmask: bool = False
     """Apply `token_bitmask` (structured outputs); False compiles no mask."""
+    logprob_ids_width: int = 0
+    """Kl of `logprob_ids` (`logprob_token_ids`); 0 compiles no gather of them."""
 
     def covers(self, other: SamplerFlags) -> bool:
         """Whether this variant computes `other`'s batches correctly."""
@@ -97,7 +101,13 @@ class SamplerFlags:
             return False
         lp_self = -1 if self.num_logprobs is None else self.num_logprobs
         lp_other = -1 if other.num_logprobs is None else other.num_logprobs
-        widths = ("filter_width", "penalty_width", "bias_width", "allowed_width")
+        widths = (
+            "filter_width",
+            "penalty_width",
+            "bias_width",
+            "allowed_width",
+            "logprob_ids_width",
+        )
         return lp_self >= lp_other and all(getattr(self, f) >= getattr(other, f) for f in widths)
 
     def cost(self) -> int:
@@ -166,6 +176,7 @@ class SamplingMetadata(NamedTuple):
     allowed_ids: np.ndarray  # [R, Ka] i32, -1 pad
     has_allowed: np.ndarray  # [R] bool
     token_bitmask: np.ndarray  # [R, W] i32, W = ceil(V / 32) (0 without the flag), -1 = all
+    logprob_ids: np.ndarray  # [R, Kl] i32, -1 pad
 
 
 @dataclass(frozen=True)
@@ -271,8 +282,9 @@ class SamplingBatch:
             filter_width = self.vocab_size
         elif any(r.params.top_p < 1 or q.top_k > 0 for r, q in random):
             filter_width = bucket(max(q.top_k for _, q in random), cap=self.vocab_size)
-        lps = [r.params.logprobs for r, _ in real if r.params.logprobs is not None]
+        lps = [r.params.logprobs_top_k for r, _ in real if r.params.logprobs_top_k is not None]
         widest = self.vocab_size if -1 in lps else max(lps, default=None)
+        ids = max((len(r.params.logprob_token_ids or ()) for r, _ in real), default=0)
         return SamplerFlags(
             all_greedy=not random,
             filter_width=filter_width,
@@ -285,6 +297,7 @@ class SamplingBatch:
             num_logprobs=logprobs_bucket(widest, self.vocab_size),
             logprobs_mode=logprobs_mode,
             token_bitmask=any(r.token_bitmask is not None for r, _ in real),
+            logprob_ids_width=0 if ids == 0 else MAX_LOGPROB_TOKEN_IDS,
         )
 
     def to_metadata(self, flags: SamplerFlags) -> SamplingMetadata:
@@ -302,6 +315,7 @@ class SamplingBatch:
         has_allowed = np.zeros(R, bool)  # [R]
         width = -(-self.vocab_size // 32) if flags.token_bitmask else 0
         token_bitmask = np.full((R, width), -1, np.int32)  # [R, W]
+        logprob_ids = np.full((R, flags.logprob_ids_width), -1, np.int32)  # [R, Kl]
         for i, q in enumerate(self._prep):
             if q is None:
                 continue
@@ -316,6 +330,9 @@ class SamplingBatch:
             row = self.rows[i]
             if row is not None and row.token_bitmask is not None:
                 token_bitmask[i] = row.token_bitmask
+            wanted = row.params.logprob_token_ids if row is not None else None
+            if wanted:
+                logprob_ids[i, : len(wanted)] = wanted
         return SamplingMetadata(
             **scalars,
             penalty_ids=pen_ids,
@@ -325,6 +342,7 @@ class SamplingBatch:
             allowed_ids=allowed_ids,
             has_allowed=has_allowed,
             token_bitmask=token_bitmask,
+            logprob_ids=logprob_ids,
         )
 
 

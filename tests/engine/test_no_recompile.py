@@ -2,7 +2,8 @@
 
 One engine with small buckets and a small KV cache receives varied traffic: mixed
 prompt lengths, prompts longer than the token budget (chunked prefill), enough
-concurrency to force preemption, n > 1, logprobs and prompt logprobs on and off,
+concurrency to force preemption, n > 1, logprobs (top-k and `logprob_token_ids`) and
+prompt logprobs on and off,
 every sampling feature, structured outputs (grammar bitmasks) mixed with free
 requests. The compile guard must count no compilation during it (the
 guard hears every compilation in the process, so other engines built by earlier
@@ -41,7 +42,7 @@ def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
         ),
         SamplingParams(temperature=0.9, logit_bias={42: 5.0}, min_tokens=4, max_tokens=9),
         SamplingParams(temperature=0.5, allowed_token_ids=list(range(100, 400)), max_tokens=8),
-        SamplingParams(temperature=0, stop=["the", "\n"], max_tokens=30),
+        SamplingParams(temperature=0, stop=["the", "\n"], max_tokens=30, logprob_token_ids=[5, 99]),
         SamplingParams(
             temperature=0,
             logprobs=1,
@@ -62,6 +63,7 @@ def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
     assert outputs[2].outputs[0].logprobs is not None
     assert outputs[3].prompt_logprobs is not None and outputs[3].prompt_logprobs[0] is None
     assert all(100 <= t < 400 for t in outputs[6].outputs[0].token_ids)
+    assert all({5, 99} <= set(entry) for entry in outputs[7].outputs[0].logprobs)
     assert outputs[9].outputs[0].text.replace(" ", "").isalpha()
     # a second round with the batch composition reshuffled
     outputs = llm.generate(prompts[::-1], variants[::-1], use_tqdm=False)

@@ -270,6 +270,29 @@ def test_prompt_logprobs() -> None:
     np.testing.assert_array_equal(out.topk_ids, np.argsort(-ref, axis=-1)[:, :4])
 
 
+def test_logprob_token_ids_gather() -> None:
+    """`logprob_token_ids`: the named ids' logprobs and ranks (as the sampled token's),
+    beside an unchanged draw and top-k, in a batch mixing them with plain rows."""
+    rows = [_row(temperature=0.0, logprob_token_ids=[3, 0, 15]), _row(temperature=0.0)]
+    rows += [_row(temperature=0.0, logprobs=2), None]
+    batch = SamplingBatch(rows, 4, V)
+    flags = batch.required_flags()
+    assert flags.logprob_ids_width == 128 and flags.num_logprobs == 5
+    logits = _logits(4)
+    out = sample_jit(logits, batch.to_metadata(flags), flags=flags)
+    plain = replace(flags, logprob_ids_width=0)
+    alone = SamplingBatch([None, *rows[1:]], 4, V).to_metadata(plain)  # without the ids row
+    rest = sample_jit(logits, alone, flags=plain)
+    np.testing.assert_array_equal(out.token_ids, rest.token_ids)
+    np.testing.assert_array_equal(out.logprobs.topk_ids, rest.logprobs.topk_ids)
+    ref = _log_softmax(logits)
+    ids = [3, 0, 15]
+    lp = out.logprobs
+    np.testing.assert_allclose(lp.ids_logprobs[0, :3], ref[0, ids], rtol=1e-5)
+    np.testing.assert_array_equal(lp.ids_ranks[0, :3], [(ref[0] >= ref[0, t]).sum() for t in ids])
+    np.testing.assert_array_equal(lp.topk_ids[2], np.argsort(-ref[2])[:5])
+
+
 def test_larger_variant_gives_the_same_tokens() -> None:
     rows = [_row(seed=i, temperature=0.8, top_k=4, out=[i]) for i in range(3)] + [None]
     rows.append(_row(temperature=0.0, presence_penalty=0.5, out=[2, 2]))

@@ -27,3 +27,27 @@ def hf_greedy(model, prompt_ids, new_tokens):
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_beam_search(model, prompt_ids, width, new_tokens, length_penalty, early_stopping, eos):
+    """transformers' beam search: ``width`` sequences, best first, each cut after its
+    first ``eos`` (kept), and their scores (``sequences_scores``)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=new_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    beams = []
+    for row in out.sequences[:, len(prompt_ids) :].tolist():
+        beams.append(row[: row.index(eos) + 1] if eos in row else row)
+    return beams, out.sequences_scores.tolist()

@@ -165,6 +165,26 @@ def server(request, smollm2_gguf, tmp_path_factory) -> Server:
     stop_server(running)
 
 
+VLLM_EXTRAS_FLAGS = [
+    "--enable-force-include-usage",
+    "--max-logprobs", "-1",
+    "--enable-per-request-metrics",
+]  # fmt: skip
+"""The flags of `vllm_extras_server` on top of SERVER_FLAGS."""
+
+
+@pytest.fixture(scope="session")
+def vllm_extras_server(smollm2_gguf, tmp_path_factory) -> Server:
+    """One extra server (dp1) for vLLM's opt-in response flags, shared by
+    test_vllm_fields.py and test_per_request_metrics.py: SERVER_FLAGS plus
+    VLLM_EXTRAS_FLAGS (usage on every chunk, logprobs over the whole vocabulary,
+    per-request timing metrics)."""
+    log_path = tmp_path_factory.mktemp("server-vllm-extras") / "server.log"
+    running = start_server(log_path, [*SERVER_FLAGS, *VLLM_EXTRAS_FLAGS])
+    yield running
+    stop_server(running)
+
+
 @pytest.fixture(scope="session")
 def client(server):
     return server.client(max_retries=0, timeout=120)

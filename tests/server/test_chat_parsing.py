@@ -71,7 +71,7 @@ def test_every_refused_field_is_declared():
 @pytest.mark.parametrize(
     "model, field, value",
     [
-        (ChatCompletionRequest, "use_beam_search", True),
+        (ChatCompletionRequest, "length_penalty", 0.5),  # without use_beam_search
         (ChatCompletionRequest, "modalities", ["audio"]),
         (ChatCompletionRequest, "web_search_options", {}),
         (ChatCompletionRequest, "functions", [{"name": "f"}]),

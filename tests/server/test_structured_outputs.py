@@ -502,15 +502,14 @@ def test_tool_messages_rendered_by_the_template(server):
 CHAT = ask("Hi")
 
 REFUSED_CHAT = {
-    "use_beam_search": True,
-    "length_penalty": 0.5,
+    "length_penalty": 0.5,  # beam search's (tests/server/test_beam_search_server.py)
+    "early_stopping": True,
     "best_of": 3,
     "logits_processors": ["my.module:Processor"],
     "vllm_xargs": {"k": 1},
     "kv_transfer_params": {"do_remote_prefill": True},
     "mm_processor_kwargs": {"size": 3},
     "cache_salt": "salt",
-    "return_token_ids": True,
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"},
@@ -522,11 +521,10 @@ REFUSED_CHAT = {
 REFUSED_COMPLETIONS = {
     "suffix": "!",
     "best_of": 2,
-    "use_beam_search": True,
+    "length_penalty": 2.0,
     "prompt_embeds": "AAAA",
     "logits_processors": ["x"],
     "cache_salt": "salt",
-    "return_token_ids": True,
 }
 
 
@@ -625,6 +623,6 @@ def test_bad_tool_requests(server, fields):
 def test_openai_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=2, extra_body={"use_beam_search": True}
+            model=MODEL, messages=CHAT, max_tokens=2, extra_body={"cache_salt": "salt"}
         )
-    assert "use_beam_search" in info.value.message
+    assert "cache_salt" in info.value.message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -13,12 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxengine.core.sched_output import SchedulerStats
 from jaxengine.engine.stats import FinishedRequestStats, IterationStats
-from jaxengine.metrics import (
-    LoggingStatLogger,
-    PrometheusStatLogger,
-    build_1_2_5_buckets,
-    render_metrics,
-)
+from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, render_metrics
+from jaxengine.metrics_families import build_1_2_5_buckets
 
 MODEL = "SmolLM2-135M-Instruct"
 LABEL = {"model_name": MODEL, "engine": "0"}
@@ -28,7 +25,7 @@ def sched(running=0, waiting=0, swapped=0, usage=0.0, preempt=0, queries=0, hits
     return SchedulerStats(running, waiting, swapped, usage, preempt, queries, hits)
 
 
-def finished(reason="stop", e2e=1.2, prompt=7, gen=5, max_tokens=16):
+def finished(reason="stop", e2e=1.2, prompt=7, gen=5, max_tokens=16, n=1, cached=0):
     return FinishedRequestStats(
         finish_reason=reason,
         e2e_latency=e2e,
@@ -39,6 +36,9 @@ def finished(reason="stop", e2e=1.2, prompt=7, gen=5, max_tokens=16):
         prefill_time=0.2,
         decode_time=1.0,
         time_per_output_token=0.25,
+        n=n,
+        max_num_generation_tokens=gen // n,
+        num_cached_tokens=cached,
     )
 
 
@@ -141,7 +141,7 @@ def test_token_counters_and_step_histograms():
     steps = "jaxengine:iteration_tokens_total"
     assert value(metrics, f"{steps}_count") == 2
     assert value(metrics, f"{steps}_sum") == 16
-    assert value(metrics, f"{steps}_bucket", le="2.0") == 1
+    assert value(metrics, f"{steps}_bucket", le="8.0") == 1  # vLLM's buckets: 1, 8, 16, ...
 
 
 def test_finished_requests_by_reason_and_histograms():
@@ -230,6 +230,162 @@ def test_import_leaves_jax_out():
     code = "import sys, jaxengine.metrics; print([m for m in ('jax', 'torch') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---- vLLM's names: both prefixes, vLLM's label sets ----------------------------
+
+
+def families(metrics: PrometheusStatLogger) -> dict:
+    body, _ = render_metrics(metrics.registry)
+    return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+
+def test_every_family_under_both_prefixes_from_one_source():
+    """vLLM's docs: metrics "are exposed via the /metrics endpoint ... using the vllm:
+    prefix". Each family is also exposed as jaxengine:*, with the same samples."""
+    metrics = PrometheusStatLogger(MODEL, engine_indexes=range(2))
+    metrics.record(sched(running=2, queries=32, hits=16), IterationStats(num_prompt_tokens=9))
+    metrics.record(None, IterationStats(finished_requests=[finished()]), engine_idx=1)
+    exposed = families(metrics)
+    vllm = {name[len("vllm:") :]: f for name, f in exposed.items() if name.startswith("vllm:")}
+    ours = {n[len("jaxengine:") :]: f for n, f in exposed.items() if n.startswith("jaxengine:")}
+    assert len(exposed) == len(vllm) + len(ours) and vllm.keys() == ours.keys()
+    for name, family in vllm.items():
+        assert family.type == ours[name].type, name
+        strip = [(s.name.split(":", 1)[1], s.labels, s.value) for s in family.samples]
+        assert strip == [(s.name.split(":", 1)[1], s.labels, s.value) for s in ours[name].samples]
+    assert value(metrics, "vllm:prefix_cache_hits_total") == 16
+    assert value(metrics, "vllm:request_success_total", engine="1", finished_reason="stop") == 1
+
+
+def test_new_vllm_series_from_the_stats():
+    """vLLM's num_requests_waiting_by_reason ("Sum of all reasons equals
+    vllm:num_requests_waiting"), prompt_tokens_by_source / prompt_tokens_cached,
+    iteration_tokens_total over computed tokens, and the per-request histograms
+    request_inference_time_seconds, request_params_n,
+    request_max_num_generation_tokens and request_prefill_kv_computed_tokens."""
+    metrics = PrometheusStatLogger(MODEL)
+    stats = SchedulerStats(0, 5, 0, 0.0, 0, 0, 0, num_deferred=2)
+    step = IterationStats(
+        num_prompt_tokens=20,
+        num_cached_prompt_tokens=16,
+        num_generation_tokens=3,
+        finished_requests=[finished(prompt=20, gen=6, n=2, cached=16), finished(gen=4)],
+    )
+    metrics.record(stats, step)
+    assert value(metrics, "vllm:num_requests_waiting") == 5
+    assert value(metrics, "vllm:num_requests_waiting_by_reason", reason="capacity") == 3
+    assert value(metrics, "vllm:num_requests_waiting_by_reason", reason="deferred") == 2
+    assert value(metrics, "vllm:prompt_tokens_total") == 20
+    assert value(metrics, "vllm:prompt_tokens_cached_total") == 16
+    by_source = "vllm:prompt_tokens_by_source_total"
+    assert value(metrics, by_source, source="local_compute") == 4
+    assert value(metrics, by_source, source="local_cache_hit") == 16
+    assert value(metrics, by_source, source="external_kv_transfer") == 0
+    assert value(metrics, "vllm:iteration_tokens_total_sum") == 4 + 3
+    assert value(metrics, "vllm:request_inference_time_seconds_sum") == pytest.approx(2 * 1.2)
+    assert value(metrics, "vllm:request_params_n_sum") == 3
+    assert value(metrics, "vllm:request_params_n_bucket", le="2.0") == 2
+    assert value(metrics, "vllm:request_max_num_generation_tokens_sum") == 3 + 4
+    assert value(metrics, "vllm:request_generation_tokens_sum") == 6 + 4
+    assert value(metrics, "vllm:request_prefill_kv_computed_tokens_sum") == (20 - 16) + 7
+
+
+def test_scheduler_reports_deferred_requests():
+    """A waiting request the admission pass skips (here: over the LoRA budget) is
+    vLLM's "deferred"; the rest of the queue waits for "capacity"."""
+    from types import SimpleNamespace
+
+    from jaxengine.core import Request, Scheduler, SchedulerLimits
+    from jaxengine.lora.request import LoRARequest
+
+    limits = SchedulerLimits(
+        max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, num_blocks=33, max_loras=1
+    )
+    scheduler = Scheduler(limits)
+    params = SimpleNamespace(max_tokens=4)
+    for i, lora in enumerate([LoRARequest("a", 1), LoRARequest("b", 2), None, None]):
+        scheduler.add_request(Request(f"r{i}", [1, 2, 3], params, lora_request=lora))
+    scheduler.schedule()  # r0 (adapter a) and r2 run; r1 (adapter b) is skipped
+    stats = scheduler.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_deferred) == (2, 2, 1)
+    metrics = PrometheusStatLogger(MODEL)
+    metrics.record(stats, None)
+    assert value(metrics, "vllm:num_requests_waiting_by_reason", reason="deferred") == 1
+    assert value(metrics, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1
+
+
+def test_lora_requests_info_has_vllms_labels_under_vllm():
+    """vLLM's lora_requests_info is labelled max_lora, waiting_lora_adapters and
+    running_lora_adapters only; jaxengine:lora_requests_info keeps model_name and
+    engine. Engines with the same adapters share one vllm: series (the latest time)."""
+    metrics = PrometheusStatLogger(MODEL, engine_indexes=range(2))
+    lora = SchedulerStats(1, 0, 0, 0.0, 0, 0, 0, {"a": 1}, {}, 2)
+    metrics.record(lora, None, engine_idx=0)
+    metrics.record(lora, None, engine_idx=1)
+    exposed = families(metrics)
+    [series] = exposed["vllm:lora_requests_info"].samples
+    labels = {"max_lora": "2", "waiting_lora_adapters": "", "running_lora_adapters": "a"}
+    assert series.labels == labels
+    ours = exposed["jaxengine:lora_requests_info"].samples
+    assert sorted(s.labels["engine"] for s in ours) == ["0", "1"]
+    assert series.value == max(s.value for s in ours)
+
+
+def test_spec_decode_families_under_vllm_names():
+    from jaxengine.core.sched_output import SpecDecodingStats
+
+    metrics = PrometheusStatLogger(MODEL)
+    spec = SpecDecodingStats(num_drafts=4, num_draft_tokens=8, num_accepted_tokens=5)
+    spec = dataclasses.replace(spec, accepted_per_pos=(3, 2))
+    metrics.record(SchedulerStats(1, 0, 0, 0.0, 0, 0, 0, spec_decoding=spec), None)
+    exposed = families(metrics)
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        family = exposed[f"vllm:spec_decode_{name}"]
+        assert family.type == "counter" and set(family.samples[0].labels) == set(LABEL)
+    per_pos = exposed["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert {s.labels["position"]: s.value for s in per_pos if s.name.endswith("_total")} == {
+        "0": 3,
+        "1": 2,
+    }
+
+
+def test_cache_config_info():
+    """vLLM's cache_config_info: a gauge set to 1 per engine, labelled with the cache
+    config (vLLM's field names: cache_dtype) and the engine, without model_name."""
+    from jaxengine.config.cache import CacheConfig
+    from jaxengine.metrics_families import cache_config_info
+
+    config = CacheConfig(block_size=16, kv_cache_dtype="fp8", swap_space=1)
+    info = cache_config_info(config, num_gpu_blocks=100, num_cpu_blocks=8)
+    metrics = PrometheusStatLogger(MODEL, engine_indexes=range(2), cache_config_info=info)
+    samples = families(metrics)["vllm:cache_config_info"].samples
+    assert sorted(s.labels["engine"] for s in samples) == ["0", "1"]
+    for s in samples:
+        assert s.value == 1 and "model_name" not in s.labels
+        assert s.labels["block_size"] == "16" and s.labels["cache_dtype"] == "fp8"
+        assert s.labels["enable_prefix_caching"] == "True"  # unset means on
+        assert (s.labels["num_gpu_blocks"], s.labels["num_cpu_blocks"]) == ("100", "8")
+        assert s.labels["swap_space_bytes"] == str(1 << 30)
+
+
+def test_get_metrics_reads_vllm_names():
+    """LLM.get_metrics() (metrics_reader) as vLLM's reader: records named vllm:*."""
+    from jaxengine.metrics_reader import Counter as ReaderCounter
+    from jaxengine.metrics_reader import get_metrics_snapshot
+
+    metrics = PrometheusStatLogger(MODEL)
+    metrics.record(sched(), IterationStats(num_generation_tokens=7))
+    snapshot = {(m.name, type(m).__name__) for m in get_metrics_snapshot(metrics.registry)}
+    assert ("vllm:generation_tokens", "Counter") in snapshot
+    assert ("jaxengine:generation_tokens", "Counter") in snapshot
+    assert ("vllm:time_to_first_token_seconds", "Histogram") in snapshot
+    [gen] = [
+        m
+        for m in get_metrics_snapshot(metrics.registry)
+        if m.name == "vllm:generation_tokens" and isinstance(m, ReaderCounter)
+    ]
+    assert gen.value == 7 and gen.labels == LABEL
 
 
 # ---- the log line ----------------------------------------------------------------

@@ -159,3 +159,21 @@ def test_host_modules_do_not_import_jax() -> None:
         "jaxengine.runner.sampling_metadata; assert 'jax' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_logprob_token_ids() -> None:
+    """vLLM: logprobs "for exactly these token IDs will be returned, in addition to
+    the sampled token"; at most 128 ids, all in the vocabulary, and `logprobs`, when
+    set too, equal to their count."""
+    p = SamplingParams(logprob_token_ids=(3, 9))
+    assert p.logprob_token_ids == [3, 9] and p.logprobs is None and p.logprobs_top_k == 0
+    assert SamplingParams(logprobs=2, logprob_token_ids=[3, 9]).logprobs_top_k == 0
+    assert SamplingParams(logprobs=-1).logprobs_top_k == -1
+    assert SamplingParams().logprobs_top_k is None
+    for bad in ([], [-1], list(range(129))):
+        with pytest.raises(ValueError, match="logprob_token_ids"):
+            SamplingParams(logprob_token_ids=bad)
+    with pytest.raises(ValueError, match="logprobs must equal"):
+        SamplingParams(logprobs=1, logprob_token_ids=[3, 9])
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprob_token_ids=[99, 100]).verify_against(20, 100)
