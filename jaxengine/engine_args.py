@@ -240,7 +240,9 @@ class EngineArgs:
             parts[part] = cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
         return EngineConfig(**parts)
 
-    def create_engine_config(self, platform: str | None = None) -> EngineConfig:
+    def create_engine_config(
+        self, platform: str | None = None, pooling: bool = False
+    ) -> EngineConfig:
         """The EngineConfig, with unset defaults resolved; raises on unsupported features.
 
         Resolves: block_size -> 16, enable_prefix_caching/enable_chunked_prefill ->
@@ -251,6 +253,8 @@ class EngineArgs:
         each flag whose value jaxengine cannot run yet. ``platform="cpu"`` uses the
         smaller CPU defaults (`scheduler.CPU_DEFAULTS`): a 2-core host cannot use a
         budget of 8192 tokens per step, and every budget is a compiled bucket.
+        ``pooling`` (a pooling model, `executor.pooling.is_pooling_model`) raises the
+        CPU's max_num_seqs to `scheduler.POOLING_CPU_MAX_NUM_SEQS`.
         """
         chunked = self.enable_chunked_prefill is not False
         budget = self.max_num_batched_tokens
@@ -261,6 +265,8 @@ class EngineArgs:
         )
         if platform == "cpu":
             default_seqs, default_budget = sched_mod.CPU_DEFAULTS
+            if pooling:
+                default_seqs = sched_mod.POOLING_CPU_MAX_NUM_SEQS
         if seqs is None:
             seqs = default_seqs
             seqs = seqs if budget is None else min(seqs, budget)

@@ -58,12 +58,12 @@ def pair_prompt(tokenizer: Any, text_1: str, text_2: str) -> dict:
     return {"prompt": None, "prompt_token_ids": with_token_types(ids, types)}
 
 
-POOLING_TASKS = ("embed", "token_embed", "encode", "classify", "score")
-"""The tasks that run: one vector per request ("embed") or one per token
-("token_embed"; "encode" is vLLM's older name for it); a classification model's
-label probabilities ("classify") or a cross-encoder's score of a pair ("score")."""
-REFUSED_TASKS = ("token_classify", "reward")
-"""vLLM's other pooling tasks: not supported yet."""
+POOLING_TASKS = ("embed", "token_embed", "encode", "classify", "score", "token_classify")
+"""The tasks: one vector per request ("embed") or one per token ("token_embed";
+"encode" is vLLM's older name for it); a classification model's label
+probabilities ("classify"), a cross-encoder's score of a pair ("score"), or one
+result per token ("token_classify": a classifier's probabilities per token, a reward
+model's hidden states, `LLM.reward`)."""
 
 
 @dataclass
@@ -77,7 +77,7 @@ class PoolingParams:
     normalize: bool | None = None
     """L2-normalize the result (None: the model's default, `PoolerConfig`)."""
     task: str | None = None
-    """"embed" (the default), "token_embed", "classify" or "score"."""
+    """One of `POOLING_TASKS` (None: the model's first, `PoolerSettings.tasks`)."""
     use_activation: bool | None = None
     """classify / score: sigmoid (one label) or softmax of the head's logits (the
     default), or the logits themselves (False)."""
@@ -92,12 +92,8 @@ class PoolingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.task is not None and self.task not in POOLING_TASKS + REFUSED_TASKS:
-            raise ValueError(
-                f"pooling task {self.task!r} is not one of {list(POOLING_TASKS + REFUSED_TASKS)}"
-            )
-        if self.task in REFUSED_TASKS:
-            raise NotImplementedError(f"pooling task {self.task} is not supported yet")
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"pooling task {self.task!r} is not one of {list(POOLING_TASKS)}")
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"dimensions must be at least 1, got {self.dimensions}")
         truncate = self.truncate_prompt_tokens
@@ -114,5 +110,5 @@ class PoolingParams:
 
     @property
     def per_token(self) -> bool:
-        """One vector per prompt token ("token_embed")."""
-        return self.task in ("token_embed", "encode")
+        """One result per prompt token ("token_embed", "token_classify")."""
+        return self.task in ("token_embed", "encode", "token_classify")

@@ -50,11 +50,11 @@ def build_engine(args: argparse.Namespace) -> tuple[EngineClient, Any, list[Any]
     replicas, then waits for the ``--headless`` nodes to register the other ranks
     (their streams go in one `StreamTable`, which the `DPAsyncLLM` then shares).
     """
-    import jax
     import prometheus_client
 
     from jaxengine.engine.data_parallel import build_engine as build_llm_engine
     from jaxengine.entrypoints.dp_async_llm import async_engine
+    from jaxengine.executor.pooling import platform_engine_config
     from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
     from jaxengine.metrics_families import engine_cache_config_info
     from server.args import engine_args_from
@@ -63,7 +63,7 @@ def build_engine(args: argparse.Namespace) -> tuple[EngineClient, Any, list[Any]
     prometheus_client.disable_created_metrics()  # vLLM's exposition has no *_created
     engine_args = engine_args_from(args)
     initialize_for(engine_args)  # a multi-node driver joins its JAX cluster before any JAX call
-    config = engine_args.create_engine_config(platform=jax.default_backend())
+    config = platform_engine_config(engine_args)
     head = start_dp_head(config.parallel_config)
     try:
         engine = build_llm_engine(config, allow_remote=True)

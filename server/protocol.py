@@ -384,9 +384,10 @@ class EmbeddingRequest(OpenAIModel):
 
 class PoolingRequest(EmbeddingRequest):
     """POST /pooling (vLLM): an embedding request whose result is the raw pooled
-    output, one vector per input ("embed") or one per token ("token_embed")."""
+    output, one vector per input ("embed", "classify") or one per token
+    ("token_embed", "token_classify": a reward model's). None: the model's first task."""
 
-    task: Literal["embed", "token_embed"] = "embed"
+    task: Literal["embed", "token_embed", "classify", "token_classify"] | None = None
 
 
 class PoolingFields(OpenAIModel):

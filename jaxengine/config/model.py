@@ -119,15 +119,18 @@ class ModelConfig:
     runner: RunnerType = "auto"
     """The model runner: "generate" (text generation) or "pooling" (one pass over each
     prompt, its hidden states pooled into an embedding: `LLM.embed`,
-    /v1/embeddings). "auto" picks pooling for encoder checkpoints (BertModel) and
-    when --convert asks for a pooling task, else generate. "draft" is not supported
-    yet."""
+    /v1/embeddings). "auto" picks pooling for encoder and classifier checkpoints
+    (BertModel, *ForSequenceClassification) and when --convert asks for a pooling
+    task, else generate. "draft" is not supported yet."""
     convert: ConvertType = "auto"
     """Adapt the model to a pooling task: "embed" serves a causal LM as an embedding
     model (its last hidden state after the last token, normalized, unless
-    --pooler-config says otherwise). "auto": embed under --runner pooling for a
-    generative checkpoint, none otherwise. "classify" and "reward" are not supported
-    yet."""
+    --pooler-config says otherwise); "classify" as a sequence classifier (a score
+    head at the last token: the checkpoint's score.weight, or rows of its LM head
+    named by classifier_from_token and method in --hf-overrides, as for LLM
+    rerankers); "reward" as a reward model (every token's hidden state, not
+    normalized: LLM.reward). "auto": embed under --runner pooling for a generative
+    checkpoint, classify for a *ForSequenceClassification one, none otherwise."""
     pooler_config: dict | None = None
     """How a pooling model pools (JSON): "pooling_type" (LAST, MEAN, CLS or ALL),
     "normalize" (L2, the default for embeddings) and "dimensions" (cut every

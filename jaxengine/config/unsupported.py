@@ -64,7 +64,6 @@ UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool
         lambda v: v not in SUPPORTED_LOAD_FORMATS,
     ),
     ("--runner", lambda c: c.model_config.runner, lambda v: v == "draft"),
-    ("--convert", lambda c: c.model_config.convert, lambda v: v in ("classify", "reward")),
     # No model code is run from the hub, so there is no code revision to pick.
     ("--code-revision", lambda c: c.model_config.code_revision, lambda v: v is not None),
     # Lookahead slots hold proposed tokens: they exist only with speculative decoding.

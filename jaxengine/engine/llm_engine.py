@@ -153,17 +153,25 @@ class LLMEngine:
         return params, ids
 
     def _check_task(self, params: PoolingParams) -> None:
-        head = self.pooler.num_labels > 0
-        if params.task in ("classify", "score") and not head:
+        tasks = self.pooler.tasks
+        if params.task is None or params.task in tasks:
+            return
+        if params.task in ("classify", "score"):
             raise ValueError(
                 f"the {params.task} task needs a model with a classification head "
-                "(*ForSequenceClassification); this one has no classification head"
+                "(*ForSequenceClassification, or --convert classify); this one has no "
+                "classification head"
             )
-        if params.task in (None, "embed", "token_embed", "encode") and head:
+        if self.pooler.num_labels:
             raise ValueError(
                 "this is a classification model: use classify or score (LLM.classify, "
                 "LLM.score, /classify, /score, /rerank), not embeddings"
             )
+        kind = "a reward model (--convert reward)" if "embed" not in tasks else "an embedding model"
+        raise ValueError(
+            f"the {params.task} task is not one of this model's: it is {kind}, whose tasks "
+            f"are {list(tasks)}"
+        )
 
     def _check_dimensions(self, params: PoolingParams) -> None:
         dims = params.dimensions

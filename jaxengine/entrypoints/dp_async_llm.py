@@ -219,7 +219,7 @@ def async_engine(
 def async_engine_from_args(engine_args: EngineArgs, **kwargs: Any) -> EngineClient:
     """`async_engine` for the config of ``engine_args`` (an `EngineArgs`) on this
     platform; ``kwargs`` go to `async_engine`."""
-    import jax
+    from jaxengine.executor.pooling import platform_engine_config
 
-    config = engine_args.create_engine_config(platform=jax.default_backend())
+    config = platform_engine_config(engine_args)
     return async_engine(config, **kwargs)

@@ -218,11 +218,11 @@ def register(conn: Connection, info: NodeInfo) -> str | None:
 def run_dp_node(engine_args: EngineArgs) -> int:
     """`jaxengine serve --headless` with ``--data-parallel-address``: builds this node's
     replicas, registers them with the head and serves them until the head stops."""
-    import jax
 
     from jaxengine.engine.data_parallel import DataParallelEngine
+    from jaxengine.executor.pooling import platform_engine_config
 
-    config = engine_args.create_engine_config(platform=jax.default_backend())
+    config = platform_engine_config(engine_args)
     parallel = config.parallel_config
     start, local = parallel.data_parallel_rank_start, parallel.local_data_parallel_size
     if start == 0:

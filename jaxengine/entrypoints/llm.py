@@ -84,9 +84,8 @@ class LLM:
     """An engine for offline inference, built from vLLM-named engine arguments."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        import jax
-
         from jaxengine.engine.data_parallel import build_engine
+        from jaxengine.executor.pooling import platform_engine_config
         from sharding.distributed import initialize_for
 
         if model is not None:
@@ -95,7 +94,7 @@ class LLM:
         args = EngineArgs(**kwargs)
         initialize_for(args)  # a multi-node driver joins its JAX cluster before any JAX call
         # an LLMEngine, or N of them behind the same interface with data_parallel_size=N
-        self.engine = build_engine(args.create_engine_config(platform=jax.default_backend()))
+        self.engine = build_engine(platform_engine_config(args))
         self._ids = itertools.count()
         self._stats = _stat_logger(self.engine, args.model) if log_stats else None
         # garbage collection shuts the engine down too (a notebook's `del llm`)
@@ -202,6 +201,21 @@ class LLM:
         outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm,
                            lora_request=lora_request, pooling_task="classify")  # fmt: skip
         return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def reward(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """A reward model's (``--convert reward``) output per prompt token
+        (``outputs.data`` ``[tokens, H]``); a classifier's probabilities per token."""
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="token_classify")  # fmt: skip
 
     def score(
         self,

@@ -17,6 +17,35 @@ def is_encoder(loaded: LoadedModel) -> bool:
     return bool(getattr(loaded.config, "bidirectional", False))
 
 
+def platform_engine_config(args: Any) -> EngineConfig:
+    """`EngineArgs` ``args``' config on this process's JAX backend, its defaults
+    fitted to the model (a pooling model's, `is_pooling_model`)."""
+    import jax
+
+    return args.create_engine_config(jax.default_backend(), pooling=is_pooling_model(args))
+
+
+def is_pooling_model(args: Any) -> bool:
+    """Whether `EngineArgs` ``args`` serve a pooling model (`resolve_pooler`'s runner),
+    told before the model loads from the flags and the checkpoint's config, so that
+    the engine's defaults can fit it (`EngineArgs.create_engine_config`). False when
+    the config cannot be read: loading the model then names the problem."""
+    if args.runner != "auto" or args.convert in POOLING_CONVERTS:
+        return args.runner == "pooling" or args.convert in POOLING_CONVERTS
+    from jaxengine.loader import resolve_source
+    from jaxengine.models import family_config
+
+    config = args.create_engine_config()
+    try:
+        _, hf_config = resolve_source(config.model_config, config.load_config)
+        family = family_config(hf_config, "float32")
+    except Exception:  # noqa: BLE001 - any failure is reported by the load itself
+        return False
+    archs = getattr(hf_config, "architectures", None) or []
+    classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    return bool(getattr(family, "bidirectional", False) or classifier)
+
+
 def resolve_pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerSettings | None:
     """The pooler of a pooling model, None for a generating one; refuses the
     combinations that do not run."""
@@ -25,30 +54,47 @@ def resolve_pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerSettings 
     num_labels = getattr(loaded.config, "num_labels", 0)
     if "ForSequenceClassification" in arch and not hasattr(loaded.module, "classify"):
         raise NotImplementedError(f"{arch} (a classification head) is not supported yet")
+    converted = mc.convert in POOLING_CONVERTS
     runner = mc.runner
     if runner == "auto":
-        pooled = is_encoder(loaded) or num_labels or mc.convert == "embed"
-        runner = "pooling" if pooled else "generate"
+        runner = "pooling" if is_encoder(loaded) or num_labels or converted else "generate"
     if runner == "generate":
-        if is_encoder(loaded) or mc.convert == "embed":
+        if is_encoder(loaded) or converted or num_labels:
+            how = f"--convert {mc.convert}" if converted else arch or "encoder"
             raise ValueError(
-                f"--runner generate: {mc.model} is served as an embedding model "
-                f"({arch or 'encoder'}{', --convert embed' if mc.convert == 'embed' else ''}); "
+                f"--runner generate: {mc.model} is served as a pooling model ({how}); "
                 "use --runner pooling"
             )
         return None
     _check_pooling_engine(config, loaded)
     st = sentence_transformers_pooler(loaded.source.path)
     options = mc.pooler_config or {}
+    reward = mc.convert == "reward" and not num_labels
     kind = options.get("pooling_type") or st.get("pooling_type")
-    kind = str(kind or ("CLS" if is_encoder(loaded) else "LAST")).upper()
-    normalize = options.get("normalize", st.get("normalize", not num_labels))
+    kind = str(kind or _default_pooling(loaded, reward)).upper()
+    normalize = options.get("normalize", st.get("normalize", not (num_labels or reward)))
     hf = loaded.hf_config
     matryoshka = getattr(hf, "is_matryoshka", False) or getattr(hf, "matryoshka_dimensions", None)
     dims = options.get("dimensions")
     names = getattr(hf, "id2label", None) or {}
     labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
-    return PoolerSettings(kind, bool(normalize), dims, bool(matryoshka), num_labels, labels)
+    tasks = CLASSIFY_TASKS if num_labels else REWARD_TASKS if reward else EMBED_TASKS
+    return PoolerSettings(kind, bool(normalize), dims, bool(matryoshka), num_labels, labels, tasks)
+
+
+POOLING_CONVERTS = ("embed", "classify", "reward")
+"""``--convert`` values that make a generative checkpoint a pooling model."""
+EMBED_TASKS = ("embed", "token_embed", "encode")
+CLASSIFY_TASKS = ("classify", "score", "token_classify")
+REWARD_TASKS = ("token_classify",)
+"""The pooling tasks of each kind of pooling model, its default first (vLLM's: a
+reward model returns each token's hidden state, unnormalized)."""
+
+
+def _default_pooling(loaded: LoadedModel, reward: bool) -> str:
+    if reward:
+        return "ALL"
+    return "CLS" if is_encoder(loaded) else "LAST"
 
 
 def _check_pooling_engine(config: EngineConfig, loaded: LoadedModel) -> None:

@@ -115,6 +115,8 @@ def load_model(
         where = str(source.gguf_file or source.path)
         if stored is not None:
             tensors = canonical_tensors(tensors, stored, where)
+        if _classifier(model_config, hf_config):
+            tensors = _classifier_tensors(tensors, model_config, source, hf_config, where)
         params = params_from_tensors(module, config, tensors, where, abstract, shardings)
     logger.info(
         "loaded %s (%s, %s%s) in %.1fs",
@@ -142,7 +144,42 @@ def resolve_source(model_config: ModelConfig, load_config: LoadConfig) -> tuple[
         hf_overrides=model_config.hf_overrides,
         trust_remote_code=model_config.trust_remote_code,
     )
+    if _classifier(model_config, hf_config):
+        from jaxengine.loader.convert import as_classifier
+
+        hf_config = as_classifier(hf_config)
     return source, hf_config
+
+
+def _classifier(model_config: ModelConfig, hf_config: Any) -> bool:
+    """``--convert classify``, or a decoder's ``*ForSequenceClassification`` (named by
+    the checkpoint or by ``--hf-overrides``, as LLM rerankers are): its head is the
+    checkpoint's ``score.weight`` or rows of its LM head (`loader.convert`)."""
+    from jaxengine.models import is_decoder_classifier
+
+    return model_config.convert == "classify" or is_decoder_classifier(hf_config)
+
+
+def _classifier_tensors(tensors, model_config: ModelConfig, source, hf_config, where: str):
+    """``--convert classify``: the checkpoint's tensors with its classification head
+    (`convert.classifier_tensors`), token ids from the model's tokenizer."""
+    from jaxengine.loader.convert import classifier_tensors
+    from jaxengine.tokenizer.loader import get_tokenizer
+
+    def token_ids(tokens: list[str]) -> list[int | None]:
+        tokenizer = get_tokenizer(
+            source,
+            tokenizer=model_config.tokenizer,
+            tokenizer_mode=model_config.tokenizer_mode,
+            revision=model_config.tokenizer_revision or model_config.revision,
+            trust_remote_code=model_config.trust_remote_code,
+        )
+        unknown = tokenizer.unk_token_id
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+        return [None if i is None or (i == unknown and t != tokenizer.unk_token) else i
+                for t, i in zip(tokens, ids, strict=True)]  # fmt: skip
+
+    return classifier_tensors(tensors, hf_config, token_ids, where)
 
 
 def _weight_scheme(model_config: ModelConfig, load_config: LoadConfig, source, hf_config):

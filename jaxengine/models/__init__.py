@@ -4,6 +4,11 @@
 ``architectures`` entry, importing only that family's file. Every decoder module is a
 `layers.decoder.CausalLM`; the encoders (`bert`) share its forward contract. Apply
 either as a pure function of its parameter tree.
+
+Every decoder family also serves ``<Family>ForSequenceClassification`` (its
+``ForCausalLM`` name with that suffix): the family's decoder layers under a ``score``
+head (`layers.decoder.SequenceClassifier`), as transformers' classes of that name
+and vLLM's ``--convert classify`` build it.
 """
 
 from __future__ import annotations
@@ -20,8 +25,6 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
-    "LlamaForSequenceClassification": "llama",
-    "Qwen2ForSequenceClassification": "qwen2",
     "BertModel": "bert",
     "BertForSequenceClassification": "bert",
 }
@@ -42,8 +45,25 @@ class UnsupportedArchitectureError(ValueError):
     """The checkpoint's architecture has no JAX implementation here."""
 
 
+_CLASSIFIER = "ForSequenceClassification"
+
+
+def _causal_name(name: str) -> str | None:
+    """The decoder family's ``*ForCausalLM`` name of ``*ForSequenceClassification``."""
+    if not name.endswith(_CLASSIFIER):
+        return None
+    causal = name.removesuffix(_CLASSIFIER) + "ForCausalLM"
+    return causal if causal in _ARCHITECTURES else None
+
+
+def is_decoder_classifier(hf_config: Any) -> bool:
+    """Whether the config names a decoder family's ``*ForSequenceClassification``."""
+    return any(_causal_name(n) for n in getattr(hf_config, "architectures", None) or [])
+
+
 def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURES)
+    causal = [n for n in _ARCHITECTURES if n.endswith("ForCausalLM")]
+    return sorted([*_ARCHITECTURES, *(n.removesuffix("ForCausalLM") + _CLASSIFIER for n in causal)])
 
 
 def architecture_of(hf_config: Any) -> str:
@@ -53,7 +73,7 @@ def architecture_of(hf_config: Any) -> str:
     if model_type in _MODEL_TYPES:
         names.append(_MODEL_TYPES[model_type])
     for name in names:
-        if name in _ARCHITECTURES:
+        if name in _ARCHITECTURES or _causal_name(name):
             return name
     raise UnsupportedArchitectureError(
         f"model architecture {names or model_type!r} is not supported; "
@@ -65,10 +85,15 @@ def get_model(hf_config: Any, dtype: Any, attention_kwargs: dict | None = None):
     """``(module, TransformerConfig)`` for ``hf_config`` with parameters in ``dtype``."""
     arch, family = _family(hf_config)
     config = family.from_hf(hf_config, dtype)
-    if arch.endswith("ForSequenceClassification") and not config.num_labels:
+    causal = _causal_name(arch)
+    if causal is None:
+        return getattr(family, arch)(config, attention_kwargs=attention_kwargs), config
+    from jaxengine.models.layers.decoder import SequenceClassifier
+
+    if not config.num_labels:
         config = dataclasses.replace(config, num_labels=hf_config.num_labels)
-    module = getattr(family, arch)(config, attention_kwargs=attention_kwargs)
-    return module, config
+    layer_cls = getattr(family, causal).layer_cls
+    return SequenceClassifier(config, layer_cls, attention_kwargs=attention_kwargs), config
 
 
 def family_config(hf_config: Any, dtype: Any):
@@ -78,4 +103,5 @@ def family_config(hf_config: Any, dtype: Any):
 
 def _family(hf_config: Any):
     arch = architecture_of(hf_config)
-    return arch, importlib.import_module(f"jaxengine.models.{_ARCHITECTURES[arch]}")
+    family = _ARCHITECTURES.get(arch) or _ARCHITECTURES[_causal_name(arch)]
+    return arch, importlib.import_module(f"jaxengine.models.{family}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxengine.models.config import LayerSpec, TransformerConfig, head_dim_of, rope_from_hf
-from jaxengine.models.layers.decoder import CausalLM, SequenceClassifier
+from jaxengine.models.layers.decoder import CausalLM
 
 
 def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
@@ -41,7 +41,3 @@ class LlamaForCausalLM(CausalLM):
 
 
 MistralForCausalLM = LlamaForCausalLM
-
-
-class LlamaForSequenceClassification(SequenceClassifier):
-    """`SequenceClassifier` configured by `from_hf` (a ``score`` head of num_labels)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxengine.models import llama
 from jaxengine.models.config import LayerSpec, TransformerConfig, rope_from_hf
-from jaxengine.models.layers.decoder import CausalLM, SequenceClassifier
+from jaxengine.models.layers.decoder import CausalLM
 
 
 def layer_specs(hf_config: Any) -> tuple[LayerSpec, ...]:
@@ -38,7 +38,3 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
 
 class Qwen2ForCausalLM(CausalLM):
     """`CausalLM` configured by `from_hf`."""
-
-
-class Qwen2ForSequenceClassification(SequenceClassifier):
-    """`SequenceClassifier` configured by `from_hf` (a ``score`` head of num_labels)."""

@@ -376,14 +376,27 @@ class ModelRunner:
         params = [s.params for s in step.states]
         pooled = pool(hidden, sizes, params, self.settings.pooler)
         if self.classifier is not None:
-            self.compiles.ensure(("classify",))
-            logits = self._classify(np.stack(pooled))
-            pooled = [activate(row, p) for row, p in zip(logits, params, strict=False)]
+            pooled = self._heads(pooled, params)
         return RunnerOutput(
             req_ids=step.order,
             sampled_token_ids=[[] for _ in step.order],
             pooler_output=pooled,
         )
+
+    def _heads(self, pooled: list[np.ndarray], params: list) -> list[np.ndarray]:
+        """A classification model's results: its head on each pooled vector, or on
+        each token's row ("token_classify"), then the request's activation."""
+        self.compiles.ensure(("classify",))
+        blocks = [np.atleast_2d(v) for v in pooled]
+        rows = np.concatenate(blocks)
+        n = self.settings.max_num_seqs
+        logits = np.concatenate([self._classify(rows[i : i + n]) for i in range(0, len(rows), n)])
+        out, start = [], 0
+        for vector, block, p in zip(pooled, blocks, params, strict=True):
+            part = logits[start : start + len(block)]
+            start += len(block)
+            out.append(activate(part if vector.ndim == 2 else part[0], p))
+        return out
 
     def _classify(self, rows: np.ndarray) -> np.ndarray:
         """The head's logits ``[R, num_labels]`` of pooled rows ``[R, H]`` (padded to

@@ -4,7 +4,8 @@ A pooling model's step runs each request's whole prompt at once (`PoolingParams`
 the scheduler never splits it), so the request's rows of the step's hidden states
 are its prompt, and its result is those rows pooled (`PoolerSettings`): the last
 row (LAST), their mean (MEAN), the first (CLS) or all of them (ALL, and the
-"token_embed" task); then cut to ``dimensions`` and L2-normalized as asked.
+per-token tasks); then cut to ``dimensions`` and L2-normalized as asked. A
+classification model's results then go through its head (`activate`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class PoolerSettings:
     matryoshka: bool = False  # requests may ask for fewer dimensions
     num_labels: int = 0  # a classification model's: pooled rows go through its head
     labels: tuple[str, ...] = ()  # its label names (config.json's id2label)
+    tasks: tuple[str, ...] = ("embed", "token_embed", "encode")  # those it runs, default first
 
 
 def pool(

@@ -98,8 +98,10 @@ def test_bad_requests_are_clear_errors(llm, tiny):
     with pytest.raises(ValueError, match="serves embeddings .* not text generation"):
         llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2),
                      use_tqdm=False)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="pooling task reward is not supported"):
+    with pytest.raises(ValueError, match="pooling task 'reward' is not one of"):
         PoolingParams(task="reward")
+    with pytest.raises(ValueError, match="token_classify task .* an embedding model"):
+        llm.reward([{"prompt_token_ids": [1, 2]}], use_tqdm=False)
     with pytest.raises(ValueError, match="no classification head"):
         llm.classify([{"prompt_token_ids": [1, 2]}], use_tqdm=False)
     (out,) = llm.embed([{"prompt_token_ids": [3, 4, 5]}], use_tqdm=False)  # still serving

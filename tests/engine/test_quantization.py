@@ -63,13 +63,23 @@ def quantized_bytes(params) -> tuple[int, int]:
     return held, full
 
 
-@pytest.mark.parametrize("method", sorted(CASES))
-def test_greedy_outputs_agree_with_float32(method, small_llm, smollm2_gguf, tmp_path_factory):
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def float32_outputs(small_llm) -> tuple[list[dict], list[list[int]]]:
+    """The golden prompts and the float32 engine's greedy tokens (generated once)."""
     tokenizer = small_llm.get_tokenizer()
     prompts = [{"prompt_token_ids": tokenizer.encode(PREAMBLE + q)} for q in QUESTIONS]
     prompts += [{"prompt_token_ids": tokenizer.encode(t)} for t in OTHERS]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in small_llm.generate(prompts, params, use_tqdm=False)]
+    outs = small_llm.generate(prompts, PARAMS, use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_greedy_outputs_agree_with_float32(method, float32_outputs, smollm2_gguf, tmp_path_factory):
+    prompts, want = float32_outputs
+    params = PARAMS
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(GGUF_PACKED_ENV, "1" if method == "gguf_packed" else "0")
         llm = LLM(model=str(smollm2_gguf), **CASES[method], **small_llm_kwargs(tmp_path_factory))

@@ -115,3 +115,6 @@ def test_pooling_endpoint(embed_server, reference, minilm_dir):
         hidden = model(**tokenizer([SENTENCES[0]], return_tensors="pt")).last_hidden_state[0]
     want = hidden.numpy() / np.linalg.norm(hidden.numpy(), axis=-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(tokens["data"]), want, atol=1e-4)
+    reward = embed_server.post("/pooling", {**body, "task": "token_classify"})
+    message = reward.json()["error"]["message"]
+    assert reward.status_code == 400 and "token_classify task is not one of" in message

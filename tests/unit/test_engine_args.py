@@ -167,6 +167,12 @@ def test_create_engine_config_resolves_defaults():
     assert small.scheduler_config.max_num_seqs == 64
     unchunked = EngineArgs(enable_chunked_prefill=False, max_model_len=4096)
     assert unchunked.create_engine_config().scheduler_config.max_num_batched_tokens == 4096
+    cpu = EngineArgs().create_engine_config("cpu").scheduler_config
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (64, 2048)
+    pooling = EngineArgs().create_engine_config("cpu", pooling=True).scheduler_config
+    assert (pooling.max_num_seqs, pooling.max_num_batched_tokens) == (128, 2048)
+    given = EngineArgs(max_num_seqs=8).create_engine_config("cpu", pooling=True)
+    assert given.scheduler_config.max_num_seqs == 8
 
 
 @pytest.mark.parametrize(

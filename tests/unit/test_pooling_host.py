@@ -1,5 +1,6 @@
 """Pooling, host side: the pooler's arithmetic, the sentence-transformers files it
-reads its defaults from, and the flags that parse but are refused."""
+reads its defaults from, the flags that parse but are refused, and ``--convert
+classify``'s head built from an LM head (`loader.convert`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import json
 
 import numpy as np
 import pytest
+import transformers
+from tiny_models import tiny_llama_config
 
 from jaxengine.engine_args import EngineArgs
-from jaxengine.executor.pooling import sentence_transformers_pooler
+from jaxengine.executor.pooling import is_pooling_model, sentence_transformers_pooler
+from jaxengine.loader.convert import as_classifier, classifier_tensors
+from jaxengine.loader.errors import CheckpointError
 from jaxengine.pooling_params import (
     PoolingParams,
     plain_token_ids,
@@ -61,7 +66,6 @@ def test_sentence_transformers_files(tmp_path):
         (dict(pooler_config={"pooling_type": "MAX"}), ValueError, "pooling_type 'MAX'"),
         (dict(pooler_config={"dimensions": 0}), ValueError, "dimensions must be"),
         (dict(runner="draft"), NotImplementedError, "--runner draft is not supported yet"),
-        (dict(convert="classify"), NotImplementedError, "--convert classify is not supported"),
     ],
 )
 def test_flags_refused(kwargs, error, message):
@@ -90,3 +94,42 @@ def test_activation_pairs_and_token_types():
         score_pairs("q", [])
     ids = with_token_types([101, 7, 102, 9, 102], [0, 0, 0, 1, 1])
     assert ids[3] == 9 | (1 << 30) and plain_token_ids(ids) == [101, 7, 102, 9, 102]
+
+
+def _converted(tensors, **config):
+    hf = as_classifier(transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **config))
+    ids = {"no": 1, "yes": 3, "maybe": 0}
+    out = dict(classifier_tensors(tensors, hf, lambda ts: [ids.get(t) for t in ts], "ckpt"))
+    return hf, out
+
+
+def test_convert_classify_heads():
+    head = np.arange(12, dtype=np.float32).reshape(4, 3)  # 4 tokens, hidden 3
+    embed = np.ones((4, 3), np.float32)
+    tensors = [("model.embed_tokens.weight", embed), ("lm_head.weight", head)]
+    hf, out = _converted(tensors, classifier_from_token=["no", "yes"], method="from_2_way_softmax")
+    assert hf.architectures == ["LlamaForSequenceClassification"] and hf.num_labels == 1
+    np.testing.assert_array_equal(out["score.weight"], head[[3]] - head[[1]])
+    assert "lm_head.weight" not in out  # a classifier has no LM head
+    tied = dict(tie_word_embeddings=True, method="no_post_processing")
+    hf, out = _converted(tensors, classifier_from_token=["yes", "maybe"], **tied)
+    assert hf.num_labels == 2
+    np.testing.assert_array_equal(out["score.weight"], embed[[3, 0]])
+    with pytest.raises(CheckpointError, match="no score.weight.*classifier_from_token"):
+        _converted(tensors)
+    with pytest.raises(ValueError, match="'never' is not a token"):
+        _converted(tensors, classifier_from_token=["never"], method="no_post_processing")
+    with pytest.raises(ValueError, match="from_2_way_softmax takes two tokens"):
+        _converted(tensors, classifier_from_token=["yes"], is_original_qwen3_reranker=True)
+    with pytest.raises(ValueError, match="go together"):
+        _converted(tensors, classifier_from_token=["yes"])
+
+
+def test_pooling_models_are_told_before_they_load(minilm_dir, tmp_path):
+    """The engine's defaults fit a pooling model (`platform_engine_config`): an
+    encoder checkpoint, or a --runner / --convert that makes one; not a generator."""
+    transformers.LlamaForCausalLM(tiny_llama_config(64)).save_pretrained(tmp_path)
+    assert is_pooling_model(EngineArgs(model=str(minilm_dir)))
+    assert not is_pooling_model(EngineArgs(model=str(tmp_path)))
+    assert is_pooling_model(EngineArgs(model=str(tmp_path), convert="reward"))
+    assert not is_pooling_model(EngineArgs(model=str(tmp_path / "missing")))
