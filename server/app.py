@@ -313,9 +313,9 @@ def _add_middleware(app: FastAPI, args: Any) -> None:
         allow_methods=args.allowed_methods,
         allow_headers=args.allowed_headers,
     )
-    key = envs.api_key(args.api_key)  # the flag, else $JAXENGINE_API_KEY or $VLLM_API_KEY
-    if key:
-        app.add_middleware(AuthMiddleware, key=key)
+    keys = envs.api_keys(args.api_key)  # the flag's, else $JAXENGINE_API_KEY or $VLLM_API_KEY
+    if keys:
+        app.add_middleware(AuthMiddleware, keys=keys)
     if args.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     if args.enable_server_load_tracking:
@@ -333,11 +333,12 @@ open."""
 
 class AuthMiddleware:
     """401 for a request under `GUARDED_PREFIXES` (but a CORS preflight, OPTIONS)
-    without ``Authorization: Bearer <key>`` (the scheme in any case, as vLLM)."""
+    without ``Authorization: Bearer <key>`` for one of ``keys`` (the scheme in any
+    case, as vLLM)."""
 
-    def __init__(self, app, key: str) -> None:
+    def __init__(self, app, keys: list[str]) -> None:
         self.app = app
-        self.expected = key.encode()
+        self.expected = [key.encode() for key in keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
@@ -351,7 +352,8 @@ class AuthMiddleware:
     def _authorized(self, scope) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, given = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.expected)
+        matches = [hmac.compare_digest(given, key) for key in self.expected]  # each compared
+        return scheme.lower() == b"bearer" and any(matches)
 
 
 class RequestIdMiddleware:

@@ -61,11 +61,12 @@ def _add_http_args(add: Any) -> None:
     add("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)")
     add(
         "--api-key",
+        nargs="+",
         default=None,
-        help="require this key (Authorization: Bearer KEY) on the routes under /v1, /v2, "
-        "/inference and /cohere, as vLLM (the others, e.g. /health, /metrics, /tokenize, "
-        "/invocations, stay open); without the flag, read from $JAXENGINE_API_KEY or "
-        "$VLLM_API_KEY",
+        help="require one of these keys (Authorization: Bearer KEY) on the routes under "
+        "/v1, /v2, /inference and /cohere, as vLLM (the others, e.g. /health, /metrics, "
+        "/tokenize, /invocations, stay open); without the flag, one key is read from "
+        "$JAXENGINE_API_KEY or $VLLM_API_KEY",
     )
     add(
         "--api-server-count",

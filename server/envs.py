@@ -32,10 +32,15 @@ def _first(environ: Mapping[str, str], *names: str) -> str | None:
     return None
 
 
-def api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The key requests must carry: ``--api-key``, else ``$JAXENGINE_API_KEY``, else
-    ``$VLLM_API_KEY``; None (no key needed) when none is set."""
-    return flag or _first(environ, "JAXENGINE_API_KEY", "VLLM_API_KEY")
+def api_keys(flag: str | list[str] | None, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The keys a request may carry (one of them): ``--api-key``'s, else
+    ``$JAXENGINE_API_KEY``, else ``$VLLM_API_KEY``; empty (no key needed) when none
+    is set."""
+    keys = [flag] if isinstance(flag, str) else [k for k in flag or [] if k]
+    if keys:
+        return keys
+    key = _first(environ, "JAXENGINE_API_KEY", "VLLM_API_KEY")
+    return [key] if key else []
 
 
 def log_stats_interval(environ: Mapping[str, str] = os.environ) -> float:

@@ -73,12 +73,9 @@ CONDITIONS = {
     ),
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "preempt_recompute": dict(num_gpu_blocks_override=41),
-    "preempt_swap": dict(num_gpu_blocks_override=41, swap_space=1),
     "max_num_seqs_1": dict(max_num_seqs=1, compile_token_buckets=[1, 16, 64]),
     # the Pallas kernels inside the real step (interpret mode on CPU)
     "pallas_kernels": dict(attention_backend="pallas"),
-    # 9 heads / 3 KV heads over 3 tensor devices, 30 layers over 2 stages (6 of the 8
-    # virtual CPU devices), with pages swapped out and back across both stages
     # the next step scheduled while the device runs the previous one, its in-flight
     # tokens fed on device, over 3 tensor devices, with pages swapped out and back
     "async_preempt_swap_tp3": dict(
@@ -99,6 +96,9 @@ CONDITIONS = {
     # a random one-layer EAGLE head on SmolLM2's hidden states proposing, with
     # preemption: its drafts are rarely right, the outputs the same
     "eagle_preempt_recompute": dict(num_gpu_blocks_override=24),
+    # 9 heads / 3 KV heads over 3 tensor devices, 30 layers over 2 stages (6 of the 8
+    # virtual CPU devices), with pages swapped out and back across both stages (the
+    # synchronous swap path: no separate one-device "preempt_swap" run repeats it)
     "preempt_swap_tp3_pp2": dict(
         num_gpu_blocks_override=41,
         swap_space=1,

@@ -40,7 +40,7 @@ ALL_PADDING = Shape(8, 1, 1, 64, (0,), (0,), 3, 4, None, None)
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=4, deadline=None)  # 4 random batches beside the 4 fixed ones
 @given(shape=shapes(), seed=st.integers(0, 2**31 - 1))
 @example(shape=DECODE, seed=0)
 @example(shape=LONG_CHUNK, seed=1)

@@ -165,12 +165,14 @@ def server(request, smollm2_gguf, tmp_path_factory) -> Server:
     stop_server(running)
 
 
+SECOND_API_KEY = "second-test-key"
 VLLM_EXTRAS_FLAGS = [
     "--enable-force-include-usage",
     "--max-logprobs", "-1",
     "--enable-per-request-metrics",
+    "--api-key", API_KEY, SECOND_API_KEY,
 ]  # fmt: skip
-"""The flags of `vllm_extras_server` on top of SERVER_FLAGS."""
+"""The flags of `vllm_extras_server` on top of SERVER_FLAGS (its --api-key wins)."""
 
 
 @pytest.fixture(scope="session")

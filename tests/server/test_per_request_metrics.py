@@ -15,7 +15,7 @@ import pytest
 
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from server.args import add_server_args, check_server_args
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, SECOND_API_KEY
 
 PROMPT = "Count to ten:"
 MESSAGES = [{"role": "user", "content": "Count to ten."}]
@@ -200,6 +200,15 @@ def test_api_key_guards_vllm_prefixes(server, method, path):
     assert call(server, method, path, wrong).status_code == 401
     lower = {"Authorization": f"bearer {server.api_key}"}
     assert call(server, method, path, lower).status_code != 401
+
+
+def test_any_of_several_api_keys_is_accepted(vllm_extras_server):
+    """vLLM's --api-key takes several keys; a request needs one of them."""
+    for key in (vllm_extras_server.api_key, SECOND_API_KEY):
+        ok = call(vllm_extras_server, "GET", "/v1/models", {"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+    wrong = {"Authorization": f"Bearer {SECOND_API_KEY}x"}
+    assert call(vllm_extras_server, "GET", "/v1/models", wrong).status_code == 401
 
 
 @pytest.mark.parametrize("method, path", OPEN)

@@ -75,3 +75,9 @@ def test_classify_and_what_it_refuses(ranker):
         assert abs(item["probs"][0] - _sigmoid(model, tokenizer, DOCS[i])) < 1e-4
     embed = server.post("/v1/embeddings", {"model": "ranker", "input": "Hi"})
     assert embed.status_code == 400 and "classification model" in embed.json()["error"]["message"]
+    # vLLM's /pooling runs a classifier's tasks too: per text, and per token
+    pooled = server.post("/pooling", {"model": "ranker", "input": DOCS[0], "task": "classify"})
+    assert abs(pooled.json()["data"][0]["data"][0] - _sigmoid(model, tokenizer, DOCS[0])) < 1e-4
+    body = {"model": "ranker", "input": DOCS[0], "task": "token_classify"}
+    per_token = server.post("/pooling", body).json()["data"][0]["data"]
+    assert len(per_token) == len(tokenizer(DOCS[0])["input_ids"]) and len(per_token[0]) == 1

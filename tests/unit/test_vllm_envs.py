@@ -16,11 +16,12 @@ from server import envs
 def test_api_key_flag_wins_over_the_environment():
     """vLLM: "--api-key option from CLI takes precedence over VLLM_API_KEY"."""
     env = {"VLLM_API_KEY": "v", "JAXENGINE_API_KEY": "j"}
-    assert envs.api_key("flag", env) == "flag"
-    assert envs.api_key(None, env) == "j"
-    assert envs.api_key(None, {"VLLM_API_KEY": "v"}) == "v"
-    assert envs.api_key(None, {"VLLM_API_KEY": ""}) is None
-    assert envs.api_key(None, {}) is None
+    assert envs.api_keys(["flag"], env) == ["flag"]
+    assert envs.api_keys(["one", "two"], env) == ["one", "two"]  # --api-key takes several
+    assert envs.api_keys(None, env) == ["j"]
+    assert envs.api_keys(None, {"VLLM_API_KEY": "v"}) == ["v"]
+    assert envs.api_keys(None, {"VLLM_API_KEY": ""}) == []
+    assert envs.api_keys(None, {}) == []
 
 
 def test_logging_and_http_variables():
