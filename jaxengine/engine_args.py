@@ -51,6 +51,7 @@ from jaxengine.config.model import (
     ModelImpl,
     QuantizationMethod,
     RunnerType,
+    TaskOption,
     TokenizerMode,
 )
 from jaxengine.config.parallel import DistributedExecutorBackend
@@ -127,6 +128,7 @@ class EngineArgs:
     logprobs_mode: LogprobsMode = _default("logprobs_mode")
     runner: RunnerType = _default("runner")
     convert: ConvertType = _default("convert")
+    task: TaskOption | None = _default("task")
     pooler_config: dict | None = _default("pooler_config")
     # LoadConfig
     load_format: LoadFormat = _default("load_format")

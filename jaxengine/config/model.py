@@ -12,6 +12,21 @@ ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 ModelImpl = Literal["auto", "jax", "vllm", "transformers"]
 RunnerType = Literal["auto", "draft", "generate", "pooling"]
 ConvertType = Literal["auto", "none", "embed", "classify", "reward"]
+TaskOption = Literal[
+    "auto", "classify", "draft", "embed", "embedding", "generate", "reward", "score",
+    "transcription",
+]  # fmt: skip
+TASK_RUNNERS: dict[str, tuple[str, str]] = {
+    "generate": ("generate", "auto"),
+    "embed": ("pooling", "embed"),
+    "embedding": ("pooling", "embed"),
+    "classify": ("pooling", "classify"),
+    "score": ("pooling", "classify"),
+    "reward": ("pooling", "reward"),
+    "draft": ("draft", "auto"),
+    "transcription": ("generate", "auto"),
+}
+"""The deprecated --task -> (--runner, --convert), as vLLM maps them."""
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 POOLER_KEYS = frozenset({"pooling_type", "normalize", "dimensions"})
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
@@ -131,6 +146,11 @@ class ModelConfig:
     rerankers); "reward" as a reward model (every token's hidden state, not
     normalized: LLM.reward). "auto": embed under --runner pooling for a generative
     checkpoint, classify for a *ForSequenceClassification one, none otherwise."""
+    task: TaskOption | None = None
+    """Deprecated (vLLM's older flag): use --runner and --convert. "generate" is
+    --runner generate; "embed" (or "embedding") --runner pooling --convert embed;
+    "classify" and "score" --convert classify; "reward" --convert reward. It cannot
+    be combined with --runner or --convert."""
     pooler_config: dict | None = None
     """How a pooling model pools (JSON): "pooling_type" (LAST, MEAN, CLS or ALL),
     "normalize" (L2, the default for embeddings) and "dimensions" (cut every
@@ -153,6 +173,11 @@ class ModelConfig:
                 require(bool(name), "served_model_name", "names must not be empty")
         require(bool(self.generation_config), "generation_config", "must not be empty")
         self._check_pooler_config()
+        require(
+            self.task in (None, "auto") or (self.runner, self.convert) == ("auto", "auto"),
+            "task",
+            "(deprecated) cannot be combined with --runner or --convert: use those alone",
+        )
 
     def _check_pooler_config(self) -> None:
         pooler = self.pooler_config or {}
@@ -172,6 +197,20 @@ class ModelConfig:
             "pooler_config",
             f"dimensions must be an integer >= 1, got {dims!r}",
         )
+
+    @property
+    def runner_type(self) -> str:
+        """--runner, or the runner the deprecated --task names."""
+        if self.task in (None, "auto"):
+            return self.runner
+        return TASK_RUNNERS[self.task][0]
+
+    @property
+    def convert_type(self) -> str:
+        """--convert, or the conversion the deprecated --task names."""
+        if self.task in (None, "auto"):
+            return self.convert
+        return TASK_RUNNERS[self.task][1]
 
     @property
     def served_model_names(self) -> list[str]:

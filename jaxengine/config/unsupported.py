@@ -64,6 +64,7 @@ UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool
         lambda v: v not in SUPPORTED_LOAD_FORMATS,
     ),
     ("--runner", lambda c: c.model_config.runner, lambda v: v == "draft"),
+    ("--task", lambda c: c.model_config.task, lambda v: v in ("draft", "transcription")),
     # No model code is run from the hub, so there is no code revision to pick.
     ("--code-revision", lambda c: c.model_config.code_revision, lambda v: v is not None),
     # Lookahead slots hold proposed tokens: they exist only with speculative decoding.

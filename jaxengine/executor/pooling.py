@@ -4,12 +4,15 @@ its pooler (``--pooler-config``, else the model's sentence-transformers files)."
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.loader import LoadedModel
 from jaxengine.runner.pooler import PoolerSettings
+
+logger = logging.getLogger(__name__)
 
 
 def is_encoder(loaded: LoadedModel) -> bool:
@@ -30,12 +33,13 @@ def is_pooling_model(args: Any) -> bool:
     told before the model loads from the flags and the checkpoint's config, so that
     the engine's defaults can fit it (`EngineArgs.create_engine_config`). False when
     the config cannot be read: loading the model then names the problem."""
-    if args.runner != "auto" or args.convert in POOLING_CONVERTS:
-        return args.runner == "pooling" or args.convert in POOLING_CONVERTS
+    config = args.create_engine_config()
+    runner, convert = config.model_config.runner_type, config.model_config.convert_type
+    if runner != "auto" or convert in POOLING_CONVERTS:
+        return runner == "pooling" or convert in POOLING_CONVERTS
     from jaxengine.loader import resolve_source
     from jaxengine.models import family_config
 
-    config = args.create_engine_config()
     try:
         _, hf_config = resolve_source(config.model_config, config.load_config)
         family = family_config(hf_config, "float32")
@@ -54,13 +58,19 @@ def resolve_pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerSettings 
     num_labels = getattr(loaded.config, "num_labels", 0)
     if "ForSequenceClassification" in arch and not hasattr(loaded.module, "classify"):
         raise NotImplementedError(f"{arch} (a classification head) is not supported yet")
-    converted = mc.convert in POOLING_CONVERTS
-    runner = mc.runner
+    if mc.task not in (None, "auto"):
+        logger.warning(
+            "--task is deprecated (as in vLLM): --task %s is --runner %s --convert %s",
+            mc.task, mc.runner_type, mc.convert_type,
+        )  # fmt: skip
+    convert = mc.convert_type
+    converted = convert in POOLING_CONVERTS
+    runner = mc.runner_type
     if runner == "auto":
         runner = "pooling" if is_encoder(loaded) or num_labels or converted else "generate"
     if runner == "generate":
         if is_encoder(loaded) or converted or num_labels:
-            how = f"--convert {mc.convert}" if converted else arch or "encoder"
+            how = f"--convert {convert}" if converted else arch or "encoder"
             raise ValueError(
                 f"--runner generate: {mc.model} is served as a pooling model ({how}); "
                 "use --runner pooling"
@@ -69,7 +79,7 @@ def resolve_pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerSettings 
     _check_pooling_engine(config, loaded)
     st = sentence_transformers_pooler(loaded.source.path)
     options = mc.pooler_config or {}
-    reward = mc.convert == "reward" and not num_labels
+    reward = convert == "reward" and not num_labels
     kind = options.get("pooling_type") or st.get("pooling_type")
     kind = str(kind or _default_pooling(loaded, reward)).upper()
     normalize = options.get("normalize", st.get("normalize", not (num_labels or reward)))

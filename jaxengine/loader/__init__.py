@@ -157,7 +157,7 @@ def _classifier(model_config: ModelConfig, hf_config: Any) -> bool:
     checkpoint's ``score.weight`` or rows of its LM head (`loader.convert`)."""
     from jaxengine.models import is_decoder_classifier
 
-    return model_config.convert == "classify" or is_decoder_classifier(hf_config)
+    return model_config.convert_type == "classify" or is_decoder_classifier(hf_config)
 
 
 def _classifier_tensors(tensors, model_config: ModelConfig, source, hf_config, where: str):

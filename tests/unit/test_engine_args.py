@@ -52,6 +52,7 @@ VALID_FLAGS = [
     (["--logprobs-mode", "processed_logits"], "logprobs_mode", "processed_logits"),
     (["--runner", "pooling"], "runner", "pooling"),
     (["--convert", "embed"], "convert", "embed"),
+    (["--task", "score"], "task", "score"),
     (["--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'], "pooler_config",
      {"pooling_type": "MEAN", "normalize": False}),
     (["--pooler-config.pooling_type", "CLS"], "pooler_config", {"pooling_type": "CLS"}),

@@ -133,3 +133,17 @@ def test_pooling_models_are_told_before_they_load(minilm_dir, tmp_path):
     assert not is_pooling_model(EngineArgs(model=str(tmp_path)))
     assert is_pooling_model(EngineArgs(model=str(tmp_path), convert="reward"))
     assert not is_pooling_model(EngineArgs(model=str(tmp_path / "missing")))
+
+
+def test_the_deprecated_task_flag_names_a_runner_and_a_conversion():
+    """vLLM's older ``--task``: its runner and conversion, refused beside theirs."""
+    for task, want in [("embed", ("pooling", "embed")), ("embedding", ("pooling", "embed")),
+                       ("score", ("pooling", "classify")), ("reward", ("pooling", "reward")),
+                       ("generate", ("generate", "auto"))]:  # fmt: skip
+        mc = EngineArgs(task=task).create_engine_config().model_config
+        assert (mc.runner_type, mc.convert_type) == want
+    assert is_pooling_model(EngineArgs(task="classify"))
+    with pytest.raises(ValueError, match="cannot be combined with --runner or --convert"):
+        EngineArgs(task="embed", convert="embed")
+    with pytest.raises(NotImplementedError, match="--task transcription is not supported"):
+        EngineArgs(task="transcription").create_engine_config()
