@@ -52,7 +52,10 @@ def head_tokens(hf_config: Any) -> tuple[list[str], str] | None:
 def as_classifier(hf_config: Any) -> Any:
     """``hf_config`` as a sequence classifier's (its architectures renamed; with a
     head from tokens, ``num_labels`` set from them). Changes ``hf_config`` in place."""
-    archs = list(getattr(hf_config, "architectures", None) or [])
+    from jaxengine.models import architecture_of
+
+    # a config without architectures (a GGUF file's) is named by its model_type
+    archs = list(getattr(hf_config, "architectures", None) or [architecture_of(hf_config)])
     renamed = []
     for name in archs:
         for suffix in GENERATE_SUFFIXES:

@@ -123,6 +123,10 @@ def test_convert_classify_heads():
         _converted(tensors, classifier_from_token=["yes"], is_original_qwen3_reranker=True)
     with pytest.raises(ValueError, match="go together"):
         _converted(tensors, classifier_from_token=["yes"])
+    # a config with no architectures (a GGUF file's) is named by its model_type
+    assert as_classifier(transformers.LlamaConfig()).architectures == [
+        "LlamaForSequenceClassification"
+    ]
 
 
 def test_pooling_models_are_told_before_they_load(minilm_dir, tmp_path):
