@@ -151,12 +151,13 @@ class ModelConfig:
     --runner generate; "embed" (or "embedding") --runner pooling --convert embed;
     "classify" and "score" --convert classify; "reward" --convert reward. It cannot
     be combined with --runner or --convert."""
-    pooler_config: dict | None = None
+    pooler_config: dict | None = spec(None, aliases=("--override-pooler-config",))
     """How a pooling model pools (JSON): "pooling_type" (LAST, MEAN, CLS or ALL),
     "normalize" (L2, the default for embeddings) and "dimensions" (cut every
     embedding to its first N values, for Matryoshka models). Unset keys come from
     the model's sentence-transformers files (modules.json, 1_Pooling/config.json)
-    when it has them, else LAST for a converted causal LM and CLS for an encoder."""
+    when it has them, else LAST for a converted causal LM and CLS for an encoder.
+    --override-pooler-config is vLLM's deprecated name for it."""
     logprobs_mode: LogprobsMode = "raw_logprobs"
     """What logprobs and prompt_logprobs return. "raw" is before any logits
     processing (temperature, penalties, top-k/top-p); "processed" is after all of

@@ -53,6 +53,8 @@ VALID_FLAGS = [
     (["--runner", "pooling"], "runner", "pooling"),
     (["--convert", "embed"], "convert", "embed"),
     (["--task", "score"], "task", "score"),
+    (["--override-pooler-config", '{"pooling_type": "MEAN"}'], "pooler_config",
+     {"pooling_type": "MEAN"}),
     (["--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'], "pooler_config",
      {"pooling_type": "MEAN", "normalize": False}),
     (["--pooler-config.pooling_type", "CLS"], "pooler_config", {"pooling_type": "CLS"}),
