@@ -47,6 +47,26 @@ def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> lis
     return list(zip(first, second, strict=True))
 
 
+def bi_encoder(pooler: Any) -> bool:
+    """Whether a pooling model scores pairs as a bi-encoder: the cosine similarity of
+    the two texts' embeddings (an embedding model), not a cross-encoder's head."""
+    tasks = getattr(pooler, "tasks", ())
+    return "score" not in tasks and "embed" in tasks
+
+
+def unique_texts(pairs: Sequence[tuple]) -> list[str]:
+    """Each text of ``pairs`` once, in order of first use (a bi-encoder embeds each once)."""
+    return list(dict.fromkeys(text for pair in pairs for text in pair))
+
+
+def cosine_similarity(a: Any, b: Any) -> float:
+    """A bi-encoder's score of a pair: the cosine of their embeddings (vLLM's)."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))
+
+
 def pair_prompt(tokenizer: Any, text_1: str, text_2: str) -> dict:
     """A cross-encoder's prompt for a pair: both texts in one sequence, the second's
     tokens typed 1 (`with_token_types`)."""

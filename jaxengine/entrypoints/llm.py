@@ -41,9 +41,17 @@ from jaxengine.outputs import (
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
+    ScoringOutput,
     ScoringRequestOutput,
 )
-from jaxengine.pooling_params import PoolingParams, pair_prompt, score_pairs
+from jaxengine.pooling_params import (
+    PoolingParams,
+    bi_encoder,
+    cosine_similarity,
+    pair_prompt,
+    score_pairs,
+    unique_texts,
+)
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 
 PromptLike = str | dict | Sequence[int]
@@ -227,12 +235,31 @@ class LLM:
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
         """A cross-encoder's score of each pair: one ``data_1`` against every
-        ``data_2``, or the two lists pairwise."""
+        ``data_2``, or the two lists pairwise. An embedding model scores as a
+        bi-encoder: the cosine similarity of the two texts' embeddings (vLLM's)."""
         pairs = score_pairs(data_1, data_2)
+        if bi_encoder(self.engine.pooler):
+            return self._embedding_scores(pairs, truncate_prompt_tokens, use_tqdm, pooling_params)
         prompts = [pair_prompt(self.engine.tokenizer, a, b) for a, b in pairs]
         outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                            use_tqdm=use_tqdm, pooling_task="score")  # fmt: skip
         return [ScoringRequestOutput.from_base(o) for o in outs]
+
+    def _embedding_scores(self, pairs, truncate, use_tqdm, pooling_params):
+        """A bi-encoder's scores: each text embedded once, each pair's cosine."""
+        texts = unique_texts(pairs)
+        outs = self.embed(texts, truncate_prompt_tokens=truncate, use_tqdm=use_tqdm,
+                          pooling_params=pooling_params)  # fmt: skip
+        by_text = dict(zip(texts, outs, strict=True))
+        scores = []
+        for a, b in pairs:
+            first, second = by_text[a], by_text[b]
+            score = cosine_similarity(first.outputs.embedding, second.outputs.embedding)
+            scores.append(ScoringRequestOutput(
+                f"{first.request_id}_{second.request_id}", ScoringOutput(score),
+                first.prompt_token_ids + second.prompt_token_ids,
+            ))  # fmt: skip
+        return scores
 
     def chat(
         self,

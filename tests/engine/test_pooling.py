@@ -144,13 +144,19 @@ def test_minilm_embeddings_match_sentence_transformers(minilm_dir):
     try:
         assert llm.engine.pooler.pooling_type == "MEAN" and llm.engine.pooler.normalize
         outs = llm.embed(texts, use_tqdm=False)
+        scores = llm.score(texts[0], texts[1:], use_tqdm=False)  # a bi-encoder: cosines
     finally:
         llm.shutdown()
     tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
     model = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    wants = []
     for text, out in zip(texts, outs, strict=True):
         with torch.no_grad():
             hidden = model(**tokenizer([text], return_tensors="pt")).last_hidden_state[0]
         want = hidden.mean(0).numpy()
+        wants.append(want / np.linalg.norm(want))
         got = np.asarray(out.outputs.embedding)
         assert float(got @ want) / np.linalg.norm(want) >= 0.9999
+    for i, score in enumerate(scores, start=1):
+        assert abs(score.outputs.score - float(wants[0] @ wants[i])) < 1e-4
+        assert score.prompt_token_ids == outs[0].prompt_token_ids + outs[i].prompt_token_ids

@@ -95,9 +95,23 @@ def test_chat_style_messages(embed_server, reference):
     assert both.status_code == 400 and "exactly one of" in both.json()["error"]["message"]
 
 
-def test_scoring_needs_a_classification_head(embed_server):
-    body = {"model": "minilm", "text_1": "a", "text_2": ["b", "c"]}
+def test_an_embedding_model_scores_as_a_bi_encoder(embed_server, reference):
+    """vLLM's bi-encoder scoring: /score and /rerank on an embedding model give the
+    cosine similarity of the two texts' embeddings (sentence-transformers' here);
+    /classify still needs a classification head."""
+    query, docs = SENTENCES[0], SENTENCES[1:]
+    want = [float(reference(query) @ reference(d)) for d in docs]
+    body = {"model": "minilm", "text_1": query, "text_2": docs}
+    scores = [d["score"] for d in embed_server.post("/score", body).json()["data"]]
+    np.testing.assert_allclose(scores, want, atol=1e-4)
+    body = {"model": "minilm", "query": query, "documents": docs, "top_n": 2}
+    ranked = embed_server.post("/v1/rerank", body).json()["results"]
+    assert [r["index"] for r in ranked] == list(np.argsort(want)[::-1][:2])
+    body = {"model": "minilm", "text_1": "a", "text_2": "b", "use_activation": False}
     bad = embed_server.post("/score", body)
+    assert bad.status_code == 400 and "cosine similarity" in bad.json()["error"]["message"]
+    body = {"model": "minilm", "input": ["a"]}
+    bad = embed_server.post("/classify", body)
     assert bad.status_code == 400 and "no classification head" in bad.json()["error"]["message"]
 
 
