@@ -184,6 +184,11 @@ def _check_json_with_proposals(llm) -> None:
     assert llm.engine.get_stats().spec_decoding.num_accepted_tokens - before > 10
 
 
+PROMPT_STRIDE = {"max_num_seqs_1": 3}
+"""Conditions that run every n-th prompt only: one request at a time takes a step per
+token, and six prompts (three sharing the preamble) show that as well as sixteen."""
+
+
 def _layer(name: str) -> int:
     parts = name.split(".")
     return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
@@ -209,9 +214,11 @@ def test_greedy_matches_transformers(
     backend = "pallas-gpu-interpret" if condition == "pallas_kernels" else "xla-cpu"
     assert f"attention backend: {backend}" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    every = PROMPT_STRIDE.get(condition, 1)
+    prompts, expected = prompts[::every], expected[::every]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
-        assert list(out.outputs[0].token_ids) == want, f"{condition}: prompt {i}"
+        assert list(out.outputs[0].token_ids) == want, f"{condition}: prompt {i * every}"
     stats = llm.engine.get_stats()
     if "preempt" in condition:
         assert stats.num_preemptions > 0
