@@ -34,20 +34,28 @@ def is_pooling_model(args: Any) -> bool:
     the engine's defaults can fit it (`EngineArgs.create_engine_config`). False when
     the config cannot be read: loading the model then names the problem."""
     config = args.create_engine_config()
-    runner, convert = config.model_config.runner_type, config.model_config.convert_type
-    if runner != "auto" or convert in POOLING_CONVERTS:
-        return runner == "pooling" or convert in POOLING_CONVERTS
+    mc = config.model_config
+    if mc.runner_type != "auto" or mc.convert_type in POOLING_CONVERTS:
+        return _pools(mc, encoder=False, classifier=False)
     from jaxengine.loader import resolve_source
     from jaxengine.models import family_config
 
     try:
-        _, hf_config = resolve_source(config.model_config, config.load_config)
+        _, hf_config = resolve_source(mc, config.load_config)
         family = family_config(hf_config, "float32")
     except Exception:  # noqa: BLE001 - any failure is reported by the load itself
         return False
     archs = getattr(hf_config, "architectures", None) or []
     classifier = any(a.endswith("ForSequenceClassification") for a in archs)
-    return bool(getattr(family, "bidirectional", False) or classifier)
+    return _pools(mc, bool(getattr(family, "bidirectional", False)), classifier)
+
+
+def _pools(mc: Any, encoder: bool, classifier: bool) -> bool:
+    """The runner's choice (``--runner``, else pooling for an encoder, a classifier or
+    a pooling ``--convert``): whether the model pools."""
+    if mc.runner_type != "auto":
+        return mc.runner_type == "pooling"
+    return encoder or classifier or mc.convert_type in POOLING_CONVERTS
 
 
 def resolve_pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerSettings | None:
@@ -65,10 +73,7 @@ def resolve_pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerSettings 
         )  # fmt: skip
     convert = mc.convert_type
     converted = convert in POOLING_CONVERTS
-    runner = mc.runner_type
-    if runner == "auto":
-        runner = "pooling" if is_encoder(loaded) or num_labels or converted else "generate"
-    if runner == "generate":
+    if not _pools(mc, is_encoder(loaded), bool(num_labels)):
         if is_encoder(loaded) or converted or num_labels:
             how = f"--convert {convert}" if converted else arch or "encoder"
             raise ValueError(
