@@ -8,14 +8,19 @@ other, alternating so drift on a noisy machine hits both:
 
 - jaxengine: ``LLM(model).embed(sentences)`` on the demo all-MiniLM-L6-v2 (the
   pooling runner; mean pooling and normalization from the model's
-  sentence-transformers files);
+  sentence-transformers files), with ``--engine-kwargs`` (its ``--dtype auto`` is
+  bfloat16 projections on a CPU with AMX-BF16, `config.model.auto_dtype`);
+- sentence-transformers (when installed: ``pip install -e ".[bench]"``):
+  ``SentenceTransformer(folder).encode(sentences)`` in float32, its defaults (batches
+  of ``--hf-batch-size``, 32, sorted by length);
 - transformers: the same folder's ``AutoModel`` in float32, batches of
-  ``--hf-batch-size`` (sentence-transformers' default, 32) padded per batch, mean
-  pooling over the attention mask and L2 normalization, which is what
-  sentence-transformers runs for this model.
+  ``--hf-batch-size`` in the given order, padded per batch, mean pooling over the
+  attention mask and L2 normalization (sentence-transformers' arithmetic without its
+  sorting by length).
 
-The figure is sentences per second; the ratio is per round. Every embedding pair is
-checked (the lowest cosine similarity is printed).
+The figure is sentences per second; each ratio is jaxengine's over a peer's, per
+round. Every embedding is checked against the first float32 peer's (the lowest
+cosine similarity of each peer is printed).
 """
 
 from __future__ import annotations
@@ -67,6 +72,17 @@ def hf_embedder(folder: str, batch_size: int):
     return embed
 
 
+def st_embedder(folder: str, batch_size: int):
+    """sentence-transformers' own ``encode`` (float32), or None when not installed."""
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        log("sentence-transformers is not installed: that peer is left out")
+        return None
+    model = SentenceTransformer(folder, device="cpu")
+    return lambda texts: np.asarray(model.encode(texts, batch_size=batch_size))
+
+
 def run(args: argparse.Namespace, command: str) -> int:
     from jaxengine import LLM
     from jaxengine.loader.sources import resolve_model
@@ -78,8 +94,10 @@ def run(args: argparse.Namespace, command: str) -> int:
         "jaxengine": lambda t: np.array(
             [o.outputs.embedding for o in llm.embed(t, use_tqdm=False)]
         ),
+        "sentence-transformers": st_embedder(folder, args.hf_batch_size),
         "transformers": hf_embedder(folder, args.hf_batch_size),
     }
+    peers = {name: embed for name, embed in peers.items() if embed is not None}
     for embed in peers.values():  # warm-up
         embed(texts[:64])
     speeds: dict[str, list[float]] = {name: [] for name in peers}
@@ -90,29 +108,33 @@ def run(args: argparse.Namespace, command: str) -> int:
             results[name] = embed(texts)
             speeds[name].append(len(texts) / (perf_counter() - start))
             log(f"round {r} {name}: {speeds[name][-1]:.1f} sentences/s")
-    cosine = float(np.min(np.sum(results["jaxengine"] * results["transformers"], axis=1)))
+    reference = results["transformers"]
+    cosines = {n: float(np.min(np.sum(r * reference, axis=1))) for n, r in results.items()}
     compiles = llm.engine.executor.compiles_after_warmup
+    dtype = llm.engine.config.model_config.dtype
     llm.shutdown()
-    report(args, command, speeds, cosine, compiles)
+    report(args, command, speeds, cosines, compiles, dtype)
     return 0
 
 
-def report(args, command: str, speeds: dict, cosine: float, compiles: int) -> None:
+def report(args, command: str, speeds: dict, cosines: dict, compiles: int, dtype: str) -> None:
     workload = {"model": args.model, "num_sentences": args.num_sentences,
                 "rounds": args.rounds, "hf_batch_size": args.hf_batch_size,
                 "engine_kwargs": args.engine_kwargs}  # fmt: skip
     print(describe_run("embedding throughput", machine_info(), workload))
-    base = speeds["transformers"]
+    ours = speeds["jaxengine"]
     rows = []
     for name, values in speeds.items():
-        ratios = [v / b for v, b in zip(values, base, strict=True)]
-        rows.append([name, fmt(statistics.mean(values), 1), fmt(statistics.mean(ratios), 2)])
-    print(format_table(["peer", "sentences/s", "ratio vs transformers"], rows))
-    print(f"lowest cosine similarity between the peers: {cosine:.6f}")
+        ratios = [o / v for o, v in zip(ours, values, strict=True)]
+        rows.append([name, fmt(statistics.mean(values), 1), fmt(statistics.mean(ratios), 2),
+                     f"{cosines[name]:.6f}"])  # fmt: skip
+    print(format_table(["peer", "sentences/s", "jaxengine / peer", "lowest cosine"], rows))
+    print(f"jaxengine --dtype: {dtype}; lowest cosine: against transformers' float32")
     print(f"compilations after warm-up: {compiles}")
     if args.json:
         out = {"benchmark": "embed", "command": command, "machine": machine_info(),
-               "workload": workload, "results": speeds, "min_cosine": cosine}  # fmt: skip
+               "workload": workload, "results": speeds, "min_cosine": cosines,
+               "jaxengine_dtype": dtype}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 

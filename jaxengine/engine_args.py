@@ -53,6 +53,7 @@ from jaxengine.config.model import (
     RunnerType,
     TaskOption,
     TokenizerMode,
+    auto_dtype,
 )
 from jaxengine.config.parallel import DistributedExecutorBackend
 from jaxengine.config.scheduler import SchedulingPolicy
@@ -256,7 +257,8 @@ class EngineArgs:
         smaller CPU defaults (`scheduler.CPU_DEFAULTS`): a 2-core host cannot use a
         budget of 8192 tokens per step, and every budget is a compiled bucket.
         ``pooling`` (a pooling model, `executor.pooling.is_pooling_model`) raises the
-        CPU's max_num_seqs to `scheduler.POOLING_CPU_MAX_NUM_SEQS`.
+        CPU's max_num_seqs to `scheduler.POOLING_CPU_MAX_NUM_SEQS` and may resolve
+        ``--dtype auto`` (`model.auto_dtype`).
         """
         chunked = self.enable_chunked_prefill is not False
         budget = self.max_num_batched_tokens
@@ -277,6 +279,7 @@ class EngineArgs:
         elif budget is None and self.max_model_len is not None:
             budget = max(self.max_model_len, sched_mod.MIN_UNCHUNKED_BATCHED_TOKENS, seqs)
         config = self._build(
+            dtype=self.dtype if self.dtype != "auto" else auto_dtype(platform, pooling),
             block_size=self.block_size or cache_mod.DEFAULT_BLOCK_SIZE,
             enable_prefix_caching=self.enable_prefix_caching is not False,
             enable_chunked_prefill=chunked,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from jaxengine.config.utils import require, spec, validate_config
@@ -43,6 +45,29 @@ QuantizationMethod = Literal[
 ]  # fmt: skip
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+CPU_FLAGS_FILE = Path("/proc/cpuinfo")
+
+
+@functools.cache
+def cpu_has_amx_bf16(cpuinfo: Path = CPU_FLAGS_FILE) -> bool:
+    """Whether this host's CPU reports AMX-BF16 (Linux ``/proc/cpuinfo`` flags), where
+    XLA:CPU runs a bfloat16 dot accumulated in float32 at about five times its float32
+    matmul rate (bench/README.md). False where the file cannot be read."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return "amx_bf16" in flags.split()
+
+
+def auto_dtype(platform: str | None, pooling: bool) -> str:
+    """What ``--dtype auto`` is before the load: ``bfloat16`` for a pooling model on a
+    CPU with AMX-BF16, where a whole prompt per step makes the projections large dots
+    (about 2x the float32 throughput); else ``auto`` (`loader.resolve_dtype`: the
+    checkpoint's dtype, float32 on CPU). vLLM's ``auto`` also runs float32 pooling
+    checkpoints in 16 bits."""
+    return "bfloat16" if platform == "cpu" and pooling and cpu_has_amx_bf16() else "auto"
 
 
 @dataclass(frozen=True)
@@ -81,8 +106,11 @@ class ModelConfig:
     dtype: ModelDType = "auto"
     """Data type for model weights and activations. "auto" uses the checkpoint's
     dtype (bfloat16 for FP32/FP16/BF16 checkpoints on accelerators) and float32 on
-    CPU, where XLA's bfloat16 matmuls are slow. "half" and "float16" are FP16,
-    "bfloat16" is BF16, "float" and "float32" are FP32."""
+    CPU, except for a pooling model on a CPU with AMX-BF16, which gets bfloat16.
+    "half" and "float16" are FP16, "bfloat16" is BF16, "float" and "float32" are FP32.
+    On CPU, bfloat16 stores the attention and MLP projections in bfloat16 and runs
+    their dots in it, accumulated in float32; activations, embeddings, norms, heads
+    and the KV cache stay float32 (XLA:CPU's bfloat16 elementwise math is slow)."""
     max_model_len: int | None = spec(None, gt=0, human_readable=True)
     """Model context length (prompt and output). If unspecified, it is derived from
     the model config. The flag accepts human-readable k/m/g/K/M/G: 1k -> 1000,

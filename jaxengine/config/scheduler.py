@@ -12,13 +12,13 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 DEFAULT_MAX_NUM_SEQS = 256
 """max_num_seqs that EngineArgs.create_engine_config picks when unset."""
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+"""max_num_batched_tokens picked when unset and chunked prefill is on."""
 # (max_num_seqs, max_num_batched_tokens) when the engine runs on CPU.
 CPU_DEFAULTS = (64, 2048)
 POOLING_CPU_MAX_NUM_SEQS = 128
 """A pooling model's max_num_seqs on CPU: its requests run whole in one step, and a
 step of short texts (16 tokens each) fills the 2048-token budget at 128 requests
 (bench/README.md: embedding throughput)."""
-"""max_num_batched_tokens picked when unset and chunked prefill is on."""
 MIN_UNCHUNKED_BATCHED_TOKENS = 2048
 """Without chunked prefill the budget is max(max_model_len, this)."""
 

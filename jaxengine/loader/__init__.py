@@ -61,8 +61,9 @@ class LoadedModel:
 def resolve_dtype(dtype: str, hf_config: Any, backend: str) -> Any:
     """The parameter dtype of ``--dtype`` for a checkpoint on ``backend``.
 
-    ``auto`` is float32 on CPU (XLA's CPU bfloat16 matmuls are far slower); on GPU and
-    TPU it is the checkpoint's 16-bit dtype, bfloat16 for float32 or unknown ones.
+    ``auto`` is float32 on CPU (`config.model.auto_dtype` may have picked bfloat16
+    before); on GPU and TPU it is the checkpoint's 16-bit dtype, bfloat16 for float32
+    or unknown ones.
     """
     if dtype != "auto":
         return _DTYPES[dtype]
@@ -70,6 +71,17 @@ def resolve_dtype(dtype: str, hf_config: Any, backend: str) -> Any:
         return jnp.float32
     stored = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", ""))
     return jnp.float16 if stored.endswith("float16") and "bfloat" not in stored else jnp.bfloat16
+
+
+def cpu_dtypes(dtype: Any, backend: str) -> tuple[Any, Any]:
+    """(activation dtype, `TransformerConfig.matmul_dtype`) for parameter dtype
+    ``dtype``: on CPU, bfloat16 runs as float32 activations beside bfloat16
+    projections, since XLA:CPU runs a bfloat16 dot accumulated in float32 about five
+    times faster than a float32 one and bfloat16 elementwise math slower than float32
+    (bench/README.md). Elsewhere ``(dtype, None)``."""
+    if backend == "cpu" and jnp.dtype(dtype) == jnp.bfloat16:
+        return jnp.float32, jnp.bfloat16
+    return dtype, None
 
 
 def load_model(
@@ -101,10 +113,13 @@ def load_model(
     start = time.perf_counter()
     source, hf_config = resolve_source(model_config, load_config)
     stored, scheme, packed = _weight_scheme(model_config, load_config, source, hf_config)
-    dtype = resolve_dtype(model_config.dtype, hf_config, jax.default_backend())
+    backend = jax.default_backend()
+    dtype, matmul = cpu_dtypes(resolve_dtype(model_config.dtype, hf_config, backend), backend)
     if lora is not None and lora.dtype is None:
         lora = dataclasses.replace(lora, dtype=dtype)
     module, config = _model(hf_config, dtype, scheme, placement, kv_cache_scales, lora)
+    config = dataclasses.replace(config, matmul_dtype=matmul)
+    module = module.clone(config=config)
     abstract = abstract_params(module, config)
     axes = logical_axes(abstract)
     shardings = placement(config, axes, nn.unbox(abstract)) if placement else None
@@ -122,7 +137,7 @@ def load_model(
         "loaded %s (%s, %s%s) in %.1fs",
         model_config.model,
         type(module).__name__,
-        jnp.dtype(dtype).name,
+        jnp.dtype(dtype).name + (f", {jnp.dtype(matmul).name} projections" if matmul else ""),
         f", {config.quantization} weights" if config.quantization else "",
         time.perf_counter() - start,
     )

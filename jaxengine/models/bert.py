@@ -81,16 +81,19 @@ class BertSelfAttention(nn.Module):
     def __call__(self, x: jax.Array, kv_cache: jax.Array, md: AttentionMetadata):
         cfg = self.config
         num_tokens, hq, d = x.shape[0], cfg.num_heads, cfg.head_dim
-        proj = dict(use_bias=True, dtype=cfg.dtype, quant=cfg.quantization)
+        proj = dict(
+            use_bias=True, dtype=cfg.dtype, quant=cfg.quantization, weight_dtype=cfg.matmul_dtype
+        )
         q, k, v = (
             Linear(hq * d, (heads, "embed"), **proj, name=n)(x).reshape(num_tokens, hq, d)
             for n, heads in (("query", "q_heads"), ("key", "kv_heads"), ("value", "kv_heads"))
         )  # [T, Hq, D] each
-        kv_cache = self.update_fn(kv_cache, k, v, md.slot_mapping)
         out = encoder_attention(
-            q, k, v, kv_cache, md.seq_lens, md.page_table, md.query_start_loc, md.num_seqs,
+            q, k, v, kv_cache, md.page_table, md.query_start_loc, md.num_seqs,
             sm_scale=cfg.scale, fallback=self.attention_fn,
-        )  # fmt: skip
+            update=lambda cache, slots: self.update_fn(cache, k, v, slots),
+            compute_dtype=cfg.matmul_dtype or jnp.float32,
+        )  # fmt: skip  # the layer's cache is left as it is (`encoder_attention`)
         return out.reshape(num_tokens, hq * d), kv_cache
 
 
@@ -103,7 +106,10 @@ class BertResidual(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, residual: jax.Array) -> jax.Array:
         cfg = self.config
-        dense = Linear(cfg.hidden_size, self.axes, True, cfg.dtype, cfg.quantization, name="dense")
+        dense = Linear(
+            cfg.hidden_size, self.axes, True, cfg.dtype, cfg.quantization, name="dense",
+            weight_dtype=cfg.matmul_dtype,
+        )  # fmt: skip
         return LayerNorm(cfg.layer_norm_eps, cfg.dtype, name="LayerNorm")(residual + dense(x))
 
 
@@ -129,8 +135,9 @@ class BertIntermediate(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, H] -> [T, I]
         cfg = self.config
         dense = Linear(
-            cfg.intermediate_size, ("mlp", "embed"), True, cfg.dtype, cfg.quantization, name="dense"
-        )
+            cfg.intermediate_size, ("mlp", "embed"), True, cfg.dtype, cfg.quantization,
+            name="dense", weight_dtype=cfg.matmul_dtype,
+        )  # fmt: skip
         return activation(cfg.hidden_act)(dense(x))
 
 

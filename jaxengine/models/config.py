@@ -103,6 +103,12 @@ class TransformerConfig:
     """MoE: renormalize the top-k routing weights to sum to one."""
     dtype: Any = jnp.float32
     """Parameter and activation dtype."""
+    matmul_dtype: Any = None
+    """The dtype the unquantized attention and MLP projections' weights are stored in
+    and their dots run in, accumulated in ``dtype`` (`layers.basic.Linear`); None:
+    ``dtype``. Embeddings, the LM head, classifier heads and MoE experts keep ``dtype``.
+    `jaxengine.loader.load_model` sets bfloat16 beside float32 activations for
+    ``--dtype bfloat16`` on CPU (`loader.cpu_dtypes`)."""
     quantization: Any = None
     """How the attention and MLP projections and the MoE experts are stored
     (a `layers.quant.QuantScheme`: int8, fp8 or int4, per row or grouped), None for

@@ -21,7 +21,7 @@ from tiny_models import tiny_llama_config
 from jaxengine import LLM
 
 KWARGS = dict(max_model_len=128, max_num_batched_tokens=128, compile_token_buckets=[32, 128],
-              enable_compilation_cache=False, swap_space=0)  # fmt: skip
+              enable_compilation_cache=False, swap_space=0, dtype="float32")  # fmt: skip
 QUERY = "What is the capital of France?"
 DOCS = ["Paris is the capital of France.", "The cat sat on the mat.", "Berlin"]
 

@@ -1,8 +1,8 @@
 """The encoder's padded attention against the paged reference with ``causal=False``.
 
 Batches are an encoder step's: every request whole in the step (no cached prefix),
-padding rows and tokens after the real ones. The step's k/v are written to a paged
-cache first, as the model does, so the reference reads the same keys the padded rows see.
+padding rows and tokens after the real ones. The reference reads the step's k/v from
+a paged cache they were written to; `encoder_attention` takes them as they are.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from ragged_batches import Shape, build
 
 from pallas_kernels.encoder_attention import encoder_attention, padded_attention
-from pallas_kernels.encoder_attention.padded import fits_padded
 from pallas_kernels.kv_cache_update.reference import update_kv_cache
 from pallas_kernels.ragged_paged_attention import reference
 
@@ -58,25 +57,35 @@ def test_padded_matches_reference(q_lens, seed):
     np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)
 
 
-CASES = [  # (q_lens, cached prefix lengths, whether encoder_attention pads them)
-    ((5, 32, 17), None, True),  # all at most 32 tokens long
-    ((3, 33, 9), None, False),  # one longer: the paged kernel
-    ((6, 9), (4, 0), False),  # keys from an earlier step: the paged kernel
+CASES = [  # (q_lens, whether encoder_attention pads them)
+    ((5, 32, 17), True),  # all at most 32 tokens long
+    ((3, 33, 9), False),  # one longer: the paged kernel over a cache of this step's keys
+    ((40, 1, 16, 17), False),  # pages of 16 filled exactly, and one token over
 ]
 
 
-@pytest.mark.parametrize(("q_lens", "ctx", "padded"), CASES)
-def test_each_branch_matches_reference(q_lens, ctx, padded):
-    batch, k, v, cache = encoder_batch(q_lens, ctx, seed=len(q_lens))
-    q, _, seq_lens, page_table, qsl, num_seqs = batch.args()
-    assert bool(fits_padded(seq_lens, qsl, num_seqs, 32)) == padded
-    run = jax.jit(
-        functools.partial(encoder_attention, fallback=reference.ragged_paged_attention),
-        static_argnames="sm_scale",
-    )
-    got = np.asarray(
-        run(q, k, v, cache, seq_lens, page_table, qsl, num_seqs, sm_scale=batch.sm_scale)
-    )
+@pytest.mark.parametrize(("q_lens", "padded"), CASES)
+def test_each_branch_matches_reference(q_lens, padded):
+    """Either branch equals the paged reference over the engine's cache, though
+    `encoder_attention` reads only this step's k/v (`step_cache` for the paged one);
+    a fallback that answers NaN shows which branch ran."""
+    batch, k, v, cache = encoder_batch(q_lens, seed=len(q_lens))
+    q, _, _, page_table, qsl, num_seqs = batch.args()
+    blank = jnp.full_like(cache, jnp.nan)  # the engine's cache: its shape only
     real = batch.num_real_tokens
-    np.testing.assert_allclose(got[:real], reference_out(batch, cache)[:real], atol=2e-5)
-    np.testing.assert_array_equal(got[real:], 0.0)
+    for fallback in (reference.ragged_paged_attention, lambda q, *_, **__: q * jnp.nan):
+        run = jax.jit(
+            functools.partial(
+                encoder_attention,
+                fallback=fallback,
+                update=lambda c, slots: update_kv_cache(c, k, v, slots),
+            ),
+            static_argnames="sm_scale",
+        )
+        got = np.asarray(run(q, k, v, blank, page_table, qsl, num_seqs, sm_scale=batch.sm_scale))
+        if fallback is reference.ragged_paged_attention:
+            want = reference_out(batch, cache)[:real]
+            np.testing.assert_allclose(got[:real], want, atol=2e-5)
+            np.testing.assert_array_equal(got[real:], 0.0)
+        else:
+            assert np.isfinite(got[:real]).all() == padded

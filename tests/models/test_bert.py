@@ -9,6 +9,8 @@ classifier's logits of its [CLS] row transformers' logits, in float32.
 
 from __future__ import annotations
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -191,3 +193,38 @@ def test_minilm_matches_transformers(minilm_dir):
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).last_hidden_state[0].numpy()
         np.testing.assert_allclose(hidden[qsl[r] : qsl[r + 1]], ref, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_on_cpu_keeps_float32_activations(tiny_berts, tmp_path):
+    """``--dtype bfloat16`` on CPU: the projections are bfloat16 weights whose dots
+    take bfloat16 inputs and accumulate in float32 (`loader.cpu_dtypes`); embeddings,
+    norms and activations stay float32, so the hidden states stay near transformers'
+    float32 ones (each row's cosine >= 0.999)."""
+    from jaxengine.models.layers.basic import Linear
+
+    hf, _ = tiny_berts["BertModel"]
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16"), LoadConfig())
+    assert (loaded.config.dtype, loaded.config.matmul_dtype) == (jnp.float32, jnp.bfloat16)
+    layer = loaded.params["encoder"]["layer_0"]
+    assert layer["attention"]["self"]["query"]["weight"].dtype == jnp.bfloat16
+    assert layer["attention"]["output"]["LayerNorm"]["weight"].dtype == jnp.float32
+    assert loaded.params["embeddings"]["word_embeddings"]["weight"].dtype == jnp.float32
+    prompts = prompts_of(LENGTHS, TINY["vocab_size"], seed=3)
+    hidden, qsl = run_packed(loaded, prompts)
+    assert hidden.dtype == np.float32
+    for r, ids in enumerate(prompts):
+        ref = hf_forward(hf, ids).hidden_states[-1][0].numpy()
+        got = hidden[qsl[r] : qsl[r + 1]]
+        cos = np.sum(got * ref, -1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
+        assert cos.min() >= 0.999
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
+    dense = Linear(8, ("mlp", "embed"), dtype=jnp.float32, weight_dtype=jnp.bfloat16)
+    variables = nn.unbox(dense.init(jax.random.key(0), x))
+    weight = variables["params"]["weight"]
+    assert weight.dtype == jnp.bfloat16
+    want = np.asarray(x.astype(jnp.bfloat16), np.float32) @ np.asarray(weight, np.float32).T
+    got = dense.apply(variables, x)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)

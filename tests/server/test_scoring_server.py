@@ -19,7 +19,7 @@ DOCS = ["Berlin has about 3.7 million inhabitants.", "The weather is nice today.
         "Berlin is the capital of Germany.", "Potatoes grow underground."]  # fmt: skip
 FLAGS = ["--api-key", "test-key", "--served-model-name", "ranker", "--max-model-len", "128",
          "--max-num-batched-tokens", "128", "--compile-token-buckets", "32", "128",
-         "--disable-uvicorn-access-log"]  # fmt: skip
+         "--disable-uvicorn-access-log", "--dtype", "float32"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -178,6 +178,29 @@ def test_create_engine_config_resolves_defaults():
     assert given.scheduler_config.max_num_seqs == 8
 
 
+def test_a_pooling_models_auto_dtype_on_cpu(monkeypatch, tmp_path):
+    """--dtype auto is bfloat16 for a pooling model on a CPU whose /proc/cpuinfo flags
+    name AMX-BF16, and stays auto (float32 on CPU) otherwise; --dtype wins."""
+    from jaxengine.config import model as model_mod
+
+    has_amx = model_mod.cpu_has_amx_bf16.__wrapped__
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("processor : 0\nflags : fpu avx512f amx_bf16 amx_tile\n")
+    assert has_amx(flags)
+    flags.write_text("processor : 0\nflags : fpu avx512f avx512_bf16\n")
+    assert not has_amx(flags) and not has_amx(tmp_path / "missing")
+
+    def dtype(args: EngineArgs, platform: str, pooling: bool = False) -> str:
+        return args.create_engine_config(platform, pooling=pooling).model_config.dtype
+
+    monkeypatch.setattr(model_mod, "cpu_has_amx_bf16", lambda: True)
+    assert dtype(EngineArgs(), "cpu", pooling=True) == "bfloat16"
+    assert dtype(EngineArgs(), "cpu") == dtype(EngineArgs(), "gpu", pooling=True) == "auto"
+    assert dtype(EngineArgs(dtype="float32"), "cpu", pooling=True) == "float32"
+    monkeypatch.setattr(model_mod, "cpu_has_amx_bf16", lambda: False)
+    assert dtype(EngineArgs(), "cpu", pooling=True) == "auto"
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [

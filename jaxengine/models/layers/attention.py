@@ -89,6 +89,7 @@ class Attention(nn.Module):
             cfg.quantization,
             cfg.lora,
             name="o_proj",
+            weight_dtype=cfg.matmul_dtype,
         )
         return o_proj(out.reshape(num_tokens, hq * d), md.lora_slots), kv_cache
 
@@ -126,6 +127,7 @@ def _project_qkv(x: jax.Array, cfg: TransformerConfig, lora_slots=None) -> tuple
             cfg.dtype,
             cfg.quantization,
             name="qkv_proj",
+            weight_dtype=cfg.matmul_dtype,
         )
         qkv = fused(x)  # [T, (Hq + 2 Hkv) D]
         parts = jnp.split(qkv, [rows[0], rows[0] + rows[1]], axis=-1)
@@ -133,8 +135,15 @@ def _project_qkv(x: jax.Array, cfg: TransformerConfig, lora_slots=None) -> tuple
         names = (("q_proj", "q_heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads"))
         parts = [
             Linear(
-                n, (axis, "embed"), cfg.qkv_bias, cfg.dtype, cfg.quantization, cfg.lora, name=name
-            )(x, lora_slots)
+                n,
+                (axis, "embed"),
+                cfg.qkv_bias,
+                cfg.dtype,
+                cfg.quantization,
+                cfg.lora,
+                name=name,
+                weight_dtype=cfg.matmul_dtype,
+            )(x, lora_slots)  # fmt: skip
             for n, (name, axis) in zip(rows, names, strict=True)
         ]
     return tuple(p.reshape(num_tokens, p.shape[-1] // d, d) for p in parts)

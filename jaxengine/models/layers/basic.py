@@ -29,7 +29,9 @@ class Linear(nn.Module):
     ``quant`` (a `layers.quant.QuantScheme`): ``weight`` holds quantized values and
     ``weight_scale`` (and the scheme's other leaves) how to scale them. ``lora`` (a
     `layers.lora.LoRASpec`): adapter slots ``lora_a``/``lora_b``, applied per token
-    by ``lora_slots [T]`` when given (`layers.lora.lora_delta`)."""
+    by ``lora_slots [T]`` when given (`layers.lora.lora_delta`). ``weight_dtype``
+    (`TransformerConfig.matmul_dtype`): an unquantized weight is stored in it and ``x``
+    is cast to it for the dot, which accumulates in ``dtype``; None: ``dtype``."""
 
     features: int
     axes: tuple[str, str]  # logical names of (out, in)
@@ -37,14 +39,18 @@ class Linear(nn.Module):
     dtype: Any = jnp.float32
     quant: quant.QuantScheme | None = None
     lora: LoRASpec | None = None
+    weight_dtype: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         shape = (self.features, x.shape[-1])  # x: [T, in] -> [T, out]
         if self.quant is None:
             init = nn.with_logical_partitioning(_normal(), self.axes)
-            weight = self.param("weight", init, shape, self.dtype)
-            y = jax.lax.dot_general(x.astype(self.dtype), weight, (((x.ndim - 1,), (1,)), ((), ())))
+            wdtype = self.weight_dtype or self.dtype
+            weight = self.param("weight", init, shape, wdtype)
+            out = None if jnp.dtype(wdtype) == jnp.dtype(self.dtype) else self.dtype
+            dims = (((x.ndim - 1,), (1,)), ((), ()))
+            y = jax.lax.dot_general(x.astype(wdtype), weight, dims, preferred_element_type=out)
         else:
             leaves = quantized_params(self, "weight", shape, self.axes, self.quant)
             y = quant.quantized_linear(x, leaves, self.quant, self.dtype)

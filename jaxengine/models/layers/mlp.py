@@ -32,7 +32,7 @@ class GatedMLP(nn.Module):
         def proj(rows: int, name: str) -> jax.Array:
             return Linear(
                 rows, ("mlp", "embed"), cfg.mlp_bias, cfg.dtype, cfg.quantization, cfg.lora,
-                name=name,
+                name=name, weight_dtype=cfg.matmul_dtype,
             )(x, lora_slots)  # fmt: skip
 
         if cfg.fused_projections:  # rows [gate; up], one matmul, split after
@@ -48,6 +48,7 @@ class GatedMLP(nn.Module):
             cfg.quantization,
             cfg.lora,
             name="down_proj",
+            weight_dtype=cfg.matmul_dtype,
         )
         return down(hidden, lora_slots)
 
