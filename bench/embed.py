@@ -11,8 +11,9 @@ other, alternating so drift on a noisy machine hits both:
   sentence-transformers files), with ``--engine-kwargs`` (its ``--dtype auto`` is
   bfloat16 projections on a CPU with AMX-BF16, `config.model.auto_dtype`);
 - sentence-transformers (when installed: ``pip install -e ".[bench]"``):
-  ``SentenceTransformer(folder).encode(sentences)`` in float32, its defaults (batches
-  of ``--hf-batch-size``, 32, sorted by length);
+  ``SentenceTransformer(folder).encode(sentences)`` with its defaults (batches of
+  ``--hf-batch-size``, 32, sorted by length), one peer per ``--st-dtypes`` entry
+  (float32 by default; bfloat16 runs torch's AMX kernels);
 - transformers: the same folder's ``AutoModel`` in float32, batches of
   ``--hf-batch-size`` in the given order, padded per batch, mean pooling over the
   attention mask and L2 normalization (sentence-transformers' arithmetic without its
@@ -72,15 +73,19 @@ def hf_embedder(folder: str, batch_size: int):
     return embed
 
 
-def st_embedder(folder: str, batch_size: int):
-    """sentence-transformers' own ``encode`` (float32), or None when not installed."""
+def st_embedder(folder: str, batch_size: int, dtype: str = "float32"):
+    """sentence-transformers' own ``encode`` with the model in ``dtype`` (torch), or
+    None when sentence-transformers is not installed."""
     try:
+        import torch
         from sentence_transformers import SentenceTransformer
     except ImportError:
         log("sentence-transformers is not installed: that peer is left out")
         return None
-    model = SentenceTransformer(folder, device="cpu")
-    return lambda texts: np.asarray(model.encode(texts, batch_size=batch_size))
+    kwargs = {"torch_dtype": getattr(torch, dtype)}
+    model = SentenceTransformer(folder, device="cpu", model_kwargs=kwargs)
+    encode = lambda texts: model.encode(texts, batch_size=batch_size, convert_to_tensor=True)  # noqa: E731
+    return lambda texts: encode(texts).float().numpy()
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -94,7 +99,12 @@ def run(args: argparse.Namespace, command: str) -> int:
         "jaxengine": lambda t: np.array(
             [o.outputs.embedding for o in llm.embed(t, use_tqdm=False)]
         ),
-        "sentence-transformers": st_embedder(folder, args.hf_batch_size),
+        **{
+            "sentence-transformers" + ("" if d == "float32" else f" {d}"): st_embedder(
+                folder, args.hf_batch_size, d
+            )
+            for d in args.st_dtypes
+        },
         "transformers": hf_embedder(folder, args.hf_batch_size),
     }
     peers = {name: embed for name, embed in peers.items() if embed is not None}
@@ -145,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--hf-batch-size", type=positive_int, default=32)
     p.add_argument("--engine-kwargs", type=json.loads, default={})
+    p.add_argument(
+        "--st-dtypes",
+        type=lambda s: s.split(","),
+        default=["float32"],
+        help="comma-separated torch dtypes of the sentence-transformers peers (float32, bfloat16)",
+    )
     p.add_argument("--json", default=None)
     return p
 

@@ -138,3 +138,11 @@ def test_latency_table_prefers_decode_ratio():
     fast = {"latency_p50_s": 1.0, "tokens_per_s": 128.0, "decode_tokens_per_s": 240.0}
     results = [PeerResult("transformers", "ok", metrics=base), PeerResult("x", "ok", metrics=fast)]
     assert "3.00x" in latency.render(results).splitlines()[3]
+
+
+def test_embed_bench_peers_by_dtype():
+    from bench.embed import build_parser
+
+    args = build_parser().parse_args(["--st-dtypes", "float32,bfloat16", "--rounds", "2"])
+    assert args.st_dtypes == ["float32", "bfloat16"] and args.rounds == 2
+    assert build_parser().parse_args([]).st_dtypes == ["float32"]
