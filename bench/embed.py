@@ -21,7 +21,10 @@ other, alternating so drift on a noisy machine hits both:
 
 The figure is sentences per second; each ratio is jaxengine's over a peer's, per
 round. Every embedding is checked against the first float32 peer's (the lowest
-cosine similarity of each peer is printed).
+cosine similarity of each peer is printed). After the rounds the machine's matmul
+ceiling for the same sentences is measured (`bench.compute_ceiling`: the model's
+projections timed in jaxengine's dtype; ``--no-ceiling`` skips it) and printed with
+its ratio to each peer: the most any engine running those products could reach.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from time import perf_counter
 
 import numpy as np
 
+from bench import compute_ceiling
 from bench.common import describe_run, fmt, format_table, log, machine_info, positive_int
 
 WORDS = (
@@ -123,11 +127,32 @@ def run(args: argparse.Namespace, command: str) -> int:
     compiles = llm.engine.executor.compiles_after_warmup
     dtype = llm.engine.config.model_config.dtype
     llm.shutdown()
-    report(args, command, speeds, cosines, compiles, dtype)
+    ceiling = None if args.no_ceiling else measure_ceiling(folder, texts, dtype)
+    report(args, command, speeds, cosines, compiles, dtype, ceiling)
     return 0
 
 
-def report(args, command: str, speeds: dict, cosines: dict, compiles: int, dtype: str) -> None:
+CEILING_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32",
+                  "bfloat16": "bfloat16"}  # fmt: skip
+"""The dtype of jaxengine's projections on CPU for each ``--dtype`` (`loader.cpu_dtypes`;
+``auto`` here is what `config.model.auto_dtype` left: float32)."""
+
+
+def measure_ceiling(folder: str, texts: list[str], dtype: str):
+    """`compute_ceiling.measure` for ``texts`` on the model in ``folder``, or None (with
+    a log line) where the model has no ``config.json`` or ``dtype`` no CPU mapping."""
+    import transformers
+
+    config_file = Path(folder) / "config.json"
+    if dtype not in CEILING_DTYPES or not config_file.is_file():
+        log(f"no matmul ceiling for --dtype {dtype} or a model without config.json")
+        return None
+    tokens = transformers.AutoTokenizer.from_pretrained(folder)(texts)["input_ids"]
+    config = json.loads(config_file.read_text())
+    return compute_ceiling.measure(config, [len(t) for t in tokens], CEILING_DTYPES[dtype])
+
+
+def report(args, command, speeds, cosines, compiles: int, dtype: str, ceiling) -> None:
     workload = {"model": args.model, "num_sentences": args.num_sentences,
                 "rounds": args.rounds, "hf_batch_size": args.hf_batch_size,
                 "engine_kwargs": args.engine_kwargs}  # fmt: skip
@@ -141,11 +166,26 @@ def report(args, command: str, speeds: dict, cosines: dict, compiles: int, dtype
     print(format_table(["peer", "sentences/s", "jaxengine / peer", "lowest cosine"], rows))
     print(f"jaxengine --dtype: {dtype}; lowest cosine: against transformers' float32")
     print(f"compilations after warm-up: {compiles}")
+    if ceiling is not None:
+        print(ceiling_line(ceiling, speeds))
     if args.json:
         out = {"benchmark": "embed", "command": command, "machine": machine_info(),
                "workload": workload, "results": speeds, "min_cosine": cosines,
-               "jaxengine_dtype": dtype}  # fmt: skip
+               "jaxengine_dtype": dtype,
+               "ceiling": ceiling.to_json() if ceiling else None}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def ceiling_line(ceiling: compute_ceiling.Ceiling, speeds: dict[str, list[float]]) -> str:
+    """The ceiling and its ratio to each peer's mean speed, on one line."""
+    ratios = ", ".join(
+        f"{name} {ceiling.sentences_per_s / statistics.mean(v):.2f}x" for name, v in speeds.items()
+    )
+    return (
+        f"matmul ceiling: {ceiling.tokens:,} tokens x {ceiling.flops_per_token / 1e6:.1f} MFLOP "
+        f"of projections at {ceiling.dot_flops_per_s / 1e9:.0f} GFLOP/s ({ceiling.dtype} dots, "
+        f"measured now) = {ceiling.sentences_per_s:.1f} sentences/s; ceiling / peer: {ratios}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda s: s.split(","),
         default=["float32"],
         help="comma-separated torch dtypes of the sentence-transformers peers (float32, bfloat16)",
+    )
+    p.add_argument(
+        "--no-ceiling", action="store_true", help="skip measuring the machine's matmul ceiling"
     )
     p.add_argument("--json", default=None)
     return p

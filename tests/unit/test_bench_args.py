@@ -146,3 +146,38 @@ def test_embed_bench_peers_by_dtype():
     args = build_parser().parse_args(["--st-dtypes", "float32,bfloat16", "--rounds", "2"])
     assert args.st_dtypes == ["float32", "bfloat16"] and args.rounds == 2
     assert build_parser().parse_args([]).st_dtypes == ["float32"]
+
+
+@pytest.mark.parametrize(
+    "config_cls, extra",
+    [
+        ("BertConfig", {}),
+        ("LlamaConfig", {"num_key_value_heads": 2}),  # grouped k/v, gated MLP
+    ],
+)
+def test_ceiling_counts_the_models_projection_flops(config_cls, extra):
+    """2 FLOPs per weight of every attention and MLP projection (torch's nn.Linear
+    layers inside the layer stack), per token."""
+    import torch
+    import transformers
+
+    from bench import compute_ceiling
+
+    size = dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_hidden_layers=3)
+    config = getattr(transformers, config_cls)(vocab_size=50, **size, **extra)
+    model = transformers.AutoModel.from_config(config)
+    layers = model.encoder.layer if config_cls == "BertConfig" else model.layers
+    weights = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+    assert compute_ceiling.flops_per_token(config.to_dict()) == 2 * weights
+
+
+def test_embed_ceiling_arithmetic_and_line():
+    from bench.compute_ceiling import Ceiling
+    from bench.embed import build_parser, ceiling_line
+
+    ceiling = Ceiling(sentences=100, tokens=2000, flops_per_token=10**7, dot_flops_per_s=1e11,
+                      dtype="float32")  # fmt: skip
+    assert ceiling.sentences_per_s == pytest.approx(500.0)  # 2e10 FLOP at 1e11 FLOP/s
+    line = ceiling_line(ceiling, {"jaxengine": [200.0, 300.0], "transformers": [125.0]})
+    assert "= 500.0 sentences/s" in line and "jaxengine 2.00x, transformers 4.00x" in line
+    assert not build_parser().parse_args([]).no_ceiling

@@ -1,0 +1,110 @@
+"""The machine's matmul ceiling for embedding work, measured in the run.
+
+An embedding model runs each prompt whole, once, with no decode, so its projections
+(attention q/k/v/o and the MLP) are nearly all of its arithmetic, and no engine can
+embed faster than the machine runs those products. This module counts the
+projections' FLOPs per token from the model's ``config.json`` and times them where the
+benchmark runs: a jitted function of one layer's products on a step of ``tokens`` rows
+(the engine's CPU token budget), in the engine's dtypes as `layers.basic.Linear`
+computes them (float32; or the activations cast to bfloat16 against bfloat16 weights,
+accumulated in float32), best of ``repeats``. Then
+
+    ceiling sentences/s = sentences * dot FLOP/s / (their tokens * FLOPs per token)
+
+with the sentences' own tokens, no padding. `bench.embed` prints it beside the peers:
+a peer that embeds faster than half the ceiling cannot be beaten 2x on this machine in
+that dtype, whatever the engine does around the products. Attention's own products
+(``4 * len * hidden`` per token and layer, about 5% for 17-token sentences) are left
+out, so the ceiling is a little high.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+STEP_TOKENS = 2048  # `config.scheduler.CPU_DEFAULTS`' token budget
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    sentences: int
+    tokens: int  # the sentences' own tokens, special tokens included
+    flops_per_token: int
+    dot_flops_per_s: float
+    dtype: str  # of the products' inputs
+
+    @property
+    def sentences_per_s(self) -> float:
+        return self.sentences * self.dot_flops_per_s / (self.tokens * self.flops_per_token)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "flops_per_token": self.flops_per_token,
+            "dot_gflop_per_s": self.dot_flops_per_s / 1e9,
+            "dtype": self.dtype,
+            "ceiling_sentences_per_s": self.sentences_per_s,
+        }
+
+
+def projection_shapes(config: dict[str, Any]) -> list[tuple[int, int]]:
+    """One layer's projection weights as ``(out, in)``: q, k, v, o, then the MLP (up
+    and down for BERT's; gate, up and down for the decoders' gated MLPs)."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    mlp = [(inter, hidden), (hidden, inter)]
+    if config.get("model_type") != "bert":
+        mlp.insert(0, (inter, hidden))
+    return [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), *mlp]
+
+
+def flops_per_token(config: dict[str, Any]) -> int:
+    """The projections' FLOPs for one token through every layer."""
+    per_layer = sum(2 * out * inp for out, inp in projection_shapes(config))
+    return per_layer * config["num_hidden_layers"]
+
+
+def dot_flops_per_s(
+    shapes: list[tuple[int, int]], dtype: str, tokens: int = STEP_TOKENS, repeats: int = 7
+) -> float:
+    """FLOP/s of a jitted function computing ``x @ w.T`` for each ``(out, in)`` weight of
+    ``shapes`` on ``tokens`` float32 rows, the weights stored in ``dtype`` and the rows
+    cast to it, accumulated in float32 (best of ``repeats`` runs)."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.PRNGKey(0), len(shapes))
+    weights = [
+        jax.random.normal(k, s, jnp.float32).astype(dtype)
+        for k, s in zip(keys, shapes, strict=True)
+    ]
+    inputs = [
+        jax.random.normal(k, (tokens, s[1]), jnp.float32) for k, s in zip(keys, shapes, strict=True)
+    ]
+    dims = (((1,), (1,)), ((), ()))
+
+    @jax.jit
+    def products(xs, ws):
+        return [
+            jax.lax.dot_general(x.astype(dtype), w, dims, preferred_element_type=jnp.float32)
+            for x, w in zip(xs, ws, strict=True)
+        ]
+
+    jax.block_until_ready(products(inputs, weights))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(products(inputs, weights))
+        best = min(best, time.perf_counter() - start)
+    return sum(2 * tokens * out * inp for out, inp in shapes) / best
+
+
+def measure(config: dict[str, Any], token_counts: list[int], dtype: str) -> Ceiling:
+    """The ceiling for sentences of ``token_counts`` tokens on the model of ``config``,
+    its products' inputs in ``dtype`` (``float32`` or ``bfloat16``)."""
+    rate = dot_flops_per_s(projection_shapes(config), dtype)
+    return Ceiling(len(token_counts), sum(token_counts), flops_per_token(config), rate, dtype)
