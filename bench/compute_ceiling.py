@@ -11,7 +11,8 @@ accumulated in float32), best of ``repeats``. Then
 
     ceiling sentences/s = sentences * dot FLOP/s / (their tokens * FLOPs per token)
 
-with the sentences' own tokens, no padding. `bench.embed` prints it beside the peers:
+with the sentences' own tokens, no padding. `bench.embed` measures it after each round
+of the peers (the machine's rate drifts between rounds) and prints it beside them:
 a peer that embeds faster than half the ceiling cannot be beaten 2x on this machine in
 that dtype, whatever the engine does around the products. Attention's own products
 (``4 * len * hidden`` per token and layer, about 5% for 17-token sentences) are left
@@ -21,6 +22,7 @@ out, so the ceiling is a little high.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +70,13 @@ def flops_per_token(config: dict[str, Any]) -> int:
     return per_layer * config["num_hidden_layers"]
 
 
-def dot_flops_per_s(
-    shapes: list[tuple[int, int]], dtype: str, tokens: int = STEP_TOKENS, repeats: int = 7
-) -> float:
-    """FLOP/s of a jitted function computing ``x @ w.T`` for each ``(out, in)`` weight of
-    ``shapes`` on ``tokens`` float32 rows, the weights stored in ``dtype`` and the rows
-    cast to it, accumulated in float32 (best of ``repeats`` runs)."""
+def dot_timer(
+    shapes: list[tuple[int, int]], dtype: str, tokens: int = STEP_TOKENS
+) -> Callable[[int], float]:
+    """A function of ``repeats`` giving the FLOP/s (best of that many runs) of a jitted
+    function computing ``x @ w.T`` for each ``(out, in)`` weight of ``shapes`` on
+    ``tokens`` float32 rows, the weights stored in ``dtype`` and the rows cast to it,
+    accumulated in float32. It is compiled here, once."""
     import jax
     import jax.numpy as jnp
 
@@ -86,6 +89,7 @@ def dot_flops_per_s(
         jax.random.normal(k, (tokens, s[1]), jnp.float32) for k, s in zip(keys, shapes, strict=True)
     ]
     dims = (((1,), (1,)), ((), ()))
+    flops = sum(2 * tokens * out * inp for out, inp in shapes)
 
     @jax.jit
     def products(xs, ws):
@@ -94,17 +98,24 @@ def dot_flops_per_s(
             for x, w in zip(xs, ws, strict=True)
         ]
 
+    def rate(repeats: int) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(products(inputs, weights))
+            best = min(best, time.perf_counter() - start)
+        return flops / best
+
     jax.block_until_ready(products(inputs, weights))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(products(inputs, weights))
-        best = min(best, time.perf_counter() - start)
-    return sum(2 * tokens * out * inp for out, inp in shapes) / best
+    return rate
 
 
-def measure(config: dict[str, Any], token_counts: list[int], dtype: str) -> Ceiling:
-    """The ceiling for sentences of ``token_counts`` tokens on the model of ``config``,
-    its products' inputs in ``dtype`` (``float32`` or ``bfloat16``)."""
-    rate = dot_flops_per_s(projection_shapes(config), dtype)
-    return Ceiling(len(token_counts), sum(token_counts), flops_per_token(config), rate, dtype)
+def ceiling_meter(
+    config: dict[str, Any], token_counts: list[int], dtype: str, repeats: int = 7
+) -> Callable[[], Ceiling]:
+    """A function that measures the ceiling now for sentences of ``token_counts`` tokens
+    on the model of ``config``, its products' inputs in ``dtype`` (``float32`` or
+    ``bfloat16``). Call it beside each round of the peers: the machine's rate drifts."""
+    rate = dot_timer(projection_shapes(config), dtype)
+    fixed = (len(token_counts), sum(token_counts), flops_per_token(config))
+    return lambda: Ceiling(*fixed, rate(repeats), dtype)

@@ -21,10 +21,10 @@ other, alternating so drift on a noisy machine hits both:
 
 The figure is sentences per second; each ratio is jaxengine's over a peer's, per
 round. Every embedding is checked against the first float32 peer's (the lowest
-cosine similarity of each peer is printed). After the rounds the machine's matmul
+cosine similarity of each peer is printed). After each round the machine's matmul
 ceiling for the same sentences is measured (`bench.compute_ceiling`: the model's
 projections timed in jaxengine's dtype; ``--no-ceiling`` skips it) and printed with
-its ratio to each peer: the most any engine running those products could reach.
+its ratio to each peer: the most an engine running those products could reach.
 """
 
 from __future__ import annotations
@@ -114,6 +114,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     peers = {name: embed for name, embed in peers.items() if embed is not None}
     for embed in peers.values():  # warm-up
         embed(texts[:64])
+    dtype = llm.engine.config.model_config.dtype
+    meter = None if args.no_ceiling else ceiling_meter(folder, texts, dtype)
+    ceilings: list[compute_ceiling.Ceiling] = []
     speeds: dict[str, list[float]] = {name: [] for name in peers}
     results: dict[str, np.ndarray] = {}
     for r in range(args.rounds):
@@ -122,13 +125,14 @@ def run(args: argparse.Namespace, command: str) -> int:
             results[name] = embed(texts)
             speeds[name].append(len(texts) / (perf_counter() - start))
             log(f"round {r} {name}: {speeds[name][-1]:.1f} sentences/s")
+        if meter is not None:
+            ceilings.append(meter())
+            log(f"round {r} matmul ceiling: {ceilings[-1].sentences_per_s:.1f} sentences/s")
     reference = results["transformers"]
     cosines = {n: float(np.min(np.sum(r * reference, axis=1))) for n, r in results.items()}
     compiles = llm.engine.executor.compiles_after_warmup
-    dtype = llm.engine.config.model_config.dtype
     llm.shutdown()
-    ceiling = None if args.no_ceiling else measure_ceiling(folder, texts, dtype)
-    report(args, command, speeds, cosines, compiles, dtype, ceiling)
+    report(args, command, speeds, cosines, compiles, dtype, ceilings)
     return 0
 
 
@@ -138,9 +142,9 @@ CEILING_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32",
 ``auto`` here is what `config.model.auto_dtype` left: float32)."""
 
 
-def measure_ceiling(folder: str, texts: list[str], dtype: str):
-    """`compute_ceiling.measure` for ``texts`` on the model in ``folder``, or None (with
-    a log line) where the model has no ``config.json`` or ``dtype`` no CPU mapping."""
+def ceiling_meter(folder: str, texts: list[str], dtype: str):
+    """`compute_ceiling.ceiling_meter` for ``texts`` on the model in ``folder``, or None
+    (with a log line) where the model has no ``config.json`` or ``dtype`` no CPU mapping."""
     import transformers
 
     config_file = Path(folder) / "config.json"
@@ -149,10 +153,11 @@ def measure_ceiling(folder: str, texts: list[str], dtype: str):
         return None
     tokens = transformers.AutoTokenizer.from_pretrained(folder)(texts)["input_ids"]
     config = json.loads(config_file.read_text())
-    return compute_ceiling.measure(config, [len(t) for t in tokens], CEILING_DTYPES[dtype])
+    counts = [len(t) for t in tokens]
+    return compute_ceiling.ceiling_meter(config, counts, CEILING_DTYPES[dtype])
 
 
-def report(args, command, speeds, cosines, compiles: int, dtype: str, ceiling) -> None:
+def report(args, command, speeds, cosines, compiles: int, dtype: str, ceilings) -> None:
     workload = {"model": args.model, "num_sentences": args.num_sentences,
                 "rounds": args.rounds, "hf_batch_size": args.hf_batch_size,
                 "engine_kwargs": args.engine_kwargs}  # fmt: skip
@@ -166,25 +171,29 @@ def report(args, command, speeds, cosines, compiles: int, dtype: str, ceiling) -
     print(format_table(["peer", "sentences/s", "jaxengine / peer", "lowest cosine"], rows))
     print(f"jaxengine --dtype: {dtype}; lowest cosine: against transformers' float32")
     print(f"compilations after warm-up: {compiles}")
-    if ceiling is not None:
-        print(ceiling_line(ceiling, speeds))
+    if ceilings:
+        print(ceiling_line(ceilings, speeds))
     if args.json:
         out = {"benchmark": "embed", "command": command, "machine": machine_info(),
                "workload": workload, "results": speeds, "min_cosine": cosines,
                "jaxengine_dtype": dtype,
-               "ceiling": ceiling.to_json() if ceiling else None}  # fmt: skip
+               "ceilings": [c.to_json() for c in ceilings]}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 
-def ceiling_line(ceiling: compute_ceiling.Ceiling, speeds: dict[str, list[float]]) -> str:
-    """The ceiling and its ratio to each peer's mean speed, on one line."""
+def ceiling_line(ceilings: list[compute_ceiling.Ceiling], speeds: dict[str, list[float]]) -> str:
+    """The ceiling (one per round) and its ratio to each peer, per round then averaged,
+    on one line."""
+    per_round = [c.sentences_per_s for c in ceilings]
     ratios = ", ".join(
-        f"{name} {ceiling.sentences_per_s / statistics.mean(v):.2f}x" for name, v in speeds.items()
+        f"{name} {statistics.mean(c / v for c, v in zip(per_round, values, strict=True)):.2f}x"
+        for name, values in speeds.items()
     )
+    first, rates = ceilings[0], [c.dot_flops_per_s / 1e9 for c in ceilings]
     return (
-        f"matmul ceiling: {ceiling.tokens:,} tokens x {ceiling.flops_per_token / 1e6:.1f} MFLOP "
-        f"of projections at {ceiling.dot_flops_per_s / 1e9:.0f} GFLOP/s ({ceiling.dtype} dots, "
-        f"measured now) = {ceiling.sentences_per_s:.1f} sentences/s; ceiling / peer: {ratios}"
+        f"matmul ceiling: {first.tokens:,} tokens x {first.flops_per_token / 1e6:.1f} MFLOP of "
+        f"projections at {min(rates):.0f}-{max(rates):.0f} GFLOP/s ({first.dtype} dots, after "
+        f"each round) = {statistics.mean(per_round):.1f} sentences/s; ceiling / peer: {ratios}"
     )
 
 

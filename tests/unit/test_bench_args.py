@@ -175,9 +175,15 @@ def test_embed_ceiling_arithmetic_and_line():
     from bench.compute_ceiling import Ceiling
     from bench.embed import build_parser, ceiling_line
 
-    ceiling = Ceiling(sentences=100, tokens=2000, flops_per_token=10**7, dot_flops_per_s=1e11,
-                      dtype="float32")  # fmt: skip
-    assert ceiling.sentences_per_s == pytest.approx(500.0)  # 2e10 FLOP at 1e11 FLOP/s
-    line = ceiling_line(ceiling, {"jaxengine": [200.0, 300.0], "transformers": [125.0]})
-    assert "= 500.0 sentences/s" in line and "jaxengine 2.00x, transformers 4.00x" in line
+    ceilings = [
+        Ceiling(
+            sentences=100, tokens=2000, flops_per_token=10**7, dot_flops_per_s=rate, dtype="float32"
+        )
+        for rate in (1e11, 2e11)
+    ]
+    assert ceilings[0].sentences_per_s == pytest.approx(500.0)  # 2e10 FLOP at 1e11 FLOP/s
+    # per round: 500 / 250 and 1000 / 250 (2x, 4x); 500 / 125 and 1000 / 250 (4x, 4x)
+    line = ceiling_line(ceilings, {"jaxengine": [250.0, 250.0], "transformers": [125.0, 250.0]})
+    assert "at 100-200 GFLOP/s" in line and "= 750.0 sentences/s" in line
+    assert "jaxengine 3.00x, transformers 4.00x" in line
     assert not build_parser().parse_args([]).no_ceiling
