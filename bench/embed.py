@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     for embed in peers.values():  # warm-up
         embed(texts[:64])
     dtype = llm.engine.config.model_config.dtype
-    meter = None if args.no_ceiling else ceiling_meter(folder, texts, dtype)
+    meter = None if args.no_ceiling else ceiling_meter(folder, llm.get_tokenizer(), texts, dtype)
     ceilings: list[compute_ceiling.Ceiling] = []
     speeds: dict[str, list[float]] = {name: [] for name in peers}
     results: dict[str, np.ndarray] = {}
@@ -142,18 +142,16 @@ CEILING_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32",
 ``auto`` here is what `config.model.auto_dtype` left: float32)."""
 
 
-def ceiling_meter(folder: str, texts: list[str], dtype: str):
-    """`compute_ceiling.ceiling_meter` for ``texts`` on the model in ``folder``, or None
-    (with a log line) where the model has no ``config.json`` or ``dtype`` no CPU mapping."""
-    import transformers
-
+def ceiling_meter(folder: str, tokenizer, texts: list[str], dtype: str):
+    """`compute_ceiling.ceiling_meter` for ``texts`` (counted by the engine's
+    ``tokenizer``) on the model in ``folder``, or None (with a log line) where the model
+    has no ``config.json`` or ``dtype`` no CPU mapping."""
     config_file = Path(folder) / "config.json"
     if dtype not in CEILING_DTYPES or not config_file.is_file():
         log(f"no matmul ceiling for --dtype {dtype} or a model without config.json")
         return None
-    tokens = transformers.AutoTokenizer.from_pretrained(folder)(texts)["input_ids"]
     config = json.loads(config_file.read_text())
-    counts = [len(t) for t in tokens]
+    counts = [len(ids) for ids in tokenizer(texts)["input_ids"]]
     return compute_ceiling.ceiling_meter(config, counts, CEILING_DTYPES[dtype])
 
 
