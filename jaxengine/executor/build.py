@@ -20,21 +20,9 @@ import jax
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.limits import SchedulerLimits
-from jaxengine.executor.loading import (
-    cache_dtype,
-    is_torch,
-    load_replica,
-    stage_program,
-)
+from jaxengine.executor.loading import load_replica, stage_program
 from jaxengine.executor.pooling import resolve_pooler
-from jaxengine.executor.speculative import (
-    draft_bytes_per_block,
-    load_draft,
-    lookahead_tokens,
-    make_proposer,
-    num_speculative_tokens,
-)
-from jaxengine.loader import LoadedModel
+from jaxengine.loader import LoadedModel, is_torch
 from jaxengine.loader.hf_config import load_generation_config
 from jaxengine.lora.store import AdapterStore
 from jaxengine.models.config import TransformerConfig
@@ -43,13 +31,20 @@ from jaxengine.models.layers.lora import target_shapes
 from jaxengine.runner.attention_backend import AttentionBackend
 from jaxengine.runner.buckets import default_token_buckets
 from jaxengine.runner.executables import ExecutableStore
-from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, plan_kv_cache
+from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, cache_dtype, plan_kv_cache
 from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
 from jaxengine.runner.pooler import PoolerSettings
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import logprobs_bucket
 from jaxengine.runner.step import make_classifier
+from jaxengine.speculative.device.build import (
+    draft_bytes_per_block,
+    lookahead_tokens,
+    make_proposer,
+    num_speculative_tokens,
+)
+from jaxengine.speculative.device.loading import load_draft
 from sharding.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -272,7 +267,7 @@ def build_worker(
     eos = _eos(generation_config, tokenizer, loaded.hf_config)
     model, mc = loaded.config, config.model_config
     pooler = resolve_pooler(config, loaded)
-    draft = load_draft(config, devices, loaded)
+    draft = load_draft(config, devices, loaded, load_replica)
     extra = draft_bytes_per_block(config, draft)
     kv_size, limits, dtype = _size_cache(config, placement, model, extra)
     heads = placement.plans[0].kv_cache_heads

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -13,39 +12,15 @@ import jax.numpy as jnp
 
 from jaxengine.config import EngineConfig
 from jaxengine.config.cache import FP8_CACHE_DTYPES
-from jaxengine.loader import LoadedModel, load_model
+from jaxengine.loader import LoadedModel, is_torch, load_model
 from jaxengine.models import UnsupportedArchitectureError
 from jaxengine.models.layers.lora import LoRASpec
 from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
-from jaxengine.runner.executables import ExecutableStore
-from jaxengine.runner.program import SingleStage, StageProgram
+from jaxengine.runner.executables import ExecutableStore, setup_compilation_cache
+from jaxengine.runner.program import StageProgram, single_stage
 from sharding.placement import Placement
 
 logger = logging.getLogger("jaxengine.executor.build")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedDraft:
-    """The draft model or EAGLE head, loaded on the target's devices."""
-
-    placement: Placement
-    loaded: LoadedModel
-    backend: AttentionBackend
-    shared_embedding: bool = False  # an EAGLE head that reads the target's embedding
-
-
-def setup_compilation_cache(config: EngineConfig) -> None:
-    """Turns on JAX's persistent compilation cache unless disabled."""
-    comp = config.compilation_config
-    if not comp.enable_compilation_cache:
-        return
-    import os
-
-    path = os.path.expanduser(comp.compilation_cache_dir)
-    jax.config.update("jax_compilation_cache_dir", path)
-    # every executable, however quick to compile: a warm start then traces and loads
-    # the sampler variants instead of compiling two dozen of them again
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def load_replica(config: EngineConfig, devices: Sequence[Any] | None):
@@ -110,17 +85,6 @@ def lora_spec(config: EngineConfig) -> LoRASpec | None:
     return LoRASpec(lc.max_loras, lc.max_lora_rank, dtype, lc.fully_sharded_loras)
 
 
-def cache_dtype(config: EngineConfig, model: Any) -> Any:
-    """The KV cache's dtype for ``model`` (a `TransformerConfig`): ``--kv-cache-dtype``,
-    ``auto`` being the model's dtype."""
-    return jnp.dtype(config.cache_config.cache_dtype(jnp.dtype(model.dtype).name))
-
-
-def is_torch(loaded: LoadedModel) -> bool:
-    """Whether the model is transformers' PyTorch one (`torch_fallback`)."""
-    return loaded.logical_axes is None
-
-
 def stage_program(
     loaded: LoadedModel,
     placement: Placement,
@@ -147,9 +111,12 @@ def stage_program(
             loaded.logical_axes,
             loaded.config.tie_word_embeddings,
         )
-    plan = placement.plans[0]
-    kwargs = {"attention_kwargs": plan.attention_kwargs(backend.module_kwargs())}
-    if hasattr(loaded.module, "moe_kwargs"):  # (an encoder has no experts)
-        kwargs["moe_kwargs"] = plan.moe_kwargs()
-    module = loaded.module.clone(**kwargs)
-    return SingleStage(module, len(loaded.config.layers), plan, k, store, pooling)
+    return single_stage(
+        loaded.module,
+        len(loaded.config.layers),
+        placement.plans[0],
+        backend.module_kwargs(),
+        k,
+        store,
+        pooling,
+    )

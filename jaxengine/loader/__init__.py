@@ -58,6 +58,11 @@ class LoadedModel:
     logical_axes: Any
 
 
+def is_torch(loaded: LoadedModel) -> bool:
+    """Whether the model is transformers' PyTorch one (`torch_fallback`)."""
+    return loaded.logical_axes is None
+
+
 def resolve_dtype(dtype: str, hf_config: Any, backend: str) -> Any:
     """The parameter dtype of ``--dtype`` for a checkpoint on ``backend``.
 

@@ -155,3 +155,16 @@ def _prune(directory: Path, max_bytes: int) -> None:
             break
         path.unlink(missing_ok=True)
         total -= st.st_size
+
+
+def setup_compilation_cache(config: Any) -> None:
+    """Turns on JAX's persistent compilation cache unless disabled (``config``: an
+    `EngineConfig`)."""
+    comp = config.compilation_config
+    if not comp.enable_compilation_cache:
+        return
+    path = os.path.expanduser(comp.compilation_cache_dir)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # every executable, however quick to compile: a warm start then traces and loads
+    # the sampler variants instead of compiling two dozen of them again
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

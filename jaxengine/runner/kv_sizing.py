@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
+
+import jax.numpy as jnp
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +91,9 @@ def plan_kv_cache(
             "raise --gpu-memory-utilization / --kv-cache-memory-bytes or lower --max-model-len"
         )
     return KVCacheSize(num_blocks, block_size, per_block)
+
+
+def cache_dtype(config: Any, model: Any) -> Any:
+    """The KV cache's dtype for ``model`` (a `TransformerConfig`) under ``config`` (an
+    `EngineConfig`): ``--kv-cache-dtype``, ``auto`` being the model's dtype."""
+    return jnp.dtype(config.cache_config.cache_dtype(jnp.dtype(model.dtype).name))

@@ -62,7 +62,8 @@ from jaxengine.runner.sampling_metadata import (
 )
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
-from jaxengine.spec import ProposalInput, Proposer, StepFeatures
+from jaxengine.speculative import ProposalInput, Proposer, StepFeatures
+from jaxengine.speculative.verify import accept
 
 logger = logging.getLogger(__name__)
 
@@ -618,19 +619,12 @@ def _rows(state: RequestState, drafts: tuple[int, ...], fed: bool, masks) -> lis
 
 def _accepted(state: RequestState, chunk: SeqChunk, token_ids, lp, row: int):
     """The tokens a request gets from its logits rows ``row, row + 1, ...``: the
-    proposals it verified (the last ``num_logits - 1`` ids of its chunk) while each
-    equals the token sampled before it, then one more sampled token; and their
-    logprobs (an entry, or a list of them with proposals). Updates ``state``: the
-    tokens are appended, the rejected proposals' positions are no longer computed.
-
-    Each row's token is drawn from the target's distribution at that position, with
-    the request's key for that position, so with proposals decided before the draw
-    (one-hot proposal distributions) the tokens are exactly those sampling without
-    proposals gives: acceptance changes how many come per step, not which."""
+    proposals it verified (the last ``num_logits - 1`` ids of its chunk) as
+    `speculative.verify.accept` keeps them; and their logprobs (an entry, or a list of
+    them with proposals). Updates ``state``: the tokens are appended, the rejected
+    proposals' positions are no longer computed."""
     drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_logits + 1 :]
-    tokens = [int(token_ids[row])]
-    while len(tokens) <= len(drafts) and tokens[-1] == drafts[len(tokens) - 1]:
-        tokens.append(int(token_ids[row + len(tokens)]))
+    tokens = accept(drafts, lambda j: int(token_ids[row + j]))
     state.token_ids.extend(tokens)
     state.num_computed -= len(drafts) + 1 - len(tokens)
     entries = [_row_logprobs(lp, row + j, state.params) for j in range(len(tokens))]

@@ -212,3 +212,21 @@ class SingleStage:
 
     def micro_batches(self, num_tokens: list[int]) -> list[list[int]]:
         return [list(range(len(num_tokens)))]
+
+
+def single_stage(
+    module: Any,
+    num_layers: int,
+    plan: ShardingPlan,
+    module_kwargs: dict,
+    k: int,
+    store: ExecutableStore | None = None,
+    pooling: bool = False,
+) -> SingleStage:
+    """``module``'s program on one tensor group: its attention (``module_kwargs``:
+    the attention backend's kernels) and, for a model with experts, its MoE run per
+    shard by ``plan``."""
+    kwargs = {"attention_kwargs": plan.attention_kwargs(module_kwargs)}
+    if hasattr(module, "moe_kwargs"):  # (an encoder has no experts)
+        kwargs["moe_kwargs"] = plan.moe_kwargs()
+    return SingleStage(module.clone(**kwargs), num_layers, plan, k, store, pooling)

@@ -27,7 +27,7 @@ from scipy import stats
 from tiny_models import tiny_llama_config
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.runner.eagle import EagleProposer
+from jaxengine.speculative.device.eagle import EagleProposer
 
 VOCAB = 64
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,

@@ -19,8 +19,8 @@ from jaxengine.metrics_reader import Counter, Vector, get_metrics_snapshot
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import BucketSet
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.spec import ProposalInput
-from jaxengine.spec.ngram import NgramProposer, propose_ngram
+from jaxengine.speculative import ProposalInput
+from jaxengine.speculative.ngram import NgramProposer, propose_ngram
 from jaxengine.structured_output import StructuredOutputManager
 from tests.unit.test_scheduler import FakeRunner, fake_token, make_limits, make_req, run
 

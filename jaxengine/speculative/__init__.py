@@ -1,11 +1,20 @@
-"""Speculative decoding, host side (no jax): what a proposer is given and gives back.
+"""Speculative decoding: proposers draft tokens, the target verifies them in its next step.
 
-After each step the runner asks its proposer for the next step's proposals: one
-`ProposalInput` per request of the step. The n-gram proposer (`spec.ngram`) reads
-the request's tokens on the host; the draft-model proposer (`runner.draft`) runs a
-smaller model on the device, keeping its own KV cache in the request's pages; the
-EAGLE proposer (`runner.eagle`) runs a head on the step's hidden states
-(`StepFeatures`).
+This package is the feature's one home:
+
+- here (host side, no jax): what a proposer is given (`ProposalInput`, one per
+  request of the step; `StepFeatures`) and the `Proposer` protocol, the runner's one
+  seam into the feature (`ModelRunner` calls ``propose`` after each step);
+- `speculative.verify`: the acceptance rule the runner applies to a step's sampled
+  rows;
+- `speculative.ngram`: proposals from the request's own tokens (numpy, on the host);
+- `speculative.device`: the proposers that run a model on the device (a draft
+  model: `device.draft`; an EAGLE head on the step's hidden states: `device.eagle`),
+  their loading and the builder the worker calls (`device.build`).
+
+The runner imports this folder only; `speculative.device` imports the runner, never
+the other way. The config is `config/speculative.py`, the EAGLE head's model
+`models/eagle.py`.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import numpy as np
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.program import StageProgram, abstract_like, delete_arrays
-from jaxengine.spec import ProposalInput, StepFeatures
+from jaxengine.speculative import ProposalInput, StepFeatures
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The head runs on the target's devices with its own parameters, compiled steps and
 paged KV cache (as many pages as the target's, written through the target's block
-tables, like a draft model's: `runner.draft`). Its input at position ``p`` is the
+tables, like a draft model's: `speculative.device.draft`). Its input at position ``p`` is the
 token at ``p + 1`` and the target's feature ``h[p]``, which exists only in the step
 that computed ``p``. So after each target step, for each request of the step:
 
@@ -34,11 +34,11 @@ import numpy as np
 
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
-from jaxengine.runner.draft import DraftSettings
 from jaxengine.runner.program import abstract_like, delete_arrays, zero_caches
 from jaxengine.runner.step import step_inputs
 from jaxengine.runner.transfer import unpack_tree
-from jaxengine.spec import ProposalInput, StepFeatures
+from jaxengine.speculative import ProposalInput, StepFeatures
+from jaxengine.speculative.device.draft import DraftSettings
 
 
 def make_eagle_step(head: Any, target: Any, max_num_seqs: int, shared_embedding: bool):

@@ -1,29 +1,92 @@
-"""Loading an EAGLE head (``--speculative-config '{"method": "eagle", "model": PATH}'``)
-and building its proposer (`models.eagle`, `runner.eagle`)."""
+"""Loading what a device-side proposer runs: a draft model (through the same path
+as the target's, which the worker hands in as ``load_replica``) or an EAGLE head
+(``--speculative-config '{"method": "eagle", "model": PATH}'``, `models.eagle`),
+on the target's devices, checked against the target."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax
 import numpy as np
 
-from jaxengine.config import EngineConfig
-from jaxengine.executor.loading import LoadedDraft, setup_compilation_cache
-from jaxengine.loader import LoadedModel, resolve_source
+from jaxengine.config import EngineConfig, LoRAConfig, ModelConfig, SpeculativeConfig
+from jaxengine.loader import LoadedModel, is_torch, resolve_source
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.loader.params import abstract_params, dummy_params, logical_axes, params_from_tensors
 from jaxengine.models import family_config
 from jaxengine.models.eagle import EagleHead, eagle_tensor_name
-from jaxengine.runner.attention_backend import select_attention_backend
-from jaxengine.runner.draft import DraftSettings
-from jaxengine.runner.eagle import EagleProposer, make_eagle_step
-from jaxengine.runner.program import abstract_like
+from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
+from jaxengine.runner.executables import setup_compilation_cache
 from sharding.placement import Placement
 
+ON_DEVICE = ("draft_model", "eagle")  # methods that run a model of their own
 _EMBED = "model.embed_tokens.weight"
+
+ReplicaLoader = Callable[[EngineConfig, Sequence[Any] | None], tuple]
+"""The worker's `load_replica`: (config, devices) -> (placement, model, backend)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedDraft:
+    """The draft model or EAGLE head, loaded on the target's devices."""
+
+    placement: Placement
+    loaded: LoadedModel
+    backend: AttentionBackend
+    shared_embedding: bool = False  # an EAGLE head that reads the target's embedding
+
+
+def load_draft(
+    config: EngineConfig,
+    devices: Sequence[Any] | None,
+    target: LoadedModel,
+    load_replica: ReplicaLoader,
+) -> LoadedDraft | None:
+    """The draft model or EAGLE head of ``config`` (None for the other methods),
+    checked against the target: JAX models, same vocabulary (and hidden size for a
+    head). A draft model loads through ``load_replica``, the target's own path."""
+    method = config.speculative_config.method
+    if method not in ON_DEVICE:
+        return None
+    if is_torch(target):
+        raise ValueError(
+            f"speculative_config: the {method} method needs the target's JAX model "
+            "(--model-impl jax)"
+        )
+    draft_config = dataclasses.replace(
+        config,
+        model_config=_draft_model_config(config),
+        lora_config=LoRAConfig(),
+        speculative_config=SpeculativeConfig(),
+    )
+    if method == "eagle":
+        return load_eagle(draft_config, devices, target)
+    placement, loaded, backend = load_replica(draft_config, devices)
+    vocab_size = target.config.vocab_size
+    if is_torch(loaded) or loaded.config.vocab_size != vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model {draft_config.model_config.model} has a "
+            f"vocabulary of {loaded.config.vocab_size} tokens, the target {vocab_size}: "
+            "a draft model must share the target's tokenizer"
+        )
+    return LoadedDraft(placement, loaded, backend)
+
+
+def _draft_model_config(config: EngineConfig) -> ModelConfig:
+    sc = config.speculative_config
+    return dataclasses.replace(
+        config.model_config,
+        model=sc.option("model"),
+        tokenizer=None,
+        revision=sc.option("revision"),
+        quantization=sc.option("quantization"),
+        hf_overrides={},
+        served_model_name=None,
+        model_impl="jax",
+    )
 
 
 def load_eagle(config: EngineConfig, devices: Sequence[Any] | None, target: LoadedModel):
@@ -50,7 +113,7 @@ def load_eagle(config: EngineConfig, devices: Sequence[Any] | None, target: Load
         config.parallel_config, devices or replica_devices(config.parallel_config)[0]
     )
     abstract = abstract_params(module, head_config)
-    if shared:  # the step reads the target's embedding (`runner.eagle`)
+    if shared:  # the step reads the target's embedding (`speculative.device.eagle`)
         abstract = {"model": {k: v for k, v in abstract["model"].items() if k != "embed_tokens"}}
     shardings = placement(head_config, logical_axes(abstract), nn.unbox(abstract))
     if lc.load_format == "dummy":
@@ -82,27 +145,3 @@ def _head_tensors(path: Any) -> dict[str, np.ndarray]:
             "use the target's LM head)"
         )
     return tensors
-
-
-def eagle_proposer(draft: LoadedDraft, settings: DraftSettings, target: LoadedModel):
-    """The EAGLE proposer of ``draft`` (`load_eagle`'s) for ``target``'s runner."""
-    plan = draft.placement.plans[0]
-    head = draft.loaded.module.clone(
-        attention_kwargs=plan.attention_kwargs(draft.backend.module_kwargs())
-    )
-    step = make_eagle_step(head, target.module, settings.max_num_seqs, draft.shared_embedding)
-    multi = len(draft.placement.devices) > 1
-    source = jax.ShapeDtypeStruct(
-        (1, target.config.hidden_size),
-        target.config.dtype,
-        sharding=plan.replicated if multi else None,
-    )
-    return EagleProposer(
-        step,
-        draft.loaded.params,
-        settings,
-        len(draft.loaded.config.layers),
-        source,
-        abstract_like(target.params),
-        plan.kv_cache_sharding if multi else None,
-    )

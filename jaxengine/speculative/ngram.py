@@ -4,7 +4,7 @@ The longest suffix of the request's tokens, between ``prompt_lookup_min`` and
 ``prompt_lookup_max`` tokens long, that also occurs earlier in them: the tokens that
 followed its latest earlier occurrence (the latest one followed by a full proposal,
 if any) are the proposal. Numpy only, on the host;
-the target model verifies the proposal in its next step (`runner.spec_verify`).
+the target model verifies the proposal in its next step (`speculative.verify`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxengine.spec import ProposalInput
+from jaxengine.speculative import ProposalInput
 
 
 def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:

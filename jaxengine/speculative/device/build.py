@@ -1,0 +1,110 @@
+"""Speculative decoding's parts of a worker (``--speculative-config``): how many
+tokens a step verifies, the KV slots kept ahead, the draft model's pages, and the
+proposer (n-gram on the host, or a draft model or EAGLE head on the device)."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxengine.config import EngineConfig
+from jaxengine.loader import LoadedModel
+from jaxengine.models.layers.attention import kv_cache_shape
+from jaxengine.runner.kv_sizing import bytes_per_block, cache_dtype
+from jaxengine.runner.model_runner import RunnerSettings
+from jaxengine.runner.program import abstract_like, single_stage
+from jaxengine.speculative import Proposer
+from jaxengine.speculative.device.draft import DraftProposer, DraftSettings
+from jaxengine.speculative.device.eagle import EagleProposer, make_eagle_step
+from jaxengine.speculative.device.loading import ON_DEVICE, LoadedDraft
+from jaxengine.speculative.ngram import NgramProposer
+
+
+def num_speculative_tokens(config: EngineConfig) -> int:
+    """Proposed tokens per request and step: ``--num-lookahead-slots``, which
+    `EngineConfig` allows only as 0 (the default: num_speculative_tokens) or equal to
+    num_speculative_tokens."""
+    return config.scheduler_config.num_lookahead_slots or (
+        config.speculative_config.num_speculative_tokens
+    )
+
+
+def lookahead_tokens(config: EngineConfig) -> int:
+    """KV slots the scheduler allocates beyond a step's tokens: a draft model or EAGLE
+    head writes its proposals' KV there before the target verifies them; n-gram
+    needs none."""
+    method = config.speculative_config.method
+    return num_speculative_tokens(config) if method in ON_DEVICE else 0
+
+
+def draft_bytes_per_block(config: EngineConfig, draft: LoadedDraft | None) -> int:
+    """One page of the draft's KV cache on one device (0 without a draft)."""
+    if draft is None:
+        return 0
+    model = draft.loaded.config
+    return bytes_per_block(
+        len(model.layers),
+        config.cache_config.block_size,
+        draft.placement.plans[0].kv_heads_per_device,
+        model.head_dim,
+        cache_dtype(config, draft.loaded.config).itemsize,
+    )
+
+
+def make_proposer(
+    config: EngineConfig,
+    draft: LoadedDraft | None,
+    settings: RunnerSettings,
+    target: LoadedModel,
+) -> Proposer | None:
+    """The proposer of ``config`` (None: speculative decoding off); ``settings`` are
+    the runner's: a draft model or EAGLE head shares its pages and buckets."""
+    sc = config.speculative_config
+    k = num_speculative_tokens(config)
+    if sc.method == "ngram":
+        low, high = sc.prompt_lookup_min, sc.prompt_lookup_max
+        return NgramProposer(k, low, high, sc.disable_by_batch_size)
+    if draft is None:
+        return None
+    heads = draft.placement.plans[0].kv_cache_heads
+    model = draft.loaded.config
+    draft_settings = DraftSettings(
+        k=k,
+        block_size=settings.block_size,
+        num_blocks=settings.num_blocks,
+        pages_per_req=settings.pages_per_req,
+        token_buckets=settings.token_buckets,
+        max_num_seqs=settings.max_num_seqs,
+        vocab_size=model.vocab_size,
+        cache_page_shape=kv_cache_shape(model, 1, settings.block_size, heads)[1:],
+        cache_dtype=cache_dtype(config, draft.loaded.config),
+        disable_by_batch_size=sc.disable_by_batch_size,
+    )
+    if sc.method == "eagle":
+        return eagle_proposer(draft, draft_settings, target)
+    plan, backend = draft.placement.plans[0], draft.backend
+    program = single_stage(draft.loaded.module, len(model.layers), plan, backend.module_kwargs(), 1)
+    return DraftProposer(program, draft.loaded.params, draft_settings)
+
+
+def eagle_proposer(draft: LoadedDraft, settings: DraftSettings, target: LoadedModel):
+    """The EAGLE proposer of ``draft`` (`load_eagle`'s) for ``target``'s runner."""
+    plan = draft.placement.plans[0]
+    head = draft.loaded.module.clone(
+        attention_kwargs=plan.attention_kwargs(draft.backend.module_kwargs())
+    )
+    step = make_eagle_step(head, target.module, settings.max_num_seqs, draft.shared_embedding)
+    multi = len(draft.placement.devices) > 1
+    source = jax.ShapeDtypeStruct(
+        (1, target.config.hidden_size),
+        target.config.dtype,
+        sharding=plan.replicated if multi else None,
+    )
+    return EagleProposer(
+        step,
+        draft.loaded.params,
+        settings,
+        len(draft.loaded.config.layers),
+        source,
+        abstract_like(target.params),
+        plan.kv_cache_sharding if multi else None,
+    )
