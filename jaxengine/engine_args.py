@@ -243,6 +243,15 @@ class EngineArgs:
             parts[part] = cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
         return EngineConfig(**parts)
 
+    def create_model_configs(self) -> tuple[ModelConfig, LoadConfig]:
+        """The model's and the load's configs alone: what reading the checkpoint's
+        config needs (`worker.pooling.is_pooling_model`) before the rest resolves."""
+        values = dataclasses.asdict(self)
+        parts = []
+        for cls in (ModelConfig, LoadConfig):
+            parts.append(cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}))
+        return parts[0], parts[1]
+
     def create_engine_config(
         self, platform: str | None = None, pooling: bool = False
     ) -> EngineConfig:
@@ -256,7 +265,8 @@ class EngineArgs:
         each flag whose value jaxengine cannot run yet. ``platform="cpu"`` uses the
         smaller CPU defaults (`scheduler.CPU_DEFAULTS`): a 2-core host cannot use a
         budget of 8192 tokens per step, and every budget is a compiled bucket.
-        ``pooling`` (a pooling model, `executor.pooling.is_pooling_model`) raises the
+        ``pooling`` (a pooling model, `worker.pooling.is_pooling_model`; the one caller
+        that resolves on a platform is `entrypoints.factory.engine_config`) raises the
         CPU's max_num_seqs to `scheduler.POOLING_CPU_MAX_NUM_SEQS` and may resolve
         ``--dtype auto`` (`model.auto_dtype`).
         """

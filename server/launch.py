@@ -40,70 +40,17 @@ def setup_logging(level: str = "info", environ: Mapping[str, str] = os.environ) 
 
 
 def build_engine(args: argparse.Namespace) -> tuple[EngineClient, Any, list[Any]]:
-    """(engine client, prometheus stat logger, log stat loggers) from the flags.
-
-    The engine is an `AsyncLLM`, or with ``--data-parallel-size N`` > 1 a `DPAsyncLLM`
-    over N replicas, each reporting its metrics as ``engine="i"`` and logging its own
-    stats line. The log stat loggers are empty with ``--disable-log-stats``. With
-    ``--data-parallel-size-local L`` < N this is the head: it listens on
-    ``--data-parallel-address``/``--data-parallel-rpc-port`` before building its L
-    replicas, then waits for the ``--headless`` nodes to register the other ranks
-    (their streams go in one `StreamTable`, which the `DPAsyncLLM` then shares).
-    """
-    import prometheus_client
-
-    from jaxengine.engine.data_parallel import build_engine as build_llm_engine
-    from jaxengine.entrypoints.dp_async_llm import async_engine
-    from jaxengine.executor.pooling import platform_engine_config
-    from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
-    from jaxengine.metrics_families import engine_cache_config_info
+    """(engine client, prometheus stat logger, log stat loggers) from the flags
+    (`entrypoints.factory.served_engine`: the single engine, or the data-parallel
+    head with its replicas)."""
+    from jaxengine.entrypoints.factory import served_engine
     from server.args import engine_args_from
-    from sharding.distributed import initialize_for
 
-    prometheus_client.disable_created_metrics()  # vLLM's exposition has no *_created
-    engine_args = engine_args_from(args)
-    initialize_for(engine_args)  # a multi-node driver joins its JAX cluster before any JAX call
-    config = platform_engine_config(engine_args)
-    head = start_dp_head(config.parallel_config)
-    try:
-        engine = build_llm_engine(config, allow_remote=True)
-        remote = head.wait(engine.max_model_len, engine.vocab_size) if head else []
-    except BaseException:
-        if head is not None:
-            head.close()
-        raise
-    num_replicas = config.parallel_config.data_parallel_size
-    metrics = PrometheusStatLogger(
-        model_name=engine.config.model_config.served_model_names[0],
-        max_model_len=engine.max_model_len,
-        engine_indexes=range(num_replicas),
-        cache_config_info=engine_cache_config_info(engine),
+    return served_engine(
+        engine_args_from(args),
+        log_stats=not args.disable_log_stats,
+        log_stats_interval=args.log_stats_interval,
     )
-    stats_logs = []
-    if not args.disable_log_stats:
-        stats_logs = [
-            LoggingStatLogger(
-                interval=args.log_stats_interval, engine_index=i if num_replicas > 1 else None
-            )
-            for i in range(num_replicas)
-        ]
-    loggers = [[metrics.for_engine(i), *stats_logs[i : i + 1]] for i in range(num_replicas)]
-    async_llm = async_engine(engine.config, engine=engine, stat_loggers=loggers, remote=remote)
-    return async_llm, metrics, stats_logs
-
-
-def start_dp_head(parallel):
-    """The head's listener for the remote data-parallel ranks (None when all are here)."""
-    if parallel.data_parallel_rank_start != 0:
-        raise ValueError(
-            f"--data-parallel-start-rank {parallel.data_parallel_start_rank} is for "
-            "--headless nodes: the head, which serves the API, holds ranks 0.."
-        )
-    if not parallel.has_remote_replicas:
-        return None
-    from jaxengine.entrypoints.dp_head import DPHead
-
-    return DPHead(parallel)
 
 
 def run_headless(args: argparse.Namespace) -> int:

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from jaxengine.engine.llm_engine import PreparedPrompt
 from jaxengine.entrypoints.client import EngineClient
+from jaxengine.inputs import PreparedPrompt
 from jaxengine.lora import LoRARequest
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxengine.beam_search import BeamSearchParams
-from jaxengine.engine.llm_engine import PreparedPrompt
+from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import RequestOutput
 from server.errors import APIError
 from server.protocol import CompletionRequest

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from jaxengine.engine_args import EngineArgs
-    from jaxengine.entrypoints.dp_async_llm import async_engine_from_args
+    from jaxengine.entrypoints.factory import async_engine_from_args
     from server.app import server_options
     from server.lora import check_lora_modules
     from server.run_batch import run_batch

@@ -27,7 +27,8 @@ from typing import Any
 from jaxengine.config import EngineConfig, ParallelConfig
 from jaxengine.core.dp_balancer import DPBalancer
 from jaxengine.core.sched_output import SchedulerStats, SpecDecodingStats
-from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
+from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 
@@ -191,26 +192,6 @@ def local_parallel(parallel: ParallelConfig) -> ParallelConfig:
         data_parallel_size_local=None,
         data_parallel_start_rank=None,
     )
-
-
-def build_engine(
-    config: EngineConfig, *, warmup: bool = True, allow_remote: bool = False
-) -> LLMEngine | DataParallelEngine:
-    """An `LLMEngine`, or a `DataParallelEngine` when ``data_parallel_size`` > 1.
-
-    Replicas on other nodes (``data_parallel_size_local`` < ``data_parallel_size``)
-    are the API server's (``allow_remote``); elsewhere they raise ValueError.
-    """
-    parallel = config.parallel_config
-    if parallel.has_remote_replicas and not allow_remote:
-        raise ValueError(
-            f"--data-parallel-size-local {parallel.local_data_parallel_size} < "
-            f"--data-parallel-size {parallel.data_parallel_size} puts replicas on other "
-            "nodes, which only `jaxengine serve` (the head and its --headless nodes) runs"
-        )
-    if parallel.data_parallel_size > 1:
-        return DataParallelEngine(config, warmup=warmup)
-    return LLMEngine(config, warmup=warmup)
 
 
 def _summed(values: list) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.request import Request, RequestStatus
@@ -27,21 +27,13 @@ from jaxengine.core.scheduler import Scheduler
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.abstract import StepResult
+from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import RequestOutput
 from jaxengine.pooling_params import PoolingParams, plain_token_ids
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.structured_output import make_manager
 
 logger = logging.getLogger(__name__)
-
-
-class PreparedPrompt(NamedTuple):
-    """A validated prompt: its text (if any), token ids, and engine-ready params."""
-
-    text: str | None
-    token_ids: list[int]
-    params: SamplingParams
-    lora_request: Any = None  # a `LoRARequest`, None for the base model
 
 
 class PromptTooLongError(ValueError):

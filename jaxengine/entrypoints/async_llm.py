@@ -35,10 +35,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from jaxengine.config import EngineConfig
-from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
+from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.stats import IterationStats
 from jaxengine.entrypoints.client import EngineDeadError, EngineFront, StatLogger
 from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 
@@ -77,26 +78,6 @@ class AsyncLLM(EngineFront):
         self._thread.start()
 
     # ------------------------------------------------------------------ properties
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
-    @property
-    def pooler(self) -> Any:
-        return self.engine.pooler
-
-    @property
-    def generation_config(self) -> dict[str, Any] | None:
-        return self.engine.generation_config
 
     @property
     def is_running(self) -> bool:

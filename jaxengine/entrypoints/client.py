@@ -25,8 +25,9 @@ from jaxengine.beam_search import BeamSearch, BeamSearchParams, check_engine, eo
 if TYPE_CHECKING:
     from jaxengine.config import EngineConfig
     from jaxengine.core.sched_output import SchedulerStats
-    from jaxengine.engine.llm_engine import PreparedPrompt
+    from jaxengine.engine.protocol import Engine
     from jaxengine.engine.stats import IterationStats
+    from jaxengine.inputs import PreparedPrompt
     from jaxengine.outputs import RequestOutput
     from jaxengine.sampling_params import SamplingParams
 
@@ -38,10 +39,30 @@ class EngineDeadError(RuntimeError):
 
 class EngineFront:
     """What both async fronts (`AsyncLLM`, `DPAsyncLLM`) ask of their ``engine`` (an
-    `LLMEngine` or `DataParallelEngine`) outside its thread: preparing prompts and
-    LoRA adapters."""
+    `LLMEngine` or `DataParallelEngine`) outside its thread: the model's limits,
+    preparing prompts and LoRA adapters."""
 
-    engine: Any
+    engine: Engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def pooler(self) -> Any:
+        return self.engine.pooler
+
+    @property
+    def generation_config(self) -> dict[str, Any] | None:
+        return self.engine.generation_config
 
     def prepare(
         self, prompt: Any, params: SamplingParams, lora_request: Any = None

@@ -21,29 +21,25 @@ Every replica, local or remote, is a `ReplicaClient` whose streams live in ONE
 loads are the table's counts per owner, and `abort` finds a request's replica as the
 table's ``owner_of``.
 
-`async_engine` (and `async_engine_from_args`) build the server's `EngineClient`: an
-`AsyncLLM`, or a `DPAsyncLLM` when ``data_parallel_size`` > 1. They live here, the
-one module that imports both.
+`entrypoints.factory.async_engine` builds the server's `EngineClient`: an
+`AsyncLLM`, or a `DPAsyncLLM` when ``data_parallel_size`` > 1.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.dp_balancer import DPBalancer
 from jaxengine.engine.data_parallel import DataParallelEngine
-from jaxengine.engine.llm_engine import LLMEngine, PreparedPrompt
 from jaxengine.entrypoints.async_llm import AsyncLLM
-from jaxengine.entrypoints.client import EngineClient, EngineFront, ReplicaClient, StatLogger
+from jaxengine.entrypoints.client import EngineFront, ReplicaClient, StatLogger
 from jaxengine.entrypoints.dp_remote import RemoteReplica
 from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from jaxengine.engine_args import EngineArgs
 
 
 class DPAsyncLLM(EngineFront):
@@ -84,26 +80,6 @@ class DPAsyncLLM(EngineFront):
         self.balancer = DPBalancer(size, block_size=self.config.cache_config.block_size)
 
     # ------------------------------------------------------------------ properties
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
-    @property
-    def pooler(self) -> Any:
-        return self.engine.pooler
-
-    @property
-    def generation_config(self) -> dict[str, Any] | None:
-        return self.engine.generation_config
 
     @property
     def is_running(self) -> bool:
@@ -192,34 +168,3 @@ def _check_remote_ranks(num_local: int, size: int, remote: Sequence[RemoteReplic
         raise ValueError(
             f"{num_local} local replicas need remote ranks {ranks}, got {[r.rank for r in remote]}"
         )
-
-
-def async_engine(
-    config: EngineConfig,
-    *,
-    stat_loggers: Sequence[Sequence[StatLogger]] = (),
-    engine: LLMEngine | DataParallelEngine | None = None,
-    remote: Sequence[RemoteReplica] = (),
-) -> EngineClient:
-    """An `AsyncLLM`, or a `DPAsyncLLM` when ``data_parallel_size`` > 1.
-
-    ``stat_loggers[i]`` are replica ``i``'s (one list when there is one replica);
-    ``remote`` the replicas on other nodes; ``engine`` the `LLMEngine` or
-    `DataParallelEngine` already built for ``config`` (built here when None).
-    """
-    if config.parallel_config.data_parallel_size > 1:
-        if isinstance(engine, LLMEngine):
-            raise TypeError("data_parallel_size > 1 needs a DataParallelEngine")
-        return DPAsyncLLM(config, stat_loggers=stat_loggers, engine=engine, remote=remote)
-    if isinstance(engine, DataParallelEngine):
-        raise TypeError("data_parallel_size 1 needs an LLMEngine")
-    return AsyncLLM(config, stat_loggers=stat_loggers[0] if stat_loggers else (), engine=engine)
-
-
-def async_engine_from_args(engine_args: EngineArgs, **kwargs: Any) -> EngineClient:
-    """`async_engine` for the config of ``engine_args`` (an `EngineArgs`) on this
-    platform; ``kwargs`` go to `async_engine`."""
-    from jaxengine.executor.pooling import platform_engine_config
-
-    config = platform_engine_config(engine_args)
-    return async_engine(config, **kwargs)

@@ -30,12 +30,12 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 
 from jaxengine.core.sched_output import SchedulerStats
-from jaxengine.engine.llm_engine import PreparedPrompt
 from jaxengine.engine.stats import IterationStats
 from jaxengine.engine_args import EngineArgs
 from jaxengine.entrypoints.async_llm import AsyncLLM
 from jaxengine.entrypoints.dp_remote import authkey, portable_error, recv, send, wait_timeout
 from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.inputs import PreparedPrompt
 from jaxengine.messages import (
     AbortRequests,
     AddRequest,
@@ -219,10 +219,9 @@ def run_dp_node(engine_args: EngineArgs) -> int:
     """`jaxengine serve --headless` with ``--data-parallel-address``: builds this node's
     replicas, registers them with the head and serves them until the head stops."""
 
-    from jaxengine.engine.data_parallel import DataParallelEngine
-    from jaxengine.executor.pooling import platform_engine_config
+    from jaxengine.entrypoints.factory import build_engine, engine_config
 
-    config = platform_engine_config(engine_args)
+    config = engine_config(engine_args)
     parallel = config.parallel_config
     start, local = parallel.data_parallel_rank_start, parallel.local_data_parallel_size
     if start == 0:
@@ -231,7 +230,7 @@ def run_dp_node(engine_args: EngineArgs) -> int:
             "--data-parallel-start-rank (>= 1) and --data-parallel-size-local"
         )
     ranks = tuple(range(start, start + local))
-    engine = DataParallelEngine(config)
+    engine = build_engine(config, allow_remote=True)  # a DataParallelEngine: ranks > 1
     try:
         conn = connect_to_head(parallel.data_parallel_rpc_address, wait_timeout())
         info = NodeInfo(

@@ -39,10 +39,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from jaxengine.core.sched_output import SchedulerStats
-from jaxengine.engine.llm_engine import PreparedPrompt
 from jaxengine.engine.stats import IterationStats
 from jaxengine.entrypoints.client import EngineDeadError, StatLogger
 from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.inputs import PreparedPrompt
 from jaxengine.messages import (
     AbortRequests,
     AddRequest,

@@ -33,8 +33,6 @@ from jaxengine.beam_search import (
 )
 from jaxengine.engine_args import EngineArgs
 from jaxengine.lora import LoRARequest
-from jaxengine.metrics import PrometheusStatLogger
-from jaxengine.metrics_families import engine_cache_config_info
 from jaxengine.metrics_reader import Metric, get_metrics_snapshot
 from jaxengine.outputs import (
     ClassificationRequestOutput,
@@ -92,19 +90,15 @@ class LLM:
     """An engine for offline inference, built from vLLM-named engine arguments."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        from jaxengine.engine.data_parallel import build_engine
-        from jaxengine.executor.pooling import platform_engine_config
-        from sharding.distributed import initialize_for
+        from jaxengine.entrypoints.factory import offline_engine
 
         if model is not None:
             kwargs["model"] = model
         log_stats = not kwargs.pop("disable_log_stats", True)
         args = EngineArgs(**kwargs)
-        initialize_for(args)  # a multi-node driver joins its JAX cluster before any JAX call
         # an LLMEngine, or N of them behind the same interface with data_parallel_size=N
-        self.engine = build_engine(platform_engine_config(args))
+        self.engine, self._stats = offline_engine(args, log_stats)
         self._ids = itertools.count()
-        self._stats = _stat_logger(self.engine, args.model) if log_stats else None
         # garbage collection shuts the engine down too (a notebook's `del llm`)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
@@ -397,14 +391,3 @@ class LLM:
             return
         for i, replica in enumerate(getattr(self.engine, "replicas", [self.engine])):
             self._stats.record(replica.get_stats(), replica.take_iteration_stats(), i)
-
-
-def _stat_logger(engine: Any, model: str) -> PrometheusStatLogger:
-    replicas = getattr(engine, "replicas", [engine])
-    max_len = replicas[0].config.model_config.max_model_len
-    return PrometheusStatLogger(
-        model,
-        max_model_len=max_len,
-        engine_indexes=range(len(replicas)),
-        cache_config_info=engine_cache_config_info(engine),
-    )

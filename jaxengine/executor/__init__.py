@@ -12,7 +12,7 @@ from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.executor.abstract import Executor
-from jaxengine.executor.build import HostParts
+from jaxengine.worker.build import HostParts
 
 
 def create_executor(
@@ -36,8 +36,8 @@ def create_executor(
 
         executor = DriverExecutor.start(config)
         return executor, executor.host
-    from jaxengine.executor.build import build_worker
     from jaxengine.executor.local import LocalExecutor
+    from jaxengine.worker.build import build_worker
 
     runner, host = build_worker(config, devices)
     background = config.compilation_config.background_compile

@@ -34,7 +34,6 @@ from jaxengine.config import EngineConfig
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.abstract import DoneStep
-from jaxengine.executor.build import HostParts, build_worker
 from jaxengine.executor.local import LocalExecutor
 from jaxengine.messages import (
     DriverWelcome,
@@ -48,6 +47,7 @@ from jaxengine.messages import (
     loads,
 )
 from jaxengine.runner.model_runner import ModelRunner
+from jaxengine.worker.build import HostParts, build_worker
 
 logger = logging.getLogger(__name__)
 

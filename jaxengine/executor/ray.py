@@ -26,9 +26,9 @@ import socket
 from jaxengine.config import EngineConfig
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.executor.abstract import DoneStep
-from jaxengine.executor.build import HostParts, build_worker
 from jaxengine.executor.multihost import check_spans_all_devices, without_host_swap
 from jaxengine.runner.model_runner import ModelRunner
+from jaxengine.worker.build import HostParts, build_worker
 
 logger = logging.getLogger(__name__)
 

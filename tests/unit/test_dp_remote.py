@@ -18,12 +18,12 @@ from multiprocessing.connection import Client
 import pytest
 
 from jaxengine.config import ParallelConfig
-from jaxengine.engine.llm_engine import PreparedPrompt
 from jaxengine.entrypoints.client import EngineDeadError
 from jaxengine.entrypoints.dp_head import DPHead, DPRegistrationError
 from jaxengine.entrypoints.dp_node import NodeServer, Outbox, connect_to_head, register
 from jaxengine.entrypoints.dp_remote import authkey, recv, send
 from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.inputs import PreparedPrompt
 from jaxengine.messages import PROTOCOL_VERSION, NodeInfo, Refused, Register
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.sampling_params import SamplingParams
@@ -249,7 +249,7 @@ def test_headless_needs_nnodes_or_a_data_parallel_address():
 
 
 def test_only_headless_nodes_take_a_start_rank():
-    from server.launch import start_dp_head
+    from jaxengine.entrypoints.factory import start_dp_head
 
     node = parallel(size=2, local=1, data_parallel_start_rank=1)
     with pytest.raises(ValueError, match="--data-parallel-start-rank 1 is for --headless"):
@@ -259,7 +259,7 @@ def test_only_headless_nodes_take_a_start_rank():
 
 def test_the_offline_engine_refuses_remote_replicas():
     from jaxengine.config import EngineConfig
-    from jaxengine.engine.data_parallel import build_engine
+    from jaxengine.entrypoints.factory import build_engine
 
     config = EngineConfig(parallel_config=parallel(size=2, local=1))
     with pytest.raises(ValueError, match="only `jaxengine serve`"):

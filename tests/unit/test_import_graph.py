@@ -98,7 +98,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_graph_sees_lazy_and_relative_imports():
     graph = import_graph()
-    assert "jaxengine.executor.build" in graph["jaxengine.executor"]
+    assert "jaxengine.worker.build" in graph["jaxengine.executor"]
     assert len(graph) > 100
 
 

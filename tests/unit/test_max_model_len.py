@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from jaxengine.executor.build import resolve_max_model_len
+from jaxengine.worker.build import resolve_max_model_len
 
 
 def _model(*windows):

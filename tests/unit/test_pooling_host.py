@@ -12,7 +12,6 @@ import transformers
 from tiny_models import tiny_llama_config
 
 from jaxengine.engine_args import EngineArgs
-from jaxengine.executor.pooling import is_pooling_model, sentence_transformers_pooler
 from jaxengine.loader.convert import as_classifier, classifier_tensors
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.pooling_params import (
@@ -22,6 +21,7 @@ from jaxengine.pooling_params import (
     with_token_types,
 )
 from jaxengine.runner.pooler import PoolerSettings, activate, pool
+from jaxengine.worker.pooling import is_pooling_model, sentence_transformers_pooler
 
 
 def test_pool_types_dimensions_and_normalization():

@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from jaxengine.executor.build import resolve_max_model_len
 from jaxengine.sampling_params import SamplingParams
+from jaxengine.worker.build import resolve_max_model_len
 from server import envs
 
 

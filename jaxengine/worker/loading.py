@@ -20,7 +20,7 @@ from jaxengine.runner.executables import ExecutableStore, setup_compilation_cach
 from jaxengine.runner.program import StageProgram, single_stage
 from sharding.placement import Placement
 
-logger = logging.getLogger("jaxengine.executor.build")
+logger = logging.getLogger("jaxengine.executor.build")  # the start-up lines' logger
 
 
 def load_replica(config: EngineConfig, devices: Sequence[Any] | None):

@@ -12,7 +12,8 @@ from jaxengine.config import EngineConfig
 from jaxengine.loader import LoadedModel
 from jaxengine.runner.pooler import PoolerSettings
 
-logger = logging.getLogger(__name__)
+# the name it logged under before the worker had its own package (users filter on it)
+logger = logging.getLogger("jaxengine.executor.pooling")
 
 
 def is_encoder(loaded: LoadedModel) -> bool:
@@ -20,28 +21,19 @@ def is_encoder(loaded: LoadedModel) -> bool:
     return bool(getattr(loaded.config, "bidirectional", False))
 
 
-def platform_engine_config(args: Any) -> EngineConfig:
-    """`EngineArgs` ``args``' config on this process's JAX backend, its defaults
-    fitted to the model (a pooling model's, `is_pooling_model`)."""
-    import jax
-
-    return args.create_engine_config(jax.default_backend(), pooling=is_pooling_model(args))
-
-
 def is_pooling_model(args: Any) -> bool:
     """Whether `EngineArgs` ``args`` serve a pooling model (`resolve_pooler`'s runner),
     told before the model loads from the flags and the checkpoint's config, so that
     the engine's defaults can fit it (`EngineArgs.create_engine_config`). False when
     the config cannot be read: loading the model then names the problem."""
-    config = args.create_engine_config()
-    mc = config.model_config
+    mc, load_config = args.create_model_configs()
     if mc.runner_type != "auto" or mc.convert_type in POOLING_CONVERTS:
         return _pools(mc, encoder=False, classifier=False)
     from jaxengine.loader import resolve_source
     from jaxengine.models import family_config
 
     try:
-        _, hf_config = resolve_source(mc, config.load_config)
+        _, hf_config = resolve_source(mc, load_config)
         family = family_config(hf_config, "float32")
     except Exception:  # noqa: BLE001 - any failure is reported by the load itself
         return False

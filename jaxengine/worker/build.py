@@ -20,8 +20,6 @@ import jax
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.limits import SchedulerLimits
-from jaxengine.executor.loading import load_replica, stage_program
-from jaxengine.executor.pooling import resolve_pooler
 from jaxengine.loader import LoadedModel, is_torch
 from jaxengine.loader.hf_config import load_generation_config
 from jaxengine.lora.store import AdapterStore
@@ -45,9 +43,12 @@ from jaxengine.speculative.device.build import (
     num_speculative_tokens,
 )
 from jaxengine.speculative.device.loading import load_draft
+from jaxengine.worker.loading import load_replica, stage_program
+from jaxengine.worker.pooling import resolve_pooler
 from sharding.placement import Placement
 
-logger = logging.getLogger(__name__)
+# the name it logged under before the worker had its own package (users filter on it)
+logger = logging.getLogger("jaxengine.executor.build")
 
 ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 """Set to 1: ``--max-model-len`` may exceed the model's context (vLLM's variable)."""
