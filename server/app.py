@@ -249,7 +249,7 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: An
 
     @app.get("/metrics")
     async def show_metrics():
-        from jaxengine.metrics import render_metrics
+        from jaxengine.metrics.loggers import render_metrics
 
         if metrics is None:
             raise APIError("metrics are off", 404)

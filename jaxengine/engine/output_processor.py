@@ -12,7 +12,7 @@ import dataclasses
 import time
 from typing import Any
 
-from jaxengine.engine.stats import FinishedRequestStats, IterationStats
+from jaxengine.metrics.stats import FinishedRequestStats, IterationStats
 from jaxengine.outputs import (
     CompletionOutput,
     Logprob,

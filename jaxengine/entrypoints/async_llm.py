@@ -36,10 +36,10 @@ from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.engine.llm_engine import LLMEngine
-from jaxengine.engine.stats import IterationStats
 from jaxengine.entrypoints.client import EngineDeadError, EngineFront, StatLogger
 from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.inputs import PreparedPrompt
+from jaxengine.metrics.stats import IterationStats
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 

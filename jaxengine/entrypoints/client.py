@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from jaxengine.config import EngineConfig
     from jaxengine.core.sched_output import SchedulerStats
     from jaxengine.engine.protocol import Engine
-    from jaxengine.engine.stats import IterationStats
     from jaxengine.inputs import PreparedPrompt
+    from jaxengine.metrics.stats import IterationStats
     from jaxengine.outputs import RequestOutput
     from jaxengine.sampling_params import SamplingParams
 

@@ -30,7 +30,6 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 
 from jaxengine.core.sched_output import SchedulerStats
-from jaxengine.engine.stats import IterationStats
 from jaxengine.engine_args import EngineArgs
 from jaxengine.entrypoints.async_llm import AsyncLLM
 from jaxengine.entrypoints.dp_remote import authkey, portable_error, recv, send, wait_timeout
@@ -51,6 +50,7 @@ from jaxengine.messages import (
     RequestError,
     Stats,
 )
+from jaxengine.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)
 

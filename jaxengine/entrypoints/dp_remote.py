@@ -39,7 +39,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from jaxengine.core.sched_output import SchedulerStats
-from jaxengine.engine.stats import IterationStats
 from jaxengine.entrypoints.client import EngineDeadError, StatLogger
 from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.inputs import PreparedPrompt
@@ -57,6 +56,7 @@ from jaxengine.messages import (
     dumps,
     loads,
 )
+from jaxengine.metrics.stats import IterationStats
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
 

@@ -31,7 +31,7 @@ from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
 if TYPE_CHECKING:
     from jaxengine.entrypoints.dp_head import DPHead
     from jaxengine.entrypoints.dp_remote import RemoteReplica
-    from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
+    from jaxengine.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
 
 def engine_config(args: EngineArgs) -> EngineConfig:
@@ -80,8 +80,8 @@ def offline_engine(
 def prometheus_logger(engine: LLMEngine | DataParallelEngine, model_name: str):
     """The `PrometheusStatLogger` of ``engine``: one ``engine="i"`` label per
     data-parallel rank (local or remote)."""
-    from jaxengine.metrics import PrometheusStatLogger
-    from jaxengine.metrics_families import engine_cache_config_info
+    from jaxengine.metrics.families import engine_cache_config_info
+    from jaxengine.metrics.loggers import PrometheusStatLogger
 
     return PrometheusStatLogger(
         model_name,
@@ -93,7 +93,7 @@ def prometheus_logger(engine: LLMEngine | DataParallelEngine, model_name: str):
 
 def log_stat_loggers(num_replicas: int, interval: float) -> list[LoggingStatLogger]:
     """One stats log line per replica (labelled by its index when there are several)."""
-    from jaxengine.metrics import LoggingStatLogger
+    from jaxengine.metrics.loggers import LoggingStatLogger
 
     return [
         LoggingStatLogger(interval=interval, engine_index=i if num_replicas > 1 else None)

@@ -33,7 +33,7 @@ from jaxengine.beam_search import (
 )
 from jaxengine.engine_args import EngineArgs
 from jaxengine.lora import LoRARequest
-from jaxengine.metrics_reader import Metric, get_metrics_snapshot
+from jaxengine.metrics.reader import Metric, get_metrics_snapshot
 from jaxengine.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,

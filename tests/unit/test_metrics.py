@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxengine.core.sched_output import SchedulerStats
-from jaxengine.engine.stats import FinishedRequestStats, IterationStats
-from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, render_metrics
-from jaxengine.metrics_families import build_1_2_5_buckets
+from jaxengine.metrics.families import build_1_2_5_buckets
+from jaxengine.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, render_metrics
+from jaxengine.metrics.stats import FinishedRequestStats, IterationStats
 
 MODEL = "SmolLM2-135M-Instruct"
 LABEL = {"model_name": MODEL, "engine": "0"}
@@ -227,7 +227,7 @@ def test_build_1_2_5_buckets():
 
 
 def test_import_leaves_jax_out():
-    code = "import sys, jaxengine.metrics; print([m for m in ('jax', 'torch') if m in sys.modules])"
+    code = "import sys, jaxengine.metrics.loggers; print([m for m in ('jax', 'torch') if m in sys.modules])"  # noqa: E501
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -354,7 +354,7 @@ def test_cache_config_info():
     """vLLM's cache_config_info: a gauge set to 1 per engine, labelled with the cache
     config (vLLM's field names: cache_dtype) and the engine, without model_name."""
     from jaxengine.config.cache import CacheConfig
-    from jaxengine.metrics_families import cache_config_info
+    from jaxengine.metrics.families import cache_config_info
 
     config = CacheConfig(block_size=16, kv_cache_dtype="fp8", swap_space=1)
     info = cache_config_info(config, num_gpu_blocks=100, num_cpu_blocks=8)
@@ -371,8 +371,8 @@ def test_cache_config_info():
 
 def test_get_metrics_reads_vllm_names():
     """LLM.get_metrics() (metrics_reader) as vLLM's reader: records named vllm:*."""
-    from jaxengine.metrics_reader import Counter as ReaderCounter
-    from jaxengine.metrics_reader import get_metrics_snapshot
+    from jaxengine.metrics.reader import Counter as ReaderCounter
+    from jaxengine.metrics.reader import get_metrics_snapshot
 
     metrics = PrometheusStatLogger(MODEL)
     metrics.record(sched(), IterationStats(num_generation_tokens=7))

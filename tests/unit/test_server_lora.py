@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.core.sched_output import SchedulerStats
 from jaxengine.lora import LoRAAdapterError
-from jaxengine.metrics import PrometheusStatLogger, render_metrics
+from jaxengine.metrics.loggers import PrometheusStatLogger, render_metrics
 from server.args import add_server_args, check_server_args
 from server.errors import APIError
 from server.lora import (

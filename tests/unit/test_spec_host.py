@@ -14,8 +14,8 @@ from jaxengine.config import SpeculativeConfig
 from jaxengine.core import RunnerOutput, Scheduler, SchedulerOutput
 from jaxengine.core.sched_output import SchedulerStats, SpecDecodingStats
 from jaxengine.engine_args import EngineArgs
-from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
-from jaxengine.metrics_reader import Counter, Vector, get_metrics_snapshot
+from jaxengine.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from jaxengine.metrics.reader import Counter, Vector, get_metrics_snapshot
 from jaxengine.runner.batch import SeqChunk, pack_batch
 from jaxengine.runner.buckets import BucketSet
 from jaxengine.sampling_params import SamplingParams

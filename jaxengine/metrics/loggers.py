@@ -19,7 +19,7 @@ HPA adapters) and tests read, and under the same name with this project's prefix
 always on, with no flag: a flag would only choose which of two correct names a
 scrape lacks, and the cost of both is a larger scrape. There is one source of truth:
 the metrics are registered once, with bare names, in a private registry, and a
-`metrics_families.PrefixedCollector` in `registry` yields each family once per prefix
+`metrics.families.PrefixedCollector` in `registry` yields each family once per prefix
 from the same samples, so an observation is made once and the two names never
 disagree. The ``jaxengine:`` families keep today's label sets; the ``vllm:`` ones
 have vLLM's (they differ only for ``lora_requests_info``, which in vLLM has no
@@ -70,8 +70,7 @@ from prometheus_client import (
 )
 
 from jaxengine.core.sched_output import SchedulerStats, SpecDecodingStats
-from jaxengine.engine.stats import FinishedRequestStats, IterationStats
-from jaxengine.metrics_families import (
+from jaxengine.metrics.families import (
     CUMULATIVE_COUNTERS,
     GAUGES,
     LABELLED,
@@ -84,6 +83,7 @@ from jaxengine.metrics_families import (
     PrefixedCollector,
     bucket_sets,
 )
+from jaxengine.metrics.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger("jaxengine.metrics")
 
@@ -105,7 +105,7 @@ class PrometheusStatLogger:
     "0" when there is one), as vLLM labels them. `record` takes the engine's index;
     `for_engine(i)` gives a logger with the plain ``record(scheduler_stats,
     iteration_stats)`` signature that records as engine ``i``, for that replica's
-    engine thread. ``cache_config_info`` (`metrics_families.cache_config_info`) adds
+    engine thread. ``cache_config_info`` (`metrics.families.cache_config_info`) adds
     vLLM's ``cache_config_info`` gauge: 1, labelled with the cache config and the
     engine, one series per engine.
 

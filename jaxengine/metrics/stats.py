@@ -3,7 +3,7 @@
 The output processor fills one `IterationStats` per engine step from the outputs it
 applies: tokens, time to first token, inter-token latencies and the requests that
 finished. Together with the scheduler's `SchedulerStats` snapshot it is everything
-the Prometheus metrics (`jaxengine.metrics`) and the periodic log line need.
+the Prometheus metrics (`metrics.loggers`) and the periodic log line need.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Reads a `CollectorRegistry` (the `PrometheusStatLogger`'s) into a list of `Count
 (``spec_decode_num_accepted_tokens_per_pos``) becomes one `Vector` per engine whose
 values are indexed by position. Each family comes under both of its names
 (``vllm:generation_tokens`` and ``jaxengine:generation_tokens``: one set of samples,
-see `metrics_families.PrefixedCollector`). Host side, no jax.
+see `metrics.families.PrefixedCollector`). Host side, no jax.
 """
 
 from __future__ import annotations
