@@ -6,7 +6,7 @@ any tensor is read). It checks that the model fits the parallel sizes, builds on
 gives every parameter the sharding of its stage: layer ``i`` lives on the stage that
 runs it, the embedding on the first stage, the final norm and LM head on the last.
 A tied embedding is needed by both ends; it loads on the first stage and the runner
-copies it to the last (`sharding.pipeline`).
+copies it to the last (`jaxengine.runner.pipeline`).
 """
 
 from __future__ import annotations

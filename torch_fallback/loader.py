@@ -18,7 +18,7 @@ import torch
 
 from jaxengine.config import EngineConfig
 from jaxengine.loader import LoadedModel, resolve_dtype, resolve_source
-from jaxengine.models.config import LayerSpec, RopeSpec, TransformerConfig
+from jaxengine.models.layers.config import LayerSpec, RopeSpec, TransformerConfig
 from torch_fallback.attention import NAME, register
 from torch_fallback.program import TORCH_DTYPES
 

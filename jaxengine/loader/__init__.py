@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
@@ -35,6 +36,9 @@ from jaxengine.loader.sources import ModelSource, resolve_model
 from jaxengine.models.layers.lora import LoRASpec
 from jaxengine.models.layers.quant import QuantScheme
 
+TokenLookup = Callable[[ModelSource, list[str]], list[int | None]]
+"""(model source, tokens) -> each token's id in the model's tokenizer (None: unknown)."""
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -51,7 +55,7 @@ class LoadedModel:
     """A model ready to run: module, architecture config, parameters and provenance."""
 
     module: Any
-    config: Any  # jaxengine.models.config.TransformerConfig
+    config: Any  # jaxengine.models.layers.config.TransformerConfig
     params: Any
     hf_config: Any
     source: ModelSource
@@ -97,6 +101,7 @@ def load_model(
     max_parallel_loading_workers: int | None = None,
     kv_cache_scales: bool = False,
     lora: LoRASpec | None = None,
+    token_ids: TokenLookup | None = None,
 ) -> LoadedModel:
     """Resolves, reads and builds the model that ``model_config`` names.
 
@@ -107,6 +112,7 @@ def load_model(
     q/k/v and gate/up are fused where `fuse_projections` allows. ``kv_cache_scales``
     (an fp8 KV cache): attention's ``k_scale``/``v_scale``, from the checkpoint or 1.
     ``lora``: adapter slots on every projection (zero; its dtype None: the model's).
+    ``token_ids(source, tokens)``: ids in the model's tokenizer (`_classifier_tensors`).
     """
     from jaxengine.loader.params import (
         abstract_params,
@@ -136,7 +142,7 @@ def load_model(
         if stored is not None:
             tensors = canonical_tensors(tensors, stored, where)
         if _classifier(model_config, hf_config):
-            tensors = _classifier_tensors(tensors, model_config, source, hf_config, where)
+            tensors = _classifier_tensors(tensors, hf_config, where, source, token_ids)
         params = params_from_tensors(module, config, tensors, where, abstract, shardings)
     logger.info(
         "loaded %s (%s, %s%s) in %.1fs",
@@ -180,26 +186,22 @@ def _classifier(model_config: ModelConfig, hf_config: Any) -> bool:
     return model_config.convert_type == "classify" or is_decoder_classifier(hf_config)
 
 
-def _classifier_tensors(tensors, model_config: ModelConfig, source, hf_config, where: str):
+def _classifier_tensors(tensors, hf_config, where: str, source, token_ids):
     """``--convert classify``: the checkpoint's tensors with its classification head
-    (`convert.classifier_tensors`), token ids from the model's tokenizer."""
+    (`convert.classifier_tensors`); a head of LM-head rows (``classifier_from_token``)
+    takes its ids from ``token_ids`` (the worker's: the loader reads no tokenizer)."""
     from jaxengine.loader.convert import classifier_tensors
-    from jaxengine.tokenizer.loader import get_tokenizer
 
-    def token_ids(tokens: list[str]) -> list[int | None]:
-        tokenizer = get_tokenizer(
-            source,
-            tokenizer=model_config.tokenizer,
-            tokenizer_mode=model_config.tokenizer_mode,
-            revision=model_config.tokenizer_revision or model_config.revision,
-            trust_remote_code=model_config.trust_remote_code,
+    if token_ids is not None:
+        return classifier_tensors(tensors, hf_config, partial(token_ids, source), where)
+
+    def no_lookup(tokens: list[str]) -> list[int | None]:
+        raise CheckpointError(
+            f"{where}: classifier_from_token {tokens} needs the model's tokenizer "
+            "(load_model's token_ids)"
         )
-        unknown = tokenizer.unk_token_id
-        ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
-        return [None if i is None or (i == unknown and t != tokenizer.unk_token) else i
-                for t, i in zip(tokens, ids, strict=True)]  # fmt: skip
 
-    return classifier_tensors(tensors, hf_config, token_ids, where)
+    return classifier_tensors(tensors, hf_config, no_lookup, where)
 
 
 def _weight_scheme(model_config: ModelConfig, load_config: LoadConfig, source, hf_config):

@@ -22,12 +22,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxengine.loader.errors import CheckpointError
-from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import KV_SCALES, kv_cache_shape
+from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_param_path
 from jaxengine.models.layers.lora import LORA_LEAVES
+from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.models.layers.quant import METHODS, quantize
-from jaxengine.models.metadata import AttentionMetadata
 
 NameMapper = Callable[[str], tuple[tuple[str, ...], int | None] | None]
 """A checkpoint tensor name -> (parameter path, stacked index), or None to skip it."""

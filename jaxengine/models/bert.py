@@ -25,9 +25,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.config import LayerSpec, RopeSpec, TransformerConfig
 from jaxengine.models.layers.basic import Embed, LayerNorm, Linear, activation
-from jaxengine.models.metadata import AttentionMetadata
+from jaxengine.models.layers.config import LayerSpec, RopeSpec, TransformerConfig
+from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.pooling_params import TOKEN_TYPE_SHIFT
 from pallas_kernels.encoder_attention import encoder_attention
 from pallas_kernels.kv_cache_update import reference as kv_update

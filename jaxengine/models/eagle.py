@@ -22,10 +22,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.basic import Embed, Linear
+from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.decoder import DecoderLayer
-from jaxengine.models.metadata import AttentionMetadata
+from jaxengine.models.layers.metadata import AttentionMetadata
 
 
 class EagleModel(nn.Module):

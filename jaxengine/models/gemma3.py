@@ -13,9 +13,9 @@ from typing import Any
 
 import flax.linen as nn
 
-from jaxengine.models.config import LayerSpec, RopeSpec, TransformerConfig, rope_from_hf
 from jaxengine.models.layers.attention import Attention
 from jaxengine.models.layers.basic import RMSNorm
+from jaxengine.models.layers.config import LayerSpec, RopeSpec, TransformerConfig, rope_from_hf
 from jaxengine.models.layers.decoder import CausalLM
 from jaxengine.models.layers.mlp import GatedMLP
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxengine.models.config import LayerSpec, TransformerConfig, head_dim_of, rope_from_hf
+from jaxengine.models.layers.config import LayerSpec, TransformerConfig, head_dim_of, rope_from_hf
 from jaxengine.models.layers.decoder import CausalLM
 
 

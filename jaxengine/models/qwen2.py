@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxengine.models import llama
-from jaxengine.models.config import LayerSpec, TransformerConfig, rope_from_hf
+from jaxengine.models.layers.config import LayerSpec, TransformerConfig, rope_from_hf
 from jaxengine.models.layers.decoder import CausalLM
 
 

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from jaxengine.models import qwen2
-from jaxengine.models.config import TransformerConfig
+from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.decoder import CausalLM
 
 

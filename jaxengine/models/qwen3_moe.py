@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from jaxengine.models import qwen3
-from jaxengine.models.config import TransformerConfig
+from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.decoder import CausalLM
 
 

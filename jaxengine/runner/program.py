@@ -8,7 +8,7 @@ for swapping. Every call takes its device inputs and returns its outputs explici
 compiled functions and placement, never parameters or caches.
 
 `SingleStage` is the program of one tensor group (one device, or a tensor-parallel
-mesh); `sharding.pipeline.PipelineStages` is the pipeline's.
+mesh); `runner.pipeline.PipelineStages` is the pipeline's.
 """
 
 from __future__ import annotations

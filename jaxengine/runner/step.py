@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.metadata import AttentionMetadata
+from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.runner.batch import PackedBatch
 from jaxengine.runner.sampler import prompt_logprobs, sample
 from jaxengine.runner.transfer import TreeSpec, pack_tree, unpack_tree

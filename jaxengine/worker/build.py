@@ -23,8 +23,8 @@ from jaxengine.core.limits import SchedulerLimits
 from jaxengine.loader import LoadedModel, is_torch
 from jaxengine.loader.hf_config import load_generation_config
 from jaxengine.lora.store import AdapterStore
-from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers.attention import kv_cache_shape
+from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.lora import target_shapes
 from jaxengine.runner.attention_backend import AttentionBackend
 from jaxengine.runner.buckets import default_token_buckets

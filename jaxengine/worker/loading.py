@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -10,9 +11,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxengine.config import EngineConfig
+from jaxengine.config import EngineConfig, ModelConfig
 from jaxengine.config.cache import FP8_CACHE_DTYPES
 from jaxengine.loader import LoadedModel, is_torch, load_model
+from jaxengine.loader.sources import ModelSource
 from jaxengine.models import UnsupportedArchitectureError
 from jaxengine.models.layers.lora import LoRASpec
 from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
@@ -64,6 +66,7 @@ def load_jax_or_torch(config: EngineConfig, placement: Placement) -> LoadedModel
                 max_parallel_loading_workers=config.parallel_config.max_parallel_loading_workers,
                 kv_cache_scales=config.cache_config.kv_cache_dtype in FP8_CACHE_DTYPES,
                 lora=lora_spec(config),
+                token_ids=functools.partial(token_ids, config.model_config),
             )
         except UnsupportedArchitectureError as e:
             if impl != "auto":
@@ -74,6 +77,24 @@ def load_jax_or_torch(config: EngineConfig, placement: Placement) -> LoadedModel
     loaded = load_torch_model(config)
     placement(loaded.config, {}, {})  # stage and tensor plans for the cache sizing
     return loaded
+
+
+def token_ids(model_config: ModelConfig, source: ModelSource, tokens: list[str]) -> list:
+    """Each token's id in the model's tokenizer, None for one it does not know (a
+    classifier made from LM-head rows: `loader.load_model`'s ``token_ids``)."""
+    from jaxengine.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(
+        source,
+        tokenizer=model_config.tokenizer,
+        tokenizer_mode=model_config.tokenizer_mode,
+        revision=model_config.tokenizer_revision or model_config.revision,
+        trust_remote_code=model_config.trust_remote_code,
+    )
+    unknown = tokenizer.unk_token_id
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    return [None if i is None or (i == unknown and t != tokenizer.unk_token) else i
+            for t, i in zip(tokens, ids, strict=True)]  # fmt: skip
 
 
 def lora_spec(config: EngineConfig) -> LoRASpec | None:
@@ -101,7 +122,7 @@ def stage_program(
 
         return TorchProgram(loaded.module, k, torch_device())
     if placement.num_stages > 1:
-        from sharding.pipeline import PipelineStages
+        from jaxengine.runner.pipeline import PipelineStages
 
         return PipelineStages(
             loaded.module,

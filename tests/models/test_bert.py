@@ -23,7 +23,7 @@ from jaxengine.loader.errors import CheckpointError
 from jaxengine.loader.params import checkpoint_names, params_from_tensors
 from jaxengine.loader.safetensors_io import iter_safetensors
 from jaxengine.models.layers.attention import kv_cache_shape
-from jaxengine.models.metadata import AttentionMetadata
+from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.runner.batch import SeqChunk, pack_batch
 
 TINY = dict(

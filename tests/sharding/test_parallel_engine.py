@@ -288,7 +288,7 @@ def test_pipeline_micro_batches_overlap_stages(llama_dir, llama_reference, monke
     """A step of 4 requests on 2 stages runs as 2 micro-batches, dispatched stage by
     stage before any result is read, with the one-device outputs and prompt logprobs."""
     from jaxengine import SamplingParams
-    from sharding.pipeline import PipelineStages
+    from jaxengine.runner.pipeline import PipelineStages
 
     llm = build(llama_dir, pipeline_parallel_size=2)
     try:
@@ -312,7 +312,7 @@ def test_pipeline_micro_batches_overlap_stages(llama_dir, llama_reference, monke
 
 
 def test_split_balanced():
-    from sharding.pipeline import split_balanced
+    from jaxengine.runner.pipeline import split_balanced
 
     assert split_balanced([5, 5, 5, 5], 2) == [[0, 1], [2, 3]]
     assert split_balanced([30, 1, 1, 1], 2) == [[0], [1, 2, 3]]

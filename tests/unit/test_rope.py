@@ -7,7 +7,7 @@ import pytest
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from jaxengine.models.config import rope_from_hf
+from jaxengine.models.layers.config import rope_from_hf
 from jaxengine.models.layers.rope import inv_freq_and_scale
 
 BASE = dict(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096)

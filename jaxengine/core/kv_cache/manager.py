@@ -27,9 +27,27 @@ every request is freed, every block is free.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from jaxengine.core.kv_cache.block_pool import BlockPool, KVBlock
 from jaxengine.core.kv_cache.hashing import extend_block_hashes, get_hash_fn
-from jaxengine.core.request import Request
+
+
+class Request(Protocol):
+    """What the manager reads of a request (`core.request.Request`): the KV cache
+    sits below the request's lifecycle and knows nothing else of it."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    block_hashes: list[Any]  # extended here, as the request's tokens fill blocks
+    skip_prefix_cache: bool
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def prefix_salt(self) -> Any: ...
 
 
 def cdiv(a: int, b: int) -> int:

@@ -13,10 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.config import LayerSpec, TransformerConfig
 from jaxengine.models.layers.basic import Linear, RMSNorm
+from jaxengine.models.layers.config import LayerSpec, TransformerConfig
+from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.models.layers.rope import apply_rope
-from jaxengine.models.metadata import AttentionMetadata
 from pallas_kernels.kv_cache_update import reference as kv_update
 from pallas_kernels.ragged_paged_attention import reference
 

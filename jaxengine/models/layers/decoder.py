@@ -15,11 +15,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.config import LayerSpec, TransformerConfig
 from jaxengine.models.layers.attention import Attention, qkv_rows
 from jaxengine.models.layers.basic import Embed, Linear, RMSNorm
+from jaxengine.models.layers.config import LayerSpec, TransformerConfig
+from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.models.layers.mlp import GatedMLP, SparseMoE
-from jaxengine.models.metadata import AttentionMetadata
 
 
 class DecoderLayer(nn.Module):

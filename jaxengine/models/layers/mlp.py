@@ -8,9 +8,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.config import TransformerConfig
 from jaxengine.models.layers import quant
 from jaxengine.models.layers.basic import Linear, _normal, activation, quantized_params
+from jaxengine.models.layers.config import TransformerConfig
 
 
 class GatedMLP(nn.Module):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.models.config import RopeSpec
+from jaxengine.models.layers.config import RopeSpec
 
 
 def _default(spec: RopeSpec, dim: int) -> np.ndarray:
