@@ -15,7 +15,7 @@ _LAZY = {
     "EngineArgs": "jaxengine.engine_args",
     "SamplingParams": "jaxengine.sampling_params",
     "BeamSearchParams": "jaxengine.beam_search",
-    "StructuredOutputsParams": "jaxengine.sampling_params",
+    "StructuredOutputsParams": "jaxengine.structured_params",
     "RequestOutput": "jaxengine.outputs",
     "CompletionOutput": "jaxengine.outputs",
     "LoRARequest": "jaxengine.lora",

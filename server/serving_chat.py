@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxengine.outputs import RequestOutput
-from jaxengine.sampling_params import StructuredOutputsParams
+from jaxengine.structured_params import StructuredOutputsParams
 from jaxengine.tokenizer import apply_chat_template, resolve_chat_template
 from server import responses as R
 from server import serving_beam

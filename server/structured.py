@@ -23,7 +23,7 @@ import json
 import logging
 from typing import Any
 
-from jaxengine.sampling_params import StructuredOutputsParams
+from jaxengine.structured_params import StructuredOutputsParams
 from server.errors import APIError
 
 logger = logging.getLogger("jaxengine.server")

@@ -47,9 +47,7 @@ draining every block is free.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from jaxengine.core.grammar import GrammarTracker
 from jaxengine.core.kv_cache.manager import KVCacheManager
@@ -57,48 +55,15 @@ from jaxengine.core.limits import SchedulerLimits
 from jaxengine.core.policy import PartialPrefillLimiter, get_policy
 from jaxengine.core.request import Request, RequestStatus, check_stop
 from jaxengine.core.sched_output import (
-    CachedRequestData,
     EngineCoreOutput,
-    NewRequestData,
     RunnerOutput,
     SchedulerOutput,
     SchedulerStats,
     SpecDecodingStats,
 )
+from jaxengine.core.step_plan import StepPlan, Verdict, step_output
 
 _RS = RequestStatus
-
-
-class _Verdict(enum.Enum):
-    ADMIT = 0
-    SKIP = 1  # leave it queued, try the next waiting request
-    STOP = 2  # stop admitting this step
-    GONE = 3  # the request was finished (its grammar failed); go on with the next
-
-
-@dataclass
-class _Step:
-    """Decisions of one `schedule()` call, turned into a SchedulerOutput at the end."""
-
-    budget: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    first_time: set[str] = field(default_factory=set)
-    resumed: set[str] = field(default_factory=set)
-    preempted: set[str] = field(default_factory=set)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    spec: dict[str, tuple[int, ...]] = field(default_factory=dict)
-
-    def add(self, req: Request, n: int, block_ids: list[int]) -> None:
-        self.num_scheduled[req.request_id] = n
-        self.new_block_ids[req.request_id] = block_ids
-        self.budget -= n
-
-    def drop(self, req: Request) -> None:
-        self.budget += self.num_scheduled.pop(req.request_id, 0)
-        self.new_block_ids.pop(req.request_id, None)
-        self.spec.pop(req.request_id, None)
 
 
 class Scheduler:
@@ -224,11 +189,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see module doc). Advances num_computed_tokens of every
         scheduled request by its scheduled count."""
-        step = _Step(budget=self.limits.max_num_batched_tokens)
+        step = StepPlan(budget=self.limits.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
-        return self._make_output(step)
+        finished, self._finished_ids = frozenset(self._finished_ids), set()
+        return step_output(step, self.requests, finished, self.grammars)
 
     def _cap(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
@@ -237,7 +203,7 @@ class Scheduler:
             n = min(n, threshold)
         return n
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepPlan) -> None:
         for req in list(self.running):
             if req.status is not _RS.RUNNING:  # preempted earlier in this loop
                 continue
@@ -291,7 +257,7 @@ class Scheduler:
             or req.num_tokens_with_placeholders >= self.limits.max_model_len
         )
 
-    def _preempt(self, victim: Request, step: _Step) -> None:
+    def _preempt(self, victim: Request, step: StepPlan) -> None:
         """Take `victim` out of the running set: its KV goes to host blocks when there is
         room (SWAPPED), else its blocks are freed and it will be recomputed (PREEMPTED).
         Either way it re-enters the waiting queue at its policy position (front for fcfs)
@@ -311,31 +277,31 @@ class Scheduler:
         step.preempted.add(victim.request_id)
         self.waiting.prepend(victim)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepPlan) -> None:
         skipped = []
         while self.waiting and step.budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting.peek()
             verdict = self._try_admit(req, step)
-            if verdict is _Verdict.STOP:
+            if verdict is Verdict.STOP:
                 break
-            if verdict is _Verdict.GONE:
+            if verdict is Verdict.GONE:
                 continue
-            if verdict is _Verdict.SKIP:
+            if verdict is Verdict.SKIP:
                 skipped.append(self.waiting.pop())
         self.num_deferred = len(skipped)
         for req in reversed(skipped):
             self.waiting.prepend(req)
 
-    def _try_admit(self, req: Request, step: _Step) -> _Verdict:
+    def _try_admit(self, req: Request, step: StepPlan) -> Verdict:
         """Admit the waiting-queue head `req` if its grammar, the budget, the limiter and
         blocks allow."""
         grammar = self._grammar_verdict(req)
         if grammar is not None:
             return grammar
         if not self._lora_fits(req):
-            return _Verdict.SKIP
+            return Verdict.SKIP
         if req.num_output_placeholders:  # preempted while a token was in flight
-            return _Verdict.SKIP
+            return Verdict.SKIP
         swapped = req.status is _RS.SWAPPED
         if swapped:
             hit_ids, start = [], req.num_computed_tokens
@@ -343,16 +309,16 @@ class Scheduler:
             hit_ids, start = self.kv.get_computed_blocks(req)
         remaining = req.num_tokens - start
         verdict, n = self._admission_chunk(remaining, step, whole=req.pooling)
-        if verdict is not _Verdict.ADMIT:
+        if verdict is not Verdict.ADMIT:
             return verdict
         extra = self._lookahead(req, start + n)
         if swapped:
             if not self.kv.can_swap_in(req, n + extra):
-                return _Verdict.STOP
+                return Verdict.STOP
             step.swap_in.extend(self.kv.swap_in(req))
         if self.kv.allocate_slots(req, n + extra, hit_ids) is None:
             assert not swapped, "can_swap_in promised room"
-            return _Verdict.STOP
+            return Verdict.STOP
         self.waiting.pop()
         req.num_computed_tokens = start
         if req.num_cached_tokens < 0:
@@ -363,7 +329,7 @@ class Scheduler:
         step.add(req, n, self.kv.get_block_ids(req.request_id))
         req.status = _RS.RUNNING
         self.running.append(req)
-        return _Verdict.ADMIT
+        return Verdict.ADMIT
 
     def _lora_fits(self, req: Request) -> bool:
         """Whether ``req``'s adapter is running already or one more fits ``max_loras``."""
@@ -373,28 +339,28 @@ class Scheduler:
         lora_id = req.lora_request.lora_int_id
         return lora_id in running or len(running) < self.limits.max_loras
 
-    def _grammar_verdict(self, req: Request) -> _Verdict | None:
+    def _grammar_verdict(self, req: Request) -> Verdict | None:
         """SKIP while a new request's grammar compiles; GONE (finished, reported at the
         next `update`) when it cannot compile; None when it may be admitted."""
         if self.grammars is None or req.status is not _RS.WAITING:
             return None
         try:
-            return None if self.grammars.is_ready(req) else _Verdict.SKIP
+            return None if self.grammars.is_ready(req) else Verdict.SKIP
         except ValueError as e:
             self.finish_requests(req.request_id, _RS.FINISHED_ABORTED, stop_reason=str(e))
             self._failed.append(EngineCoreOutput(req.request_id, [], "abort", str(e)))
-            return _Verdict.GONE
+            return Verdict.GONE
 
     def _admission_chunk(
-        self, remaining: int, step: _Step, whole: bool = False
-    ) -> tuple[_Verdict, int]:
+        self, remaining: int, step: StepPlan, whole: bool = False
+    ) -> tuple[Verdict, int]:
         """(verdict, tokens to schedule); ``whole``: all ``remaining`` or none (a
         pooling request's prompt runs in one step)."""
         n = min(remaining, step.budget) if whole else self._cap(remaining, step.budget)
         if n >= remaining:
-            return _Verdict.ADMIT, n
+            return Verdict.ADMIT, n
         if whole or not self.limits.enable_chunked_prefill or n <= 0:
-            return _Verdict.STOP, 0
+            return Verdict.STOP, 0
         num_partial = num_long = 0
         for r in self.running:
             left = r.num_tokens - r.num_computed_tokens
@@ -402,55 +368,8 @@ class Scheduler:
                 num_partial += 1
                 num_long += self.partial.is_long(left)
         if not self.partial.allows(remaining, num_partial, num_long):
-            return _Verdict.SKIP, 0
-        return _Verdict.ADMIT, n
-
-    def _make_output(self, step: _Step) -> SchedulerOutput:
-        new_reqs, cached_reqs, partial = [], [], set()
-        for rid, n in step.num_scheduled.items():
-            req = self.requests[rid]
-            start = req.num_computed_tokens
-            block_ids = tuple(step.new_block_ids[rid])
-            if rid in step.first_time:
-                new_reqs.append(
-                    NewRequestData(
-                        rid,
-                        tuple(req.prompt_token_ids),
-                        req.sampling_params,
-                        block_ids,
-                        start,
-                        req.eos_token_id,
-                        req.lora_request,
-                    )
-                )
-            else:
-                tokens = (*req.all_token_ids[start : start + n], *step.spec.get(rid, ()))
-                resumed = rid in step.resumed
-                cached_reqs.append(CachedRequestData(rid, resumed, block_ids, start, tokens))
-            req.num_computed_tokens = start + n
-            if req.num_computed_tokens < req.num_tokens_with_placeholders:
-                partial.add(rid)
-            else:
-                req.num_output_placeholders += 1
-        finished, self._finished_ids = frozenset(self._finished_ids), set()
-        masked, bitmask = (), None
-        if self.grammars is not None:
-            sampling = [self.requests[r] for r in step.num_scheduled if r not in partial]
-            masked, bitmask = self.grammars.bitmask(sampling, step.spec)
-        return SchedulerOutput(
-            scheduled_new_reqs=tuple(new_reqs),
-            scheduled_cached_reqs=tuple(cached_reqs),
-            num_scheduled_tokens=dict(step.num_scheduled),
-            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
-            partial_req_ids=frozenset(partial),
-            finished_req_ids=finished,
-            preempted_req_ids=frozenset(step.preempted),
-            blocks_to_swap_out=tuple(step.swap_out),
-            blocks_to_swap_in=tuple(step.swap_in),
-            structured_output_req_ids=masked,
-            grammar_bitmask=bitmask,
-            scheduled_spec_decode_tokens=dict(step.spec),
-        )
+            return Verdict.SKIP, 0
+        return Verdict.ADMIT, n
 
     # ---- results -------------------------------------------------------------------
     def update(

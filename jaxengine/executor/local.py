@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
-from jaxengine.runner.model_runner import ModelRunner, PendingStep
+from jaxengine.runner.model_runner import ModelRunner
+from jaxengine.runner.pending import PendingStep
 
 
 class LocalExecutor:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -43,8 +42,11 @@ from jaxengine.runner.batch import PackedBatch, SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
 from jaxengine.runner.kv_scales import with_kv_scales
+from jaxengine.runner.logprobs import prompt_logprobs
 from jaxengine.runner.lora_slots import LoRASlots
-from jaxengine.runner.pooler import PoolerSettings, activate, pool
+from jaxengine.runner.pending import Feed, Launched, PendingStep
+from jaxengine.runner.pooled import classifier_heads, padded_logits, pooled_output
+from jaxengine.runner.pooler import PoolerSettings
 from jaxengine.runner.program import (
     Caches,
     Params,
@@ -63,7 +65,6 @@ from jaxengine.runner.sampling_metadata import (
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
 from jaxengine.speculative import ProposalInput, Proposer, StepFeatures
-from jaxengine.speculative.verify import accept
 
 logger = logging.getLogger(__name__)
 
@@ -99,27 +100,6 @@ class RunnerSettings:
     def num_sample_slots(self) -> int:
         """The sampled ids' padded length: the most logits rows of a step."""
         return self.max_num_seqs * (1 + self.num_speculative_tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Feed:
-    """The sampled ids of the latest launched step, while not yet collected: their
-    device array (``[max_num_seqs]``) and each sampling request's row in it."""
-
-    ids: Any
-    rows: dict[str, int]
-
-
-@dataclasses.dataclass
-class _Launched:
-    """One dispatched micro-batch: its requests (by index), bucket, hidden states,
-    sampled (token ids, logprobs) on device, and each request's first logits row."""
-
-    group: list[int]
-    bucket: Bucket
-    hidden: Any
-    result: Any
-    rows: list[int]
 
 
 class ModelRunner:
@@ -161,7 +141,7 @@ class ModelRunner:
                 num_device_blocks=settings.num_blocks,
             )
         self.table = RequestTable(settings.pages_per_req, settings.seed)
-        self._feed: _Feed | None = None
+        self._feed: Feed | None = None
         # the ``fed_ids`` of a step with no token in flight
         self.no_feed = sampler.to_device(np.zeros(settings.num_sample_slots, np.int32))
         self.calibrate_kv = settings.calculate_kv_scales  # until the first step
@@ -263,7 +243,7 @@ class ModelRunner:
             self._swap(out)
             order = list(out.num_scheduled_tokens)
             if not order:
-                return PendingStep(self, out, [], [], [], [], [], None)
+                return PendingStep(self, out, [], [], [], [], [], None, self._pools)
             states = [self.table[r] for r in order]
             feed, self._feed = self._feed, None
             slots = self._lora_slots(states)
@@ -284,8 +264,10 @@ class ModelRunner:
                 part = launched[0]
                 pairs = zip(part.rows, part.group, strict=True)
                 rows = {order[i]: row for row, i in pairs if sampling[i]}
-                self._feed = _Feed(part.result[0], rows) if rows else None
-            return PendingStep(self, out, order, states, chunks, launched, sampling, self._feed)
+                self._feed = Feed(part.result[0], rows) if rows else None
+            return PendingStep(
+                self, out, order, states, chunks, launched, sampling, self._feed, self._pools
+            )
 
     def _lora_slots(self, states: list[RequestState]) -> list[int]:
         """Each request's adapter slot, the adapters it needs written in first."""
@@ -327,88 +309,44 @@ class ModelRunner:
             pairs = list(out.blocks_to_swap_in)
             self.kv_caches = self.swap.swap_in(self.program, self.kv_caches, pairs)
 
-    def _collect(self, step: PendingStep) -> RunnerOutput:
-        """Reads every micro-batch's results back and appends the sampled tokens to
-        the request states."""
-        if step.feed is not None and self._feed is step.feed:
-            self._feed = None  # its tokens are known on the host from here on
-        order, states, chunks = step.order, step.states, step.chunks
-        launched, sampling = step.launched, step.sampling
-        if not order:
-            return RunnerOutput(req_ids=[], sampled_token_ids=[])
-        if self.settings.pooler is not None:
-            return self._pooled(step)
-        rows: list[tuple[Any, Any, int]] = [None] * len(order)  # (token ids, logprobs, row)
-        prompt_lps: list = [None] * len(order)
-        for part in launched:
-            token_ids, lp = jax.device_get(part.result)
-            group_lps = self._prompt_logprobs(
-                part, [states[i] for i in part.group], [chunks[i] for i in part.group]
-            )
-            for j, (row, i) in enumerate(zip(part.rows, part.group, strict=True)):
-                rows[i] = (token_ids, lp, row)
-                prompt_lps[i] = group_lps[j] if group_lps else None
-        sampled, logprobs = [], []
-        for i, state in enumerate(states):
-            if sampling[i] is None:
-                sampled.append([])
-                logprobs.append(None)
-                continue
-            tokens, lps = _accepted(state, chunks[i], *rows[i])
-            sampled.append(tokens)
-            logprobs.append(lps)
-        return RunnerOutput(
-            req_ids=order,
-            sampled_token_ids=sampled,
-            logprobs=logprobs if any(x is not None for x in logprobs) else None,
-            prompt_logprobs=prompt_lps if any(x is not None for x in prompt_lps) else None,
-            spec_token_ids=self._propose(step),
-        )
+    # ------------------------------------------------------------------ read back
 
-    def _pooled(self, step: PendingStep) -> RunnerOutput:
-        """A pooling model's step: every request's whole prompt ran; its result is its
-        rows of the hidden states pooled (`runner.pooler`)."""
+    @property
+    def _pools(self) -> bool:
+        return self.settings.pooler is not None
+
+    def collected(self, feed: Feed | None) -> None:
+        """`PendingStep`'s: the step that sampled ``feed`` is read back."""
+        if feed is not None and self._feed is feed:
+            self._feed = None  # its tokens are known on the host from here on
+
+    def pooled(self, step: PendingStep) -> RunnerOutput:
+        """A pooling model's step (`runner.pooled`)."""
         (part,) = step.launched
-        for chunk, state in zip(step.chunks, step.states, strict=True):
-            if chunk.num_computed or len(chunk.token_ids) != state.num_prompt:
-                raise RuntimeError("a pooling request's prompt must run in one step")
-        hidden = np.asarray(jax.device_get(part.hidden))
-        sizes = [len(c.token_ids) for c in step.chunks]
-        params = [s.params for s in step.states]
-        pooled = pool(hidden, sizes, params, self.settings.pooler)
-        if self.classifier is not None:
-            pooled = self._heads(pooled, params)
-        return RunnerOutput(
-            req_ids=step.order,
-            sampled_token_ids=[[] for _ in step.order],
-            pooler_output=pooled,
+        heads = self._heads if self.classifier is not None else None
+        return pooled_output(
+            step.order, step.states, step.chunks, part.hidden, self.settings.pooler, heads
         )
 
     def _heads(self, pooled: list[np.ndarray], params: list) -> list[np.ndarray]:
-        """A classification model's results: its head on each pooled vector, or on
-        each token's row ("token_classify"), then the request's activation."""
         self.compiles.ensure(("classify",))
-        blocks = [np.atleast_2d(v) for v in pooled]
-        rows = np.concatenate(blocks)
-        n = self.settings.max_num_seqs
-        logits = np.concatenate([self._classify(rows[i : i + n]) for i in range(0, len(rows), n)])
-        out, start = [], 0
-        for vector, block, p in zip(pooled, blocks, params, strict=True):
-            part = logits[start : start + len(block)]
-            start += len(block)
-            out.append(activate(part if vector.ndim == 2 else part[0], p))
-        return out
+        return classifier_heads(pooled, params, self.settings.max_num_seqs, self._classify)
 
     def _classify(self, rows: np.ndarray) -> np.ndarray:
-        """The head's logits ``[R, num_labels]`` of pooled rows ``[R, H]`` (padded to
-        ``max_num_seqs`` rows: one compiled shape)."""
         n, width = self.settings.max_num_seqs, self.settings.hidden_size
-        padded = np.zeros((n, width), np.float32)
-        padded[: rows.shape[0], : rows.shape[1]] = rows
-        logits = self.classifier(self.params, padded)
-        return np.asarray(jax.device_get(logits))[: rows.shape[0]]
+        return padded_logits(self.classifier, self.params, rows, n, width)
 
-    def _propose(self, step: PendingStep) -> list[list[int]] | None:
+    def prompt_logprobs(
+        self, part: Launched, states: list[RequestState], chunks: list[SeqChunk]
+    ) -> list | None:
+        """`PendingStep`'s: the prompt logprobs of one micro-batch (`runner.logprobs`)."""
+
+        def compute(targets):
+            return self.program.prompt_logprobs(self.params, part.hidden, targets)
+
+        return prompt_logprobs(compute, part.bucket.num_tokens, states, chunks)
+
+    def propose(self, step: PendingStep) -> list[list[int]] | None:
         """Each request's proposals for its next step (speculative decoding): none for
         one mid-prefill (the scheduler cuts those a grammar does not allow)."""
         if self.proposer is None:
@@ -479,7 +417,7 @@ class ModelRunner:
         for c, i in zip(mine, group, strict=True):
             rows += sampling[i] or [None] * c.num_logits
         result = None if logits is None else self._sample(bucket, logits, rows)
-        return _Launched(group, bucket, hidden, result, starts)
+        return Launched(group, bucket, hidden, result, starts)
 
     def _calibrate_kv_scales(self, chunks: list[SeqChunk]) -> None:
         """Sets the KV scales from the first step's batch (`runner.kv_scales`), run in
@@ -506,29 +444,6 @@ class ModelRunner:
         result = self.sampler.sample(logits, batch.to_metadata(flags), flags)
         return result.token_ids, result.logprobs
 
-    def _prompt_logprobs(self, part: _Launched, states: list[RequestState], chunks: list[SeqChunk]):
-        wanted = [s.params.prompt_logprobs is not None for s in states]
-        if not any(wanted):
-            return None
-        targets = _prompt_targets(part.bucket.num_tokens, states, chunks, wanted)
-        out = jax.device_get(self.program.prompt_logprobs(self.params, part.hidden, targets))
-        result, start = [], 0
-        for state, chunk, want in zip(states, chunks, wanted, strict=True):
-            n = len(chunk.token_ids)
-            if not want:
-                result.append(None)
-            else:
-                k = state.params.prompt_logprobs
-                entries = []
-                for j in range(start, start + n):
-                    if targets[j] < 0:
-                        continue
-                    position = chunk.num_computed + (j - start) + 1
-                    entries.append((position, int(targets[j]), *_pick(out, j, k)))
-                result.append(entries)
-            start += n
-        return result
-
     # ------------------------------------------------------------------ lifetime
 
     @property
@@ -547,49 +462,6 @@ class ModelRunner:
         delete_arrays((self.params, self.kv_caches, self.no_feed))
         self.params = self.kv_caches = None
         self.swap = None
-
-
-class PendingStep:
-    """A launched step (`ModelRunner.launch`); `result()` reads it back once."""
-
-    def __init__(self, runner, out, order, states, chunks, launched, sampling, feed) -> None:
-        self.runner, self.out, self.order, self.states = runner, out, order, states
-        self.chunks, self.launched, self.sampling, self.feed = chunks, launched, sampling, feed
-        self._result: RunnerOutput | None = None
-
-    def result(self) -> RunnerOutput:
-        """The step's `RunnerOutput` (waits for the device the first time)."""
-        if self._result is None:
-            with self.runner.guard.watching():
-                self._result = self.runner._collect(self)
-        return self._result
-
-
-def _prompt_targets(num_tokens: int, states, chunks, wanted) -> np.ndarray:
-    """Per packed token: the next prompt token (whose logprob is wanted), else -1."""
-    targets = np.full(num_tokens, -1, np.int32)
-    start = 0
-    for state, chunk, want in zip(states, chunks, wanted, strict=True):
-        n = len(chunk.token_ids)
-        if want:
-            pos = np.arange(chunk.num_computed, chunk.num_computed + n) + 1
-            inside = pos < state.num_prompt
-            targets[start : start + n] = np.where(
-                inside, np.take(state.token_ids, np.minimum(pos, len(state.token_ids) - 1)), -1
-            )
-        start += n
-    return targets
-
-
-def _pick(lp, i: int, k: int | None):
-    """(logprob, rank, top ids, top logprobs) of row ``i`` with ``k`` top entries."""
-    k = lp.topk_ids.shape[1] if k is None or k < 0 else min(k, lp.topk_ids.shape[1])
-    return (
-        float(lp.sampled_logprob[i]),
-        int(lp.sampled_rank[i]),
-        lp.topk_ids[i, :k].tolist(),
-        lp.topk_logprobs[i, :k].tolist(),
-    )
 
 
 def _restarted(out: SchedulerOutput) -> list[str]:
@@ -615,36 +487,3 @@ def _rows(state: RequestState, drafts: tuple[int, ...], fed: bool, masks) -> lis
         )
         for j in range(1 + len(drafts))
     ]
-
-
-def _accepted(state: RequestState, chunk: SeqChunk, token_ids, lp, row: int):
-    """The tokens a request gets from its logits rows ``row, row + 1, ...``: the
-    proposals it verified (the last ``num_logits - 1`` ids of its chunk) as
-    `speculative.verify.accept` keeps them; and their logprobs (an entry, or a list of
-    them with proposals). Updates ``state``: the tokens are appended, the rejected
-    proposals' positions are no longer computed."""
-    drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_logits + 1 :]
-    tokens = accept(drafts, lambda j: int(token_ids[row + j]))
-    state.token_ids.extend(tokens)
-    state.num_computed -= len(drafts) + 1 - len(tokens)
-    entries = [_row_logprobs(lp, row + j, state.params) for j in range(len(tokens))]
-    return tokens, (entries if drafts else entries[0])
-
-
-def _row_logprobs(lp, i: int, params):
-    """Row ``i``'s entry: `_pick` of the top-k, or with ``logprob_token_ids`` (sampled
-    logprob, rank, the ids, their logprobs, their ranks)."""
-    k = params.logprobs_top_k
-    if lp is None or k is None:
-        return None
-    ids = params.logprob_token_ids
-    if not ids:
-        return _pick(lp, i, k)
-    n = len(ids)
-    return (
-        float(lp.sampled_logprob[i]),
-        int(lp.sampled_rank[i]),
-        list(ids),
-        lp.ids_logprobs[i, :n].tolist(),
-        lp.ids_ranks[i, :n].tolist(),
-    )

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxengine.sampling_params import StructuredOutputsParams
+from jaxengine.structured_params import StructuredOutputsParams
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxengine.sampling_params import StructuredOutputsParams
+from jaxengine.structured_params import StructuredOutputsParams
 
 
 class GuidanceGrammar:

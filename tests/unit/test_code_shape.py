@@ -1,7 +1,7 @@
 """The code's shape, checked: small functions, explicit interfaces.
 
 - no function over 60 lines outside the Pallas kernels (a kernel body is one
-  program and reads best whole);
+  program and reads best whole), and no library file over 500 lines outside them;
 - no class forwards attributes through ``__getattr__`` (a wrapper states what it
   offers);
 - the execution layer's collaborators are typed: no ``Any`` among the constructor
@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxengine", "server", "sharding", "torch_fallback", "pallas_kernels", "bench")
 KERNELS = ROOT / "pallas_kernels"
 MAX_LINES = 60
+MAX_FILE_LINES = 500
+LIBRARY = ("jaxengine", "server", "sharding", "torch_fallback")  # what is installed
 
 TYPED_CONSTRUCTORS = {
     "jaxengine/runner/model_runner.py": ["ModelRunner"],
@@ -45,6 +47,16 @@ def test_no_long_functions_outside_kernels():
         for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         and node.end_lineno - node.lineno + 1 > MAX_LINES
+    ]
+    assert long == []
+
+
+def test_no_long_library_files_outside_kernels():
+    long = [
+        f"{path.relative_to(ROOT)} ({n})"
+        for package in LIBRARY
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES
     ]
     assert long == []
 

@@ -21,6 +21,11 @@ HEAVY = ("jax", "jaxlib", "flax", "torch")
         "jaxengine.core.grammar",
         "jaxengine.structured_output",
         "jaxengine.structured_output.guidance",
+        "jaxengine.core.step_plan",
+        "jaxengine.speculative",
+        "jaxengine.speculative.verify",
+        "jaxengine.speculative.ngram",
+        "jaxengine.metrics.loggers",
     ],
 )
 def test_import_leaves_jax_out(module):

@@ -1,9 +1,12 @@
-"""No import cycle anywhere in the project's packages.
+"""No import cycle anywhere in the project's packages, between modules or folders.
 
 Builds the module import graph from the source (every ``import`` statement,
 including the ones inside functions and under ``TYPE_CHECKING``: a cycle through a
 lazy import is still a cycle of design) and fails on any strongly connected
-component of more than one module, naming it.
+component of more than one module, naming it. The same on the folder graph: a
+folder's modules (the ``.py`` files directly in it) taken together, so that every
+folder depends one way on the folders below it (docs/architecture.md, "Dependency
+rule").
 """
 
 from __future__ import annotations
@@ -47,6 +50,29 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def packages() -> set[str]:
+    """The modules that are a package's ``__init__``."""
+    return {name for name, path in _modules().items() if path.name == "__init__.py"}
+
+
+def folder_of(module: str, packages: set[str]) -> str:
+    """The folder holding ``module``: a package's ``__init__`` belongs to its own."""
+    return module if module in packages else module.rpartition(".")[0]
+
+
+def folder_graph(graph: dict[str, set[str]], packages: set[str]) -> dict[str, set[str]]:
+    """Folder -> the other folders its modules import."""
+    folders: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        mine = folders.setdefault(folder_of(module, packages), set())
+        mine.update(folder_of(m, packages) for m in imported)
+    for folder, imported in folders.items():
+        imported.discard(folder)
+        for other in imported:
+            folders.setdefault(other, set())
+    return folders
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -104,3 +130,17 @@ def test_the_graph_sees_lazy_and_relative_imports():
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+def test_the_folder_graph_takes_a_folders_modules_together():
+    graph = {"p.a": {"q.b"}, "q.b": set(), "q": {"p.c"}, "p.c": set()}
+    assert cycles(graph) == []  # no cycle of modules ...
+    assert cycles(folder_graph(graph, {"q"})) == [["p", "q"]]  # ... but one of folders
+    found = packages()
+    assert folder_of("jaxengine.runner.batch", found) == "jaxengine.runner"
+    assert folder_of("jaxengine.runner", found) == "jaxengine.runner"
+    assert folder_of("jaxengine.speculative.device", found) == "jaxengine.speculative.device"
+
+
+def test_no_import_cycles_between_folders():
+    assert cycles(folder_graph(import_graph(), packages())) == []

@@ -378,7 +378,7 @@ def test_async_eos_costs_one_discarded_step_and_nothing_else():
 
 
 def test_request_preempted_with_a_token_in_flight_still_gets_it():
-    from jaxengine.core.scheduler import _Step
+    from jaxengine.core.step_plan import StepPlan as _Step
 
     sched = Scheduler(make_limits())
     runner = FakeRunner(4)

@@ -17,7 +17,7 @@ After each target step, for each request of the step (`DraftProposer.propose`):
    previous draft (greedy: argmax of the draft's logits).
 
 Drafts are greedy, so each proposal's distribution is one-hot and the target's
-verification (`model_runner._accepted`) keeps its distribution exact. A request's
+verification (`speculative.verify`) keeps its distribution exact. A request's
 draft KV is valid below ``computed[req]``: after a step that accepted ``a`` of its
 proposals it is valid up to the first rejected one, which the next catch-up rewrites.
 """
