@@ -1,6 +1,7 @@
-"""Offline benchmarks of jaxengine with its peers (transformers, llama.cpp) side by side.
+"""The repository's benchmark scripts (not installed; run from a checkout).
 
-`bench.throughput` and `bench.latency` run the same token-id workload on every peer in
-one process, one peer after another, and print one table with ratios against
-transformers; see bench/README.md for the commands and the latest measured numbers.
+What `jaxengine bench` runs (serve, throughput, latency and their helpers) ships
+inside the package, in `jaxengine.benchmarks`; the scripts here (kernels, startup,
+embed, spec_decode, serve_peers, ...) import from there. See bench/README.md for
+the commands and the latest measured numbers.
 """

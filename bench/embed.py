@@ -40,7 +40,14 @@ from time import perf_counter
 import numpy as np
 
 from bench import compute_ceiling
-from bench.common import describe_run, fmt, format_table, log, machine_info, positive_int
+from jaxengine.benchmarks.common import (
+    describe_run,
+    fmt,
+    format_table,
+    log,
+    machine_info,
+    positive_int,
+)
 
 WORDS = (
     "the a river city small old new quick bright dark report market model team "

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import describe_run, fmt, format_table, log, machine_info
+from jaxengine.benchmarks.common import describe_run, fmt, format_table, log, machine_info
 from jaxengine.runner.attention_backend import select_attention_backend
 from pallas_kernels.ragged_paged_attention import cpu, reference
 from pallas_kernels.ragged_paged_attention.cost import batch_cost

@@ -4,7 +4,7 @@
         --random-input-len 128 --random-output-len 128 --ignore-eos
 
 For each peer it starts the server on a free local port with the default model,
-waits until ``GET /v1/models`` answers, runs `bench.serve` with the given flags (the
+waits until ``GET /v1/models`` answers, runs `jaxengine.benchmarks.serve` with the given flags (the
 same prompts: same seed and tokenizer), stops the server, and finally prints one
 table with the peers' figures and their ratios to jaxengine. Peers:
 
@@ -17,7 +17,7 @@ table with the peers' figures and their ratios to jaxengine. Peers:
   ``ignore_eos``: with ``--ignore-eos`` it gets a -100 logit bias on the model's
   end-of-sequence tokens instead, so both peers generate the same lengths.
 
-Every flag this script does not know goes to `bench.serve` unchanged.
+Every flag this script does not know goes to `jaxengine.benchmarks.serve` unchanged.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import describe_run, format_table, log, machine_info
-from bench.serve import main as serve_main
+from jaxengine.benchmarks.common import describe_run, format_table, log, machine_info
+from jaxengine.benchmarks.serve import main as serve_main
 
 PEERS = ("jaxengine", "jaxengine-async", "llama.cpp")
 MODEL = "SmolLM2-135M-Instruct"
@@ -127,7 +127,7 @@ def run_peer(peer: str, gguf: Path, args, serve_argv: list[str], out_dir: Path) 
         argv += ["--save-result", "--result-dir", str(out_dir), "--result-filename"]
         status = serve_main([*argv, f"{peer}.json"])
         if status != 0:
-            return {"peer": peer, "error": f"bench.serve exited with {status}"}
+            return {"peer": peer, "error": f"jaxengine.benchmarks.serve exited with {status}"}
         return {"peer": peer, **json.loads((out_dir / f"{peer}.json").read_text())}
     except RuntimeError as e:
         return {"peer": peer, "error": f"{e} (log: {out_dir / (peer + '.log')})"}
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()  # before the run: its load average is the idle one
     with tempfile.TemporaryDirectory(prefix="serve-peers-") as tmp:
         results = [run_peer(peer, gguf, args, serve_argv, Path(tmp)) for peer in peers]
-    workload = {"peers": ",".join(peers), "bench.serve": shlex.join(serve_argv)}
+    workload = {"peers": ",".join(peers), "jaxengine.benchmarks.serve": shlex.join(serve_argv)}
     print(describe_run("serving benchmark", machine, workload))
     print(render(results))
     if args.json:

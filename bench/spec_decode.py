@@ -30,7 +30,14 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-from bench.common import describe_run, fmt, format_table, log, machine_info, positive_int
+from jaxengine.benchmarks.common import (
+    describe_run,
+    fmt,
+    format_table,
+    log,
+    machine_info,
+    positive_int,
+)
 
 PASSAGES = [
     "The river rose slowly through the night, and by morning the lower road was under "
@@ -119,7 +126,7 @@ def random_eagle_head(model: str) -> str:
     import transformers
     from safetensors.torch import save_file
 
-    from bench.common import resolve_model_files
+    from jaxengine.benchmarks.common import resolve_model_files
 
     files = resolve_model_files(model)
     kwargs = {"gguf_file": files.gguf.name} if files.gguf is not None else {}
@@ -145,7 +152,7 @@ def truncated_copy(model: str, num_layers: int) -> str:
 
     import transformers
 
-    from bench.common import resolve_model_files
+    from jaxengine.benchmarks.common import resolve_model_files
 
     files = resolve_model_files(model)
     if files.gguf is not None:

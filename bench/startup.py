@@ -30,8 +30,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import describe_run, format_table, log, machine_info
 from bench.serve_peers import MODEL, stop_server, wait_ready
+from jaxengine.benchmarks.common import describe_run, format_table, log, machine_info
 
 MODES = {"background": "--background-compile", "blocking": "--no-background-compile"}
 

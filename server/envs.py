@@ -15,7 +15,7 @@ and have no counterpart):
 - ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds an idle HTTP connection stays open (5).
 
 Read elsewhere: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (`server/lora.py`) and
-``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (`jaxengine/executor/build.py`).
+``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (`jaxengine/worker/build.py`).
 """
 
 from __future__ import annotations

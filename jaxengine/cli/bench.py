@@ -1,12 +1,13 @@
-"""`jaxengine bench {serve,throughput,latency}`: the repository's benchmarks under one command.
+"""`jaxengine bench {serve,throughput,latency}`: the packaged benchmarks under one command.
 
-Each benchmark lives in the top-level ``bench`` package (``bench.serve``,
-``bench.throughput``, ``bench.latency``) and is also runnable as ``python -m bench.X``.
+Each benchmark lives in `jaxengine.benchmarks` (``serve``, ``throughput``,
+``latency``), so an installed package runs them, and is also runnable as
+``python -m jaxengine.benchmarks.X``.
 Every such module exposes ``add_cli_args(parser)`` and ``run(args, command)``, so the
 flags and help here are the same as there. Those modules import only the standard
 library at module level (numpy, jax, torch, httpx come when a benchmark runs), which
-keeps ``jaxengine --help`` instant. The ``bench`` package is part of the
-distribution (pyproject's package list).
+keeps ``jaxengine --help`` instant. The repository's ``bench/`` scripts are not
+installed (pyproject's package list).
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ from functools import partial
 from types import ModuleType
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "serve": ("bench.serve", "online serving benchmark against a running API server"),
-    "throughput": ("bench.throughput", "offline throughput of jaxengine and its peers"),
-    "latency": ("bench.latency", "offline end-to-end latency of one batch"),
+    "serve": (
+        "jaxengine.benchmarks.serve",
+        "online serving benchmark against a running API server",
+    ),
+    "throughput": (
+        "jaxengine.benchmarks.throughput",
+        "offline throughput of jaxengine and its peers",
+    ),
+    "latency": ("jaxengine.benchmarks.latency", "offline end-to-end latency of one batch"),
 }
 """Sub-subcommand -> (module, one-line help)."""
 _DISPATCH_KEYS = ("func", "subcommand", "bench_command")
@@ -43,7 +50,7 @@ def register(subparsers) -> None:
 
 
 def _register_benchmark(benchmarks, name: str, module_name: str, help_text: str) -> None:
-    module = importlib.import_module(module_name)  # `bench` ships with jaxengine
+    module = importlib.import_module(module_name)  # ships with jaxengine
     sub = benchmarks.add_parser(
         name,
         help=help_text,

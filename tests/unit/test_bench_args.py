@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 # bench/ is a top-level folder of the repository (on pytest's pythonpath), not installed.
-from bench import common, latency, throughput
-from bench.common import PeerResult
+from jaxengine.benchmarks import common, latency, throughput
+from jaxengine.benchmarks.common import PeerResult
 
 
 def test_throughput_defaults():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench import latency, roofline
-from bench.common import resolve_model_files
+from jaxengine.benchmarks import latency, roofline
+from jaxengine.benchmarks.common import resolve_model_files
 
 
 def test_roofline_is_bandwidth_over_weight_bytes():

@@ -21,9 +21,15 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from bench import serve, throughput
-from bench.serve_client import DONE, RequestResult, chunk_text, parse_sse_line, run_requests
-from bench.serve_datasets import (
+from jaxengine.benchmarks import serve, throughput
+from jaxengine.benchmarks.serve_client import (
+    DONE,
+    RequestResult,
+    chunk_text,
+    parse_sse_line,
+    run_requests,
+)
+from jaxengine.benchmarks.serve_datasets import (
     arrival_times,
     length_range,
     sample_random,
@@ -31,7 +37,7 @@ from bench.serve_datasets import (
     sharegpt_pairs,
     vocab_pool,
 )
-from bench.serve_metrics import aggregate, format_report
+from jaxengine.benchmarks.serve_metrics import aggregate, format_report
 from jaxengine.cli.main import build_parser
 from jaxengine.cli.main import main as cli_main
 
@@ -310,7 +316,7 @@ def test_bench_help_and_same_flags_as_the_modules(capsys):
 
 
 def test_latency_rejects_negative_warmup_at_parse_time(capsys):
-    from bench import latency
+    from jaxengine.benchmarks import latency
 
     with pytest.raises(SystemExit):
         latency.build_parser().parse_args(["--num-iters-warmup", "-1"])

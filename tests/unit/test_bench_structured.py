@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from bench import throughput
-from bench.structured import schema
+from jaxengine.benchmarks import throughput
+from jaxengine.benchmarks.structured import schema
 
 
 @pytest.mark.slow

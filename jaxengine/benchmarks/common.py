@@ -302,7 +302,7 @@ def _version(dist: str) -> str:
 
 def _git_commit() -> str | None:
     """Short commit of the repository, with ``+dirty`` when the tree has changes."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True

@@ -1,8 +1,8 @@
 """Multi-LoRA throughput: every request on a different adapter against the base model.
 
-    python -m bench.throughput --lora 4 --num-prompts 32 --input-len 64 --output-len 64
+    jaxengine bench throughput --lora 4 --num-prompts 32 --input-len 64 --output-len 64
 
-Two engines serve the random-token prompts of `bench.throughput` greedily for exactly
+Two engines serve the random-token prompts of `jaxengine.benchmarks.throughput` greedily for exactly
 ``output_len`` tokens: the base model (no ``--enable-lora``), and an engine with
 ``--enable-lora --max-loras N --max-lora-rank R`` whose requests go round-robin over
 N random rank-R adapters on every projection (written as PEFT folders here), so each
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import describe_run, fmt, format_table, log, machine_info
+from jaxengine.benchmarks.common import describe_run, fmt, format_table, log, machine_info
 
 
 def write_adapters(root: Path, targets: dict, count: int, rank: int, seed: int) -> list[Path]:

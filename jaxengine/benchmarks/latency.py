@@ -1,6 +1,6 @@
 """Offline latency: one batch of B requests, end to end, timed over K iterations.
 
-    python -m bench.latency --batch-size 1 --input-len 16 --output-len 128
+    python -m jaxengine.benchmarks.latency --batch-size 1 --input-len 16 --output-len 128
 
 Each iteration submits B fresh random-token prompts (the same ones for every peer; a
 new set each iteration, so no prefix or prompt cache can help) and waits until all
@@ -18,7 +18,7 @@ short prompt this is the headline "batch-1 decode tok/s". ``--no-isolate-decode`
 skips the second series.
 
 With ``--batch-size 1`` the run also measures the machine's float32 weight-streaming
-roofline (`bench.roofline`: a matrix-vector product over the model's weight bytes)
+roofline (`jaxengine.benchmarks.roofline`: a matrix-vector product over the model's weight bytes)
 before the peers, and reports each peer's decode tok/s as a fraction of it
 (``--no-roofline`` skips it). ``--roofline-dtypes float32,bfloat16,int8`` also times
 the product with weights stored in those dtypes.
@@ -33,10 +33,10 @@ from pathlib import Path
 from statistics import median
 from time import perf_counter
 
-if __package__ in (None, ""):  # run as a file: python bench/latency.py
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: python jaxengine/benchmarks/latency.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import (
+from jaxengine.benchmarks.common import (
     PERCENTILES,
     ModelFiles,
     PeerResult,
@@ -58,15 +58,15 @@ from bench.common import (
     token_pool,
     write_json,
 )
-from bench.peers import Peer, PeerOptions, run_peer
-from bench.roofline import Roofline
+from jaxengine.benchmarks.peers import Peer, PeerOptions, run_peer
+from jaxengine.benchmarks.roofline import Roofline
 
 _FULL, _ONE = 1, 2  # seed tags of the two prompt series
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.latency",
+        prog="python -m jaxengine.benchmarks.latency",
         description="End-to-end latency of one batch, for jaxengine and its peers.",
     )
     add_cli_args(parser)
@@ -188,7 +188,7 @@ def measure_roofline(args: argparse.Namespace, files: ModelFiles) -> Roofline | 
     """The float32 roofline (batch size 1 only), and each asked dtype's matvec time."""
     if args.no_roofline or args.batch_size != 1:
         return None
-    from bench import roofline
+    from jaxengine.benchmarks import roofline
 
     roof = roofline.measure(files)
     log(
@@ -207,7 +207,7 @@ def measure_roofline(args: argparse.Namespace, files: ModelFiles) -> Roofline | 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     argv_text = shlex.join(sys.argv[1:] if argv is None else argv)
-    return run(args, f"python -m bench.latency {argv_text}")
+    return run(args, f"python -m jaxengine.benchmarks.latency {argv_text}")
 
 
 def run(args: argparse.Namespace, command: str) -> int:

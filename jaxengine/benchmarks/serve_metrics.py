@@ -1,4 +1,4 @@
-"""The figures of the serving benchmark (`bench.serve`) and vLLM's report block.
+"""The figures of the serving benchmark (`jaxengine.benchmarks.serve`) and vLLM's report block.
 
 From per-request records and the run's wall time: request, output-token and
 total-token throughput, and mean / median / std / chosen percentiles (in ms) of
@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bench.serve_client import RequestResult
+    from jaxengine.benchmarks.serve_client import RequestResult
 
 METRICS = {
     "ttft": ("TTFT", "Time to First Token"),

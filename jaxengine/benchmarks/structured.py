@@ -1,9 +1,9 @@
 """Structured-output throughput: the same workload with and without a JSON schema.
 
-    python -m bench.throughput --structured-outputs --num-prompts 64 \\
+    python -m jaxengine.benchmarks.throughput --structured-outputs --num-prompts 64 \\
         --input-len 128 --output-len 128
 
-One jaxengine engine serves the random-token prompts of `bench.throughput` twice per
+One jaxengine engine serves the random-token prompts of `jaxengine.benchmarks.throughput` twice per
 round, greedily for exactly ``output_len`` tokens: free (``ignore_eos``), then each
 request under its own JSON schema (an array of at least 500 small objects, so no
 output can close before ``output_len``; every token is constrained). Rounds
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import describe_run, fmt, format_table, log, machine_info
+from jaxengine.benchmarks.common import describe_run, fmt, format_table, log, machine_info
 
 
 def schema(i: int) -> dict[str, Any]:

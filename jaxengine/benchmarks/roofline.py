@@ -7,7 +7,7 @@ matrix of the model's float32 weight bytes (best of ``repeats``), and turns it i
 
     roofline tok/s = matvec bytes/s / weight bytes
 
-`bench.latency` reports batch-1 decode as a fraction of it. The same product with
+`jaxengine.benchmarks.latency` reports batch-1 decode as a fraction of it. The same product with
 bfloat16 or int8 weights (converted to float32 inside the jitted function, as a
 float32 engine would compute) shows whether smaller weights help on this backend.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from bench.common import ModelFiles
+from jaxengine.benchmarks.common import ModelFiles
 
 COLUMNS = 2048  # the matrix is [weight elements / COLUMNS, COLUMNS]
 

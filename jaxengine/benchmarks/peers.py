@@ -29,9 +29,9 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any, Protocol
 
-from bench.common import ModelFiles, PeerResult, log
+from jaxengine.benchmarks.common import ModelFiles, PeerResult, log
 
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]
 
 
 class Unavailable(Exception):
@@ -275,7 +275,14 @@ def _llamacpp_works(gguf: Path, extra_bufts: bool) -> bool:
     protection fault on the first prompt of more than one token: a crash no Python
     code can catch, which would take the other peers' results with it.
     """
-    cmd = [sys.executable, "-m", "bench.peers", "probe-llamacpp", str(gguf), str(int(extra_bufts))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxengine.benchmarks.peers",
+        "probe-llamacpp",
+        str(gguf),
+        str(int(extra_bufts)),
+    ]
     try:
         result = subprocess.run(cmd, cwd=_REPO, capture_output=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired):
@@ -339,8 +346,9 @@ def run_peer(
     return PeerResult(name, "ok", load_s=load_s, metrics=metrics, notes=notes, outputs=outputs)
 
 
-if __name__ == "__main__":  # python -m bench.peers probe-llamacpp GGUF 0|1 (see _llamacpp_works)
+# python -m jaxengine.benchmarks.peers probe-llamacpp GGUF 0|1 (see _llamacpp_works)
+if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "probe-llamacpp":
         _probe_llamacpp(sys.argv[2], sys.argv[3] == "1")
     else:
-        sys.exit("usage: python -m bench.peers probe-llamacpp GGUF 0|1")
+        sys.exit("usage: python -m jaxengine.benchmarks.peers probe-llamacpp GGUF 0|1")

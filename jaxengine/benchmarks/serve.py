@@ -1,7 +1,7 @@
 """Online serving benchmark: requests streamed to a running OpenAI-compatible server.
 
     jaxengine serve SmolLM2-135M-Instruct &        # or any OpenAI-compatible server
-    python -m bench.serve --num-prompts 200 --request-rate 8 --random-input-len 256
+    python -m jaxengine.benchmarks.serve --num-prompts 200 --request-rate 8 --random-input-len 256
     jaxengine bench serve ...                       # the same, through the CLI
 
 The client side of vLLM's ``vllm bench serve``, with its flags and its report. Requests
@@ -12,9 +12,9 @@ the client records TTFT, ITL, end-to-end latency and output tokens, and prints
 throughput and latency statistics (``--save-result``: also as JSON).
 
 The pieces live in sibling modules that tests use without a server:
-`bench.serve_datasets` (random and ShareGPT prompts, arrival times; why random prompts
-are sent as text, not token ids, is said there), `bench.serve_client` (streamed
-requests and their timing) and `bench.serve_metrics` (figures and report). This module
+`serve_datasets` (random and ShareGPT prompts, arrival times; why random prompts
+are sent as text, not token ids, is said there), `serve_client` (streamed
+requests and their timing) and `serve_metrics` (figures and report). This module
 holds the flags and the run: resolve the URLs and the model (first of ``GET
 /v1/models``), load the tokenizer (``--tokenizer``, default the model name, resolved
 like a model: a demo name, a path or a hub id), sample the prompts, send one test
@@ -38,13 +38,23 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: python bench/serve.py
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: python jaxengine/benchmarks/serve.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import json_object, log, positive_int
-from bench.serve_client import RequestResult, build_payload, run_requests, send_request
-from bench.serve_datasets import SampleRequest, arrival_times, sample_random, sample_sharegpt
-from bench.serve_metrics import METRICS, aggregate, format_report
+from jaxengine.benchmarks.common import json_object, log, positive_int
+from jaxengine.benchmarks.serve_client import (
+    RequestResult,
+    build_payload,
+    run_requests,
+    send_request,
+)
+from jaxengine.benchmarks.serve_datasets import (
+    SampleRequest,
+    arrival_times,
+    sample_random,
+    sample_sharegpt,
+)
+from jaxengine.benchmarks.serve_metrics import METRICS, aggregate, format_report
 
 DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 """--backend -> the --endpoint it implies."""
@@ -193,7 +203,7 @@ def _add_output_args(group: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.serve",
+        prog="python -m jaxengine.benchmarks.serve",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -395,7 +405,7 @@ def save_result(doc: dict[str, Any], args: argparse.Namespace) -> Path:
     return path
 
 
-def run(args: argparse.Namespace, command: str = "python -m bench.serve") -> int:
+def run(args: argparse.Namespace, command: str = "python -m jaxengine.benchmarks.serve") -> int:
     """Runs the benchmark for parsed ``args``; returns the exit status."""
     try:
         return _run(args, command)
@@ -436,7 +446,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    return run(args, shlex.join(["python", "-m", "bench.serve", *argv]))
+    return run(args, shlex.join(["python", "-m", "jaxengine.benchmarks.serve", *argv]))
 
 
 if __name__ == "__main__":

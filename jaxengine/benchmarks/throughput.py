@@ -1,9 +1,9 @@
 """Offline throughput: N requests submitted at once, finished as fast as the peer can.
 
-    python -m bench.throughput --num-prompts 64 --input-len 128 --output-len 128
+    python -m jaxengine.benchmarks.throughput --num-prompts 64 --input-len 128 --output-len 128
 
 With ``--structured-outputs``, jaxengine alone serves the workload free and under
-a JSON schema per request (`bench/structured.py`).
+a JSON schema per request (`jaxengine/benchmarks/structured.py`).
 
 Each peer gets the same N random-token prompts and generates exactly ``output_len``
 greedy tokens for each (EOS ignored). The figures are over the wall time of the one
@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 from time import perf_counter
 
-if __package__ in (None, ""):  # run as a file: python bench/throughput.py
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: python jaxengine/benchmarks/throughput.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import (
+from jaxengine.benchmarks.common import (
     PeerResult,
     add_common_args,
     agreement_cell,
@@ -43,7 +43,7 @@ from bench.common import (
     token_pool,
     write_json,
 )
-from bench.peers import Peer, PeerOptions, run_peer
+from jaxengine.benchmarks.peers import Peer, PeerOptions, run_peer
 
 WARMUP_PROMPTS = 4
 WARMUP_TOKENS = 4
@@ -51,7 +51,7 @@ WARMUP_TOKENS = 4
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.throughput",
+        prog="python -m jaxengine.benchmarks.throughput",
         description="Offline throughput of jaxengine and its peers on one random workload.",
     )
     add_cli_args(parser)
@@ -83,7 +83,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="jaxengine alone, the workload free and under one JSON schema per request, "
         "alternated for --rounds rounds: the ratio, and schema compile times "
-        "(bench/structured.py)",
+        "(jaxengine/benchmarks/structured.py)",
     )
     parser.add_argument(
         "--lora",
@@ -92,7 +92,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="jaxengine alone: the base model against an engine with --max-loras N whose "
         "requests go round-robin over N random adapters, alternated for --rounds rounds "
-        "(bench/lora.py)",
+        "(jaxengine/benchmarks/lora.py)",
     )
     parser.add_argument(
         "--lora-rank", type=positive_int, default=16, help="rank of the --lora adapters"
@@ -158,7 +158,7 @@ def render(results: list[PeerResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     argv_text = shlex.join(sys.argv[1:] if argv is None else argv)
-    return run(args, f"python -m bench.throughput {argv_text}")
+    return run(args, f"python -m jaxengine.benchmarks.throughput {argv_text}")
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -168,11 +168,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         args.num_prompts, args.input_len, token_pool(files), args.seed, args.range_ratio
     )
     if args.structured_outputs:
-        from bench.structured import run_structured
+        from jaxengine.benchmarks.structured import run_structured
 
         return run_structured(args, files, prompts, command)
     if args.lora:
-        from bench.lora import run_lora
+        from jaxengine.benchmarks.lora import run_lora
 
         return run_lora(args, files, prompts, command)
     opts = PeerOptions(

@@ -1,4 +1,4 @@
-"""The HTTP side of the serving benchmark (`bench.serve`): streamed requests, timed.
+"""The HTTP side of the serving benchmark (`jaxengine.benchmarks.serve`): streamed requests, timed.
 
 One request is a ``POST`` with ``"stream": true`` and ``stream_options.include_usage``,
 answered with server-sent events: ``data: {json}`` lines until ``data: [DONE]``. The
@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.serve_datasets import SampleRequest
+from jaxengine.benchmarks.serve_datasets import SampleRequest
 
 DONE = "[DONE]"
 

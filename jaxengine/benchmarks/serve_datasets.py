@@ -1,4 +1,4 @@
-"""Workloads of the serving benchmark (`bench.serve`): prompts and their arrival times.
+"""Workloads of the serving benchmark (`benchmarks.serve`): prompts and their arrival times.
 
 Two datasets, as in vLLM's ``bench serve``:
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import log
+from jaxengine.benchmarks.common import log
 
 SHAREGPT_MIN_LEN = 4
 SHAREGPT_MAX_PROMPT_LEN = 1024
