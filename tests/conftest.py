@@ -7,10 +7,21 @@ session fixtures below are cheap after the first run and every test reuses them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import jax
-import pytest
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two xdist workers on two cores: each process (and the servers it starts) keeps to
+    # one intra-op thread, so the workers do not fight over the cores. Set before jax
+    # and torch are imported.
+    _ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_ONE_THREAD}".strip()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.scheduling import assign_groups, heaviest_first  # noqa: E402
 
 # Eight virtual CPU devices for the parallelism tests (tests/sharding); everything
 # else runs on the first one, as it would on a one-device machine.
@@ -18,8 +29,11 @@ CPU_DEVICES = 8
 jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Skips `gpu`/`tpu` tests where that device is absent (they run where it is)."""
+    """Skips `gpu`/`tpu` tests where that device is absent (they run where it is), and
+    puts each test in its xdist group (`tests/scheduling.py`)."""
+    assign_groups(items)
     # markers, not keywords: parameter ids such as "gpu" are keywords too
     marked = [i for i in items if i.get_closest_marker("gpu") or i.get_closest_marker("tpu")]
     if not marked:
@@ -33,6 +47,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(
                     pytest.mark.skip(reason=f"needs a {kind.upper()} (backend: {backend})")
                 )
+
+
+class _HeaviestFirst:
+    """Runs the heaviest groups first, after pytest's own reordering by parameter."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        items[:] = heaviest_first(items)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_HeaviestFirst(), "heaviest-first")
 
 
 @pytest.fixture(scope="session")

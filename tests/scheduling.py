@@ -1,0 +1,97 @@
+"""How the suite is split between two pytest-xdist workers (`-n 2 --dist loadgroup`).
+
+Each test gets an ``xdist_group``: the tests of one group run on one worker, in order,
+so a fixture shared by the group is built once. The groups:
+
+- the tests of one module, by default (module fixtures are built once);
+- the tests against one shared server process (``server[dp1]``, ``server[dp2]``,
+  ``vllm_extras_server``), whichever module they are in: a server takes 30-90 s to
+  start, and a second worker would start its own;
+- one group per test in `SPLIT_MODULES`: modules whose tests each build their own
+  engine (tens of seconds each) and share only cheap fixtures, so both workers can
+  take them.
+
+Groups run heaviest first (`GROUP_SECONDS`, measured with `--durations=0`), so the
+long ones do not start last and leave one worker idle at the end. Without xdist the
+groups change nothing but the order, which no test depends on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+SERVER_FIXTURES = ("server", "vllm_extras_server")
+SPLIT_MODULES = (
+    "tests/engine/test_engine_golden.py",
+    "tests/engine/test_quantization.py",
+    "tests/kernels/test_pallas_attention.py",
+)
+GROUP_SECONDS = {
+    # seconds on a 2-core AVX-512 Xeon, cold compilation cache, one process (2026-11-26)
+    "server[dp2]": 205,
+    "tests/server/test_structured_outputs.py": 165,
+    "server[dp1]": 161,
+    "tests/sharding/test_parallel_engine.py": 108,
+    "tests/engine/test_spec_decode.py": 96,
+    "tests/models/test_golden_real.py": 93,
+    "tests/engine/test_startup.py": 88,
+    "tests/models/test_quantization.py": 84,
+    "tests/server/test_lora.py": 82,
+    "tests/sharding/test_multihost.py": 68,
+    "tests/server/test_quantized_async.py": 64,
+    "tests/models/test_golden_tiny.py": 63,
+    "tests/kernels/test_cpu_attention.py": 62,
+    "tests/torch_fallback/test_golden.py": 62,
+    "tests/engine/test_async_scheduling.py": 55,
+    "tests/engine/test_data_parallel.py": 53,
+    "tests/lora/test_smollm2.py": 52,
+    "tests/unit/test_loader_gguf_real.py": 52,
+    "tests/engine/test_structured_outputs.py": 51,
+    "vllm_extras_server": 50,
+    "tests/cli/test_run_batch.py": 49,
+    "tests/engine/test_beam_search.py": 47,
+    "tests/lora/test_tiny.py": 47,
+    "tests/engine/test_pooling.py": 39,
+    "tests/models/test_fused_projections.py": 38,
+    "tests/unit/test_bench_structured.py": 37,
+    "tests/models/test_quantized_checkpoints.py": 37,
+    "tests/engine/test_async_llm.py": 37,
+    "tests/kernels/test_encoder_attention.py": 33,
+    "tests/sharding/test_engine_lifetime.py": 31,
+    "tests/kernels/test_reference_attention.py": 31,
+}
+SPLIT_TEST_SECONDS = 40
+"""What one test of a `SPLIT_MODULES` module is counted as (they take 20-70 s)."""
+
+
+def group_of(item: pytest.Item) -> str:
+    """The xdist group of a collected test."""
+    fixtures = getattr(item, "fixturenames", ())
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    if "server" in params:  # tests/server/conftest.py's shared server, by replica count
+        return f"server[dp{params['server']}]"
+    if "vllm_extras_server" in fixtures:
+        return "vllm_extras_server"
+    module = item.nodeid.split("::", 1)[0]
+    return item.nodeid if module in SPLIT_MODULES else module
+
+
+def assign_groups(items: list[pytest.Item]) -> None:
+    """Marks every test with its `group_of` (xdist turns it into the unit of work)."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of(item)))
+
+
+def _weight(group: str) -> float:
+    if group in GROUP_SECONDS:
+        return GROUP_SECONDS[group]
+    return SPLIT_TEST_SECONDS if group.split("::", 1)[0] in SPLIT_MODULES else 0.0
+
+
+def heaviest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with the groups ordered by weight, heaviest first; the tests inside a
+    group, and groups of equal weight, keep their order."""
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(group_of(item), len(first_seen))
+    return sorted(items, key=lambda i: (-_weight(group_of(i)), first_seen[group_of(i)]))
