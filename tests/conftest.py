@@ -62,6 +62,14 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
+def xla_cache_dir(tmp_path_factory) -> str:
+    """One persistent compilation cache for this run's offline engines, shared by the
+    xdist workers (their base temps are siblings), so a shape compiles once per run."""
+    base = tmp_path_factory.getbasetemp()
+    return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache")
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf (Llama architecture, chat template)."""
     from jaxengine.loader.demo import ensure_demo_model

@@ -7,7 +7,7 @@ import pytest
 from jaxengine import LLM
 
 
-def small_llm_kwargs(tmp_path_factory) -> dict:
+def small_llm_kwargs(xla_cache_dir: str) -> dict:
     """SmolLM2 with small buckets and a small KV cache (preemption happens)."""
     return dict(
         max_model_len=128,
@@ -16,13 +16,13 @@ def small_llm_kwargs(tmp_path_factory) -> dict:
         compile_token_buckets=[8, 32],
         num_gpu_blocks_override=24,
         swap_space=0,
-        compilation_cache_dir=str(tmp_path_factory.getbasetemp() / "xla-cache"),
+        compilation_cache_dir=xla_cache_dir,
     )
 
 
 @pytest.fixture(scope="session")
-def small_llm(smollm2_gguf, tmp_path_factory):
+def small_llm(smollm2_gguf, xla_cache_dir):
     """One engine with `small_llm_kwargs`, shared by the engine tests."""
-    engine = LLM(model=str(smollm2_gguf), **small_llm_kwargs(tmp_path_factory))
+    engine = LLM(model=str(smollm2_gguf), **small_llm_kwargs(xla_cache_dir))
     yield engine
     engine.engine.shutdown()

@@ -41,9 +41,9 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def async_llm(smollm2_gguf, tmp_path_factory):
+def async_llm(smollm2_gguf, xla_cache_dir):
     kwargs = {
-        **small_llm_kwargs(tmp_path_factory),
+        **small_llm_kwargs(xla_cache_dir),
         "async_scheduling": True,
         "num_gpu_blocks_override": 10,  # preempts under PARAMS (outputs must not change)
     }

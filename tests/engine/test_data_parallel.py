@@ -57,9 +57,9 @@ def count_adds(monkeypatch, dp_engine) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def dp_llm(smollm2_gguf, tmp_path_factory):
+def dp_llm(smollm2_gguf, xla_cache_dir):
     """`small_llm`'s settings on two replicas."""
-    kwargs = small_llm_kwargs(tmp_path_factory)
+    kwargs = small_llm_kwargs(xla_cache_dir)
     llm = LLM(model=str(smollm2_gguf), data_parallel_size=2, **kwargs)
     yield llm
     llm.shutdown()

@@ -1,12 +1,20 @@
-"""The whole engine on the default model against transformers: greedy tokens exact.
+"""The whole engine against transformers: greedy tokens exact.
 
 16 prompts of mixed lengths, some sharing long prefixes, through `LLM.generate` under
 each scheduling condition (chunked prefill on/off, prefix caching on/off, a KV cache
 small enough to force preemption by recompute and by swap, max_num_seqs 1 and 16,
-async scheduling, speculative decoding with n-gram proposals and with a draft model).
-The same again with `--attention-backend pallas` (on CPU the Pallas GPU kernels run in
-interpret mode inside the compiled step). All engines share a persistent compilation
-cache, so identical shapes compile once.
+async scheduling, speculative decoding with n-gram proposals, a draft model and an
+EAGLE head, tensor and pipeline parallelism). The same again with
+`--attention-backend pallas` (on CPU the Pallas GPU kernels run in interpret mode
+inside the compiled step).
+
+The default model (SmolLM2, real weights) runs the default condition (the real-model
+golden) and n-gram speculation (`REAL_MODEL`). Every other condition is about
+scheduling, not the weights, and runs on a tiny random Llama with SmolLM2's tokenizer
+and vocabulary (2 layers, 6 query / 3 KV heads, so tensor parallelism over 3 devices
+splits it as it splits SmolLM2's 9/3): its step compiles in about a second where
+SmolLM2's 30 layers take eight. All engines share a persistent compilation cache, so
+identical shapes compile once.
 """
 
 from __future__ import annotations
@@ -52,8 +60,57 @@ def prompts(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def expected(prompts, smollm2_hf):
-    return [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts]
+def tiny(smollm2_tokenizer, tmp_path_factory):
+    """(folder, transformers model) of a random 2-layer Llama with SmolLM2's vocabulary,
+    tied embeddings and rope, saved with SmolLM2's tokenizer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=smollm2_tokenizer.bos_token_id,
+        eos_token_id=smollm2_tokenizer.eos_token_id,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path_factory.mktemp("tiny_smollm2")
+    model.save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def reference(request):
+    """(model folder or file, transformers model) of the default model or the tiny one."""
+
+    def get(name: str):
+        if name == "smollm2":
+            return request.getfixturevalue("smollm2_gguf"), request.getfixturevalue("smollm2_hf")
+        return request.getfixturevalue("tiny")
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def expected(prompts, reference):
+    """name -> transformers' greedy tokens for every prompt, computed once per model."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            model = reference(name)[1]
+            made[name] = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+        return made[name]
+
+    return get
 
 
 BASE = dict(
@@ -97,7 +154,7 @@ CONDITIONS = {
     # a random one-layer EAGLE head on SmolLM2's hidden states proposing, with
     # preemption: its drafts are rarely right, the outputs the same
     "eagle_preempt_recompute": dict(num_gpu_blocks_override=24),
-    # 9 heads / 3 KV heads over 3 tensor devices, 30 layers over 2 stages (6 of the 8
+    # 6 heads / 3 KV heads over 3 tensor devices, 2 layers over 2 stages (6 of the 8
     # virtual CPU devices), with pages swapped out and back across both stages (the
     # synchronous swap path: no separate one-device "preempt_swap" run repeats it)
     "preempt_swap_tp3_pp2": dict(
@@ -110,41 +167,39 @@ CONDITIONS = {
 
 
 @pytest.fixture(scope="module")
-def smollm2_truncated(smollm2_hf, tmp_path_factory):
-    """A draft model: SmolLM2's embeddings, first 8 layers and norm, as a HF folder."""
+def tiny_truncated(tiny, tmp_path_factory):
+    """A draft model: the tiny model's embeddings, first layer and norm, as a HF folder."""
     import copy
 
     import transformers
 
-    config = copy.deepcopy(smollm2_hf.config)
-    config.num_hidden_layers = 8
-    if hasattr(config, "quantization_config"):  # the GGUF's, from the reference
-        del config.quantization_config
+    target = tiny[1]
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = 1
     draft = transformers.AutoModelForCausalLM.from_config(config)
-    state = {k: v for k, v in smollm2_hf.state_dict().items() if _layer(k) < 8}
+    state = {k: v for k, v in target.state_dict().items() if _layer(k) < 1}
     draft.load_state_dict(state, strict=False)
-    path = tmp_path_factory.mktemp("smollm2_draft")
+    path = tmp_path_factory.mktemp("tiny_draft")
     draft.save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
-def smollm2_eagle(smollm2_hf, tmp_path_factory):
-    """A random EAGLE head for SmolLM2 in the EAGLE layout (fc, one layer without its
-    input norm; the target's embedding shared)."""
+def tiny_eagle(tiny, tmp_path_factory):
+    """A random EAGLE head for the tiny model in the EAGLE layout (fc, one layer without
+    its input norm; the target's embedding shared)."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**smollm2_hf.config.to_dict(), "num_hidden_layers": 1})
-    config.__dict__.pop("quantization_config", None)  # the GGUF's, from the reference
+    config = transformers.LlamaConfig(**{**tiny[1].config.to_dict(), "num_hidden_layers": 1})
     head = transformers.LlamaModel(config)
     skip = ("norm.", "embed_tokens.", "layers.0.input_layernorm")
     tensors = {k: v for k, v in head.state_dict().items() if not k.startswith(skip)}
     width = config.hidden_size
     tensors["fc.weight"] = torch.randn(width, 2 * width) * 0.02
-    path = tmp_path_factory.mktemp("smollm2_eagle")
+    path = tmp_path_factory.mktemp("tiny_eagle")
     save_file(tensors, path / "model.safetensors")
     config.save_pretrained(path)
     return path
@@ -185,6 +240,11 @@ def _check_json_with_proposals(llm) -> None:
     assert llm.engine.get_stats().spec_decoding.num_accepted_tokens - before > 10
 
 
+REAL_MODEL = ("default", "ngram_preempt_recompute")
+"""Conditions run on SmolLM2's real weights; the others run on the tiny model. n-gram
+proposals need text that repeats itself, which SmolLM2 writes and a random model does
+not (on the tiny model no n-gram is ever proposed)."""
+
 PROMPT_STRIDE = {"max_num_seqs_1": 4}
 """Conditions that run every n-th prompt only: one request at a time takes a step per
 token, and four prompts (two sharing the preamble) show that as well as sixteen."""
@@ -198,25 +258,25 @@ def _layer(name: str) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("condition", sorted(CONDITIONS))
 def test_greedy_matches_transformers(
-    condition, prompts, expected, smollm2_gguf, tmp_path_factory, caplog, request
+    condition, prompts, expected, reference, xla_cache_dir, caplog, request
 ):
-    cache_dir = tmp_path_factory.getbasetemp() / "xla-cache"
-    kwargs = {**BASE, **CONDITIONS[condition], "compilation_cache_dir": str(cache_dir)}
+    kwargs = {**BASE, **CONDITIONS[condition], "compilation_cache_dir": xla_cache_dir}
+    model = "smollm2" if condition in REAL_MODEL else "tiny"
     if condition.startswith("draft_model"):
-        draft = request.getfixturevalue("smollm2_truncated")
+        draft = request.getfixturevalue("tiny_truncated")
         kwargs["speculative_config"] = {"model": str(draft), "num_speculative_tokens": 3}
     if condition.startswith("eagle"):
-        head = request.getfixturevalue("smollm2_eagle")
+        head = request.getfixturevalue("tiny_eagle")
         kwargs["speculative_config"] = {
             "method": "eagle", "model": str(head), "num_speculative_tokens": 3
         }  # fmt: skip
     with caplog.at_level(logging.INFO, logger="jaxengine.executor.build"):
-        llm = LLM(model=str(smollm2_gguf), **kwargs)
+        llm = LLM(model=str(reference(model)[0]), **kwargs)
     backend = "pallas-gpu-interpret" if condition == "pallas_kernels" else "xla-cpu"
     assert f"attention backend: {backend}" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     every = PROMPT_STRIDE.get(condition, 1)
-    prompts, expected = prompts[::every], expected[::every]
+    prompts, expected = prompts[::every], expected(model)[::every]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
         assert list(out.outputs[0].token_ids) == want, f"{condition}: prompt {i * every}"

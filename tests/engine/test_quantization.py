@@ -79,12 +79,12 @@ def float32_outputs(small_llm) -> tuple[list[dict], list[list[int]]]:
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
-def test_greedy_outputs_agree_with_float32(method, float32_outputs, smollm2_gguf, tmp_path_factory):
+def test_greedy_outputs_agree_with_float32(method, float32_outputs, smollm2_gguf, xla_cache_dir):
     prompts, want = float32_outputs
     params = PARAMS
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(GGUF_PACKED_ENV, "1" if method == "gguf_packed" else "0")
-        llm = LLM(model=str(smollm2_gguf), **CASES[method], **small_llm_kwargs(tmp_path_factory))
+        llm = LLM(model=str(smollm2_gguf), **CASES[method], **small_llm_kwargs(xla_cache_dir))
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         share = agreement(got, want)

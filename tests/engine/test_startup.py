@@ -18,12 +18,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.mark.slow
 def test_background_compile_then_a_restart_from_stored_executables(
-    smollm2_gguf, tmp_path_factory, tmp_path, monkeypatch
+    smollm2_gguf, xla_cache_dir, tmp_path, monkeypatch
 ):
     # buckets no other test compiles, so JAX's persistent cache cannot answer them and
     # the first engine compiles (and stores) every step itself
     kwargs = {
-        **small_llm_kwargs(tmp_path_factory),
+        **small_llm_kwargs(xla_cache_dir),
         "compile_token_buckets": [4, 12, 32],
         "compilation_cache_dir": str(tmp_path),
     }
