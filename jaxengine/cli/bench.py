@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import shlex
-import sys
 from functools import partial
 from types import ModuleType
 
@@ -31,7 +30,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "latency": ("jaxengine.benchmarks.latency", "offline end-to-end latency of one batch"),
 }
 """Sub-subcommand -> (module, one-line help)."""
-_DISPATCH_KEYS = ("func", "subcommand", "bench_command")
+_DISPATCH_KEYS = ("func", "subcommand", "bench_command", "argv")
 """Namespace entries of the command line itself, not of the benchmark."""
 
 
@@ -64,7 +63,7 @@ def _register_benchmark(benchmarks, name: str, module_name: str, help_text: str)
 def _run_benchmark(module: ModuleType, args: argparse.Namespace) -> int:
     """Runs ``module`` with its own arguments only (so that its JSON holds just those)."""
     own = {k: v for k, v in vars(args).items() if k not in _DISPATCH_KEYS}
-    command = shlex.join(["jaxengine", *sys.argv[1:]])
+    command = shlex.join(["jaxengine", *args.argv])
     return module.run(argparse.Namespace(**own), command)
 
 

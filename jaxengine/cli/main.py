@@ -42,7 +42,9 @@ def build_parser(subcommands: Sequence[str] | None = None) -> FlexibleArgumentPa
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses `argv` (default sys.argv[1:]) and runs the chosen subcommand."""
     parser = build_parser()
-    args = parser.parse_args(None if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv  # the command line as given (`jaxengine bench` records it)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
