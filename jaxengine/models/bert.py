@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.layers.basic import Embed, LayerNorm, Linear, activation
+from jaxengine.models.layers.basic import Embed, LayerNorm, Linear, activation, float32_dots
 from jaxengine.models.layers.config import LayerSpec, RopeSpec, TransformerConfig
 from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.pooling_params import TOKEN_TYPE_SHIFT
@@ -229,6 +229,7 @@ class BertModel(nn.Module):
         if self.with_pooler:
             self.pooler = BertPooler(self.config)
 
+    @float32_dots
     def __call__(
         self,
         token_ids: jax.Array,  # [T] int32
@@ -243,6 +244,7 @@ class BertModel(nn.Module):
         by `BertForSequenceClassification.classify`)."""
         return self(token_ids, positions, kv_caches, md)[0]
 
+    @float32_dots
     def pool(self, hidden: jax.Array) -> jax.Array:  # [R, H] [CLS] rows -> [R, H]
         return self.pooler(hidden)
 
@@ -273,6 +275,7 @@ class BertForSequenceClassification(nn.Module):
         hidden, _ = self(token_ids, positions, kv_caches, md)
         return self.classify(hidden[md.query_start_loc[:-1]])  # [R, num_labels]
 
+    @float32_dots
     def classify(self, hidden: jax.Array) -> jax.Array:
         """``[R, H]`` [CLS] hidden states -> ``[R, num_labels]`` float32 logits."""
         return self.classifier(self.bert.pool(hidden)).astype(jnp.float32)

@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.layers.basic import Embed, Linear
+from jaxengine.models.layers.basic import Embed, Linear, float32_dots
 from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.decoder import DecoderLayer
 from jaxengine.models.layers.metadata import AttentionMetadata
@@ -44,6 +44,7 @@ class EagleModel(nn.Module):
             for i, spec in enumerate(cfg.layers)
         ]
 
+    @float32_dots
     def __call__(self, token_ids, positions, hidden, kv_caches, md):
         x = jnp.concatenate([self.embed_tokens(token_ids), hidden.astype(self.config.dtype)], -1)
         x = self.fc(x)

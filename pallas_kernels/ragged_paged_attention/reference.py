@@ -78,6 +78,8 @@ def ragged_paged_attention(
     req, q_pos, valid = _token_layout(query_start_loc, seq_lens, num_seqs, num_tokens)
     if not causal:
         q_pos = jnp.where(valid, seq_lens[req] - 1, -1)
+    # float32 inputs get float32 dots, as in the kernels (XLA's default is TF32 on GPUs)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     qg = qg * sm_scale
     token_pages = page_table[req]  # [T, M']
@@ -92,7 +94,7 @@ def ragged_paged_attention(
         kv = kv_cache[pages].reshape(num_tokens, chunk_len, two_hkv, head_dim)
         k = kv[:, :, 0::2].astype(jnp.float32)  # [T, L, Hkv, D]
         v = kv[:, :, 1::2].astype(jnp.float32)
-        s = jnp.einsum("tkgd,tlkd->tkgl", qg, k)  # [T, Hkv, G, L]
+        s = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=precision)  # [T, Hkv, G, L]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = c * chunk_len + jnp.arange(chunk_len)  # [L]
@@ -105,7 +107,7 @@ def ragged_paged_attention(
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         denom = denom * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgl,tlkd->tkgd", p, v)
+        acc = acc * alpha[..., None] + jnp.einsum("tkgl,tlkd->tkgd", p, v, precision=precision)
         return m_new, denom, acc
 
     shape = (num_tokens, num_kv_heads, group)

@@ -99,3 +99,25 @@ def test_reference_matches_dense(batch, seed):
         )
         np.testing.assert_allclose(out[qsl[r] : qsl[r + 1]], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[qsl[-1] :], 0.0)
+
+
+def _dots(dtype) -> tuple[int, int]:
+    """(dot_general count, how many ask for HIGHEST) in the reference's program."""
+    import jax
+
+    from tests.kernels.ragged_batches import Shape, build
+
+    batch = build(Shape(4, 1, 2, 8, (1, 3), (2, 5), 0, 0, None, None), 0)
+    text = str(
+        jax.make_jaxpr(lambda *a: ragged_paged_attention(*a, **batch.kwargs()))(*batch.args(dtype))
+    )
+    return text.count("dot_general["), text.count(
+        "precision=(Precision.HIGHEST, Precision.HIGHEST)"
+    )
+
+
+def test_float32_inputs_get_float32_dots():
+    """The reference is the kernels' truth: float32 inputs get full-float32 dots, not
+    the TF32 that XLA's default precision gives on GPUs; bfloat16 keeps the default."""
+    assert _dots("float32") == (2, 2)
+    assert _dots("bfloat16") == (2, 0)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.models.layers.attention import Attention, qkv_rows
-from jaxengine.models.layers.basic import Embed, Linear, RMSNorm
+from jaxengine.models.layers.basic import Embed, Linear, RMSNorm, float32_dots
 from jaxengine.models.layers.config import LayerSpec, TransformerConfig
 from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.models.layers.mlp import GatedMLP, SparseMoE
@@ -65,6 +65,7 @@ class DecoderModel(nn.Module):
     def __call__(self, token_ids, positions, kv_caches, md):
         return self.stage(token_ids, positions, kv_caches, md, 0, len(self.layers), True, True)
 
+    @float32_dots
     def stage(self, inputs, positions, kv_caches, md, start, stop, first, last):
         """Layers ``start:stop`` (a pipeline stage): from token ids when ``first`` (else
         from the previous stage's hidden states), through the final norm when ``last``."""
@@ -116,6 +117,7 @@ class CausalLM(nn.Module):
         hidden, _ = self(token_ids, positions, kv_caches, md)
         return self.compute_logits(hidden)
 
+    @float32_dots
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, H] -> [N, V] float32
         cfg = self.config
         if cfg.tie_word_embeddings:
@@ -151,6 +153,7 @@ class SequenceClassifier(nn.Module):
         hidden, _ = self(token_ids, positions, kv_caches, md)
         return self.classify(hidden)
 
+    @float32_dots
     def classify(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, num_labels] f32
         return self.score(hidden).astype(jnp.float32)
 
