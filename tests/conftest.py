@@ -103,6 +103,17 @@ def smollm2_tokenizer(smollm2_gguf: Path):
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm2(smollm2_tokenizer, tmp_path_factory):
+    """(folder, transformers model) of a random 2-layer Llama with SmolLM2's vocabulary,
+    tokenizer and chat template (`tests.tiny_models.save_tiny_smollm2`): for tests about
+    scheduling, APIs and errors rather than the weights."""
+    from tests.tiny_models import save_tiny_smollm2
+
+    path = tmp_path_factory.mktemp("tiny_smollm2")
+    return path, save_tiny_smollm2(path, smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf: Path):
     """transformers' float32 SmolLM2 from the same GGUF (the numerical reference)."""
     from tests.models.hf_reference import hf_from_gguf

@@ -60,31 +60,9 @@ def prompts(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def tiny(smollm2_tokenizer, tmp_path_factory):
-    """(folder, transformers model) of a random 2-layer Llama with SmolLM2's vocabulary,
-    tied embeddings and rope, saved with SmolLM2's tokenizer."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(smollm2_tokenizer),
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-        bos_token_id=smollm2_tokenizer.bos_token_id,
-        eos_token_id=smollm2_tokenizer.eos_token_id,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    path = tmp_path_factory.mktemp("tiny_smollm2")
-    model.save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path, model
+def tiny(tiny_smollm2):
+    """(folder, transformers model): the session's tiny model (`tests/conftest.py`)."""
+    return tiny_smollm2
 
 
 @pytest.fixture(scope="module")
