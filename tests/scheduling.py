@@ -5,8 +5,8 @@ so a fixture shared by the group is built once. The groups:
 
 - the tests of one module, by default (module fixtures are built once);
 - the tests against one shared server process (``server[dp1]``, ``server[dp2]``,
-  ``vllm_extras_server``), whichever module they are in: a server takes 30-90 s to
-  start, and a second worker would start its own;
+  ``vllm_extras_server``, ``smollm2_server``), whichever module they are in: a second
+  worker would start its own;
 - one group per test in `SPLIT_MODULES`: modules whose tests each build their own
   engine (tens of seconds each) and share only cheap fixtures, so both workers can
   take them.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-SERVER_FIXTURES = ("server", "vllm_extras_server")
+SERVER_FIXTURES = ("server", "vllm_extras_server", "smollm2_server")
 SPLIT_MODULES = (
     "tests/engine/test_engine_golden.py",
     "tests/engine/test_quantization.py",
@@ -70,8 +70,9 @@ def group_of(item: pytest.Item) -> str:
     params = item.callspec.params if hasattr(item, "callspec") else {}
     if "server" in params:  # tests/server/conftest.py's shared server, by replica count
         return f"server[dp{params['server']}]"
-    if "vllm_extras_server" in fixtures:
-        return "vllm_extras_server"
+    for name in SERVER_FIXTURES[1:]:
+        if name in fixtures:
+            return name
     module = item.nodeid.split("::", 1)[0]
     return item.nodeid if module in SPLIT_MODULES else module
 

@@ -1,8 +1,12 @@
 """A real `jaxengine serve` process for the server tests (one at a time per session).
 
-The server runs the default demo model on a free local port, with an API key, two
-served names, and the optional endpoints and usage details switched on. Its log is
-kept in a temporary file and printed when start-up fails.
+The shared servers run the tiny random Llama with SmolLM2's vocabulary, tokenizer
+and chat template (the `tiny_smollm2` fixture: two layers, so a step compiles in about
+a second and a request costs little) on a free local port, with an API key, two
+served names, and the optional endpoints and usage details switched on. The tests
+check the API, not the words, so its expectations come from the same server or the
+same tiny model; the tests about the real model's answers start their own SmolLM2
+server. Its log is kept in a temporary file and printed when start-up fails.
 
 The `server` fixture is parametrized by the data-parallel size: every server test runs
 against one engine (``dp1``) and against ``--data-parallel-size 2`` (``dp2``: two
@@ -154,11 +158,11 @@ def stop_server(server: Server) -> None:
 @pytest.fixture(
     scope="session", params=DATA_PARALLEL_SIZES, ids=[f"dp{n}" for n in DATA_PARALLEL_SIZES]
 )
-def server(request, smollm2_gguf, tmp_path_factory) -> Server:
-    """The shared server (default model; see SERVER_FLAGS), with 1 or 2 replicas."""
+def server(request, tiny_smollm2, tmp_path_factory) -> Server:
+    """The shared server (the tiny model; see SERVER_FLAGS), with 1 or 2 replicas."""
     dp = request.param
     log_path = tmp_path_factory.mktemp(f"server-dp{dp}") / "server.log"
-    flags = [*SERVER_FLAGS, "--data-parallel-size", str(dp)]
+    flags = [str(tiny_smollm2[0]), *SERVER_FLAGS, "--data-parallel-size", str(dp)]
     running = start_server(log_path, flags, num_cpu_devices=dp)
     running.data_parallel_size = dp
     yield running
@@ -176,13 +180,36 @@ VLLM_EXTRAS_FLAGS = [
 
 
 @pytest.fixture(scope="session")
-def vllm_extras_server(smollm2_gguf, tmp_path_factory) -> Server:
-    """One extra server (dp1) for vLLM's opt-in response flags, shared by
+def vllm_extras_server(tiny_smollm2, tmp_path_factory) -> Server:
+    """One extra server (dp1, the tiny model) for vLLM's opt-in response flags, shared by
     test_vllm_fields.py and test_per_request_metrics.py: SERVER_FLAGS plus
     VLLM_EXTRAS_FLAGS (usage on every chunk, logprobs over the whole vocabulary,
     per-request timing metrics)."""
     log_path = tmp_path_factory.mktemp("server-vllm-extras") / "server.log"
-    running = start_server(log_path, [*SERVER_FLAGS, *VLLM_EXTRAS_FLAGS])
+    flags = [str(tiny_smollm2[0]), *SERVER_FLAGS, *VLLM_EXTRAS_FLAGS]
+    running = start_server(log_path, flags)
+    yield running
+    stop_server(running)
+
+
+SMOLLM2_FLAGS = [
+    "--api-key", API_KEY,
+    "--served-model-name", MODEL, ALIAS,
+    "--max-model-len", "512",
+    "--max-num-seqs", "8",
+    "--max-num-batched-tokens", "32",
+    "--compile-token-buckets", "32",
+    "--disable-uvicorn-access-log",
+]  # fmt: skip
+"""`smollm2_server`'s flags: one compiled step (SmolLM2's 30 layers take ~8 s each)."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_gguf, tmp_path_factory) -> Server:
+    """A server (dp1) of SmolLM2-135M-Instruct's real weights, for the tests about what
+    the real model answers (a beam that ends on EOS) rather than the API."""
+    log_path = tmp_path_factory.mktemp("server-smollm2") / "server.log"
+    running = start_server(log_path, [str(smollm2_gguf), *SMOLLM2_FLAGS])
     yield running
     stop_server(running)
 

@@ -6,7 +6,12 @@ width and the ``n`` choices are the best beams. vLLM refuses to stream completio
 with beam search ("Streaming is not currently supported with beam search"); a chat
 stream carries each finished beam whole. The beams must be transformers' own
 (``generate(num_beams=n, num_return_sequences=n, ...)``), as `LLM.beam_search`'s are
-(tests/engine/test_beam_search.py), with one engine or data-parallel replicas.
+(tests/engine/test_beam_search.py).
+
+The completions tests run on the shared tiny-model servers (one engine and
+data-parallel replicas), against the tiny model's transformers beams. The chat tests
+need a beam that ends on EOS, which a random model never writes, so they run on
+SmolLM2's real weights (`smollm2_server`), whose best chat beam answers and stops.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ def expected_beams(hf, tokenizer, ids, width, max_tokens, length_penalty, early_
 
 
 @pytest.fixture(scope="module")
-def completion_beams(smollm2_hf, smollm2_tokenizer, prompt_ids):
-    return expected_beams(smollm2_hf, smollm2_tokenizer, prompt_ids, 3, 8, 0.5, False)
+def completion_beams(tiny_smollm2, smollm2_tokenizer, prompt_ids):
+    """The tiny model's beams (the model of the shared `server`)."""
+    return expected_beams(tiny_smollm2[1], smollm2_tokenizer, prompt_ids, 3, 8, 0.5, False)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +96,9 @@ def test_several_prompts_each_get_n_beams(client, prompt_ids, completion_beams):
     assert [(c.text, c.finish_reason) for c in choices[:3]] == completion_beams
 
 
-def test_chat_returns_transformers_beams(server, client, chat_ids, chat_beams):
-    assert server.post("/tokenize", {"messages": CHAT}).json()["tokens"] == chat_ids
+def test_chat_returns_transformers_beams(smollm2_server, chat_ids, chat_beams):
+    assert smollm2_server.post("/tokenize", {"messages": CHAT}).json()["tokens"] == chat_ids
+    client = smollm2_server.client(max_retries=0, timeout=120)
     out = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=12, n=2, extra_body={**BEAM, "early_stopping": True}
     )
@@ -100,9 +107,9 @@ def test_chat_returns_transformers_beams(server, client, chat_ids, chat_beams):
     assert chat_beams[0][1] == "stop" and "Rome" in chat_beams[0][0]
 
 
-def test_chat_stream_sends_each_beam_whole(server, chat_beams):
+def test_chat_stream_sends_each_beam_whole(smollm2_server, chat_beams):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "n": 2, "stream": True}
-    response = server.post("/v1/chat/completions", {**body, **BEAM, "early_stopping": True})
+    response = smollm2_server.post("/v1/chat/completions", {**body, **BEAM, "early_stopping": True})
     assert response.status_code == 200, response.text
     chunks = [
         json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")

@@ -188,9 +188,11 @@ VLLM_KEY = "key-from-vllm-env"
 
 
 @pytest.fixture(scope="module")
-def env_server(smollm2_gguf, tmp_path_factory):
-    """A small server whose key comes only from $VLLM_API_KEY, with /tokenizer_info."""
+def env_server(tiny_smollm2, tmp_path_factory):
+    """A small server (the tiny model) whose key comes only from $VLLM_API_KEY, with
+    /tokenizer_info."""
     flags = [
+        str(tiny_smollm2[0]),
         "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
         "--compile-token-buckets", "32", "--enable-tokenizer-info-endpoint",
         "--disable-uvicorn-access-log",
