@@ -8,10 +8,12 @@ check the API, not the words, so its expectations come from the same server or t
 same tiny model; the tests about the real model's answers start their own SmolLM2
 server. Its log is kept in a temporary file and printed when start-up fails.
 
-The `server` fixture is parametrized by the data-parallel size: every server test runs
-against one engine (``dp1``) and against ``--data-parallel-size 2`` (``dp2``: two
-replicas on two virtual CPU devices). pytest groups the tests by parameter, so only
-one server runs at a time.
+The `server` fixture is parametrized by the data-parallel size: every server test that
+goes through the engine client runs against one engine (``dp1``) and against
+``--data-parallel-size 2`` (``dp2``: two replicas on two virtual CPU devices); the
+tests marked `DP1_ONLY` (answered before any request reaches an engine) run on
+``dp1`` only. pytest groups the tests by parameter, so only one server runs at a
+time.
 """
 
 from __future__ import annotations
@@ -167,6 +169,13 @@ def server(request, tiny_smollm2, tmp_path_factory) -> Server:
     running.data_parallel_size = dp
     yield running
     stop_server(running)
+
+
+DP1_ONLY = pytest.mark.parametrize("server", [1], ids=["dp1"], indirect=True)
+"""For a test that never reaches the engine client: the API layer answers it (routes,
+auth, request validation, tokenization), or the engine's `prepare` refuses the
+request before it is queued (`DataParallelEngine.prepare` is its first replica's).
+``dp2`` would assert the same again, so it runs on ``dp1`` only."""
 
 
 SECOND_API_KEY = "second-test-key"

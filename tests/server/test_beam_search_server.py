@@ -22,7 +22,7 @@ import pytest
 
 from jaxengine.tokenizer import apply_chat_template
 from tests.models.hf_reference import hf_beam_search
-from tests.server.conftest import MODEL
+from tests.server.conftest import DP1_ONLY, MODEL
 
 EOS = 2  # SmolLM2's <|im_end|>
 TEXT = "The history of the printing press begins"
@@ -126,6 +126,7 @@ def test_chat_stream_sends_each_beam_whole(smollm2_server, chat_beams):
     assert [(content[i][0], finish[i]) for i in (0, 1)] == chat_beams
 
 
+@DP1_ONLY
 def test_completions_refuse_streaming_with_beam_search(server):
     body = {"model": MODEL, "prompt": TEXT, "max_tokens": 4, "n": 2, "stream": True, **BEAM}
     response = server.post("/v1/completions", body)
@@ -146,6 +147,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("change, message", REFUSED.values(), ids=REFUSED.keys())
+@DP1_ONLY
 def test_what_beam_search_does_not_run_is_refused(server, change, message):
     """Sampling fields mean nothing to beam search (vLLM drops them): a 400 here."""
     for path, body in (

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import DP1_ONLY, MODEL
 
 
 def jaxengine(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -40,6 +40,7 @@ def test_chat_interactive(server):
     assert f"Using model: {MODEL}" in done.stderr
 
 
+@DP1_ONLY
 def test_chat_with_a_wrong_key_fails_cleanly(server):
     done = jaxengine("chat", "--url", server.base_url, "--api-key", "wrong", "--quick", "Hi")
     assert done.returncode == 1

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import ALIAS, MODEL
+from tests.server.conftest import ALIAS, DP1_ONLY, MODEL
 
 TEXT = "Hello, world! Tokenize me, then put me back together."
 CHAT = [{"role": "user", "content": "Hi there"}]
@@ -49,6 +49,7 @@ def wait_for(condition, timeout: float = 10.0) -> bool:
 # ---------------------------------------------------------------------- tokenization
 
 
+@DP1_ONLY
 def test_tokenize_detokenize_round_trip(server):
     response = server.post("/tokenize", {"prompt": TEXT, "model": MODEL})
     assert response.status_code == 200
@@ -61,12 +62,14 @@ def test_tokenize_detokenize_round_trip(server):
     assert back.json() == {"prompt": TEXT}
 
 
+@DP1_ONLY
 def test_tokenize_token_strings(server):
     body = server.post("/tokenize", {"prompt": TEXT, "return_token_strs": True}).json()
     assert len(body["token_strs"]) == body["count"]
     assert all(isinstance(s, str) and s for s in body["token_strs"])
 
 
+@DP1_ONLY
 def test_tokenize_chat_messages(server):
     body = server.post("/tokenize", {"messages": CHAT, "model": ALIAS}).json()
     text = server.post("/detokenize", {"tokens": body["tokens"]}).json()["prompt"]
@@ -76,6 +79,7 @@ def test_tokenize_chat_messages(server):
     assert body["tokens"][: without["count"]] == without["tokens"]
 
 
+@DP1_ONLY
 def test_tokenize_needs_exactly_one_input(server):
     response = server.post("/tokenize", {"prompt": "a", "messages": CHAT})
     assert response.status_code == 400
@@ -85,6 +89,7 @@ def test_tokenize_needs_exactly_one_input(server):
 # ---------------------------------------------------------------------- models
 
 
+@DP1_ONLY
 def test_models_lists_both_names(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL, ALIAS]
@@ -105,11 +110,13 @@ def test_alias_serves_requests(client):
 # ---------------------------------------------------------------------- small routes
 
 
+@DP1_ONLY
 def test_health_without_key(server):
     response = httpx.get(server.url + "/health", timeout=30)
     assert response.status_code == 200
 
 
+@DP1_ONLY
 def test_version(server):
     version = server.get("/version").json()["version"]
     assert isinstance(version, str) and version
@@ -137,6 +144,7 @@ def test_request_id_header_is_echoed(server):
     assert server.get("/health").headers.get("x-request-id")  # one is made up when absent
 
 
+@DP1_ONLY
 def test_docs_and_openapi(server):
     docs = server.get("/docs")
     assert docs.status_code == 200 and "html" in docs.headers["content-type"]
@@ -191,6 +199,7 @@ def test_metrics_count_traffic(server, client):
     assert wait_for(lambda: all(server.metrics()[name] == 0 for name in idle))
 
 
+@DP1_ONLY
 def test_a_generating_model_serves_no_pooling(server):
     """Embeddings, scores and classes from a text-generation server: a 400 naming the
     flag that serves them (as vLLM answers a model without the pooling runner)."""

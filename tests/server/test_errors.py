@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import DP1_ONLY, MODEL
 
 CHAT = [{"role": "user", "content": "Hi"}]
 MAX_MODEL_LEN = 512
@@ -64,6 +64,7 @@ INVALID_COMPLETIONS = {
 
 
 @pytest.mark.parametrize("fields", INVALID_COMPLETIONS.values(), ids=INVALID_COMPLETIONS.keys())
+@DP1_ONLY
 def test_invalid_completion_parameters(server, fields):
     change, needle = fields
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **change}
@@ -86,6 +87,7 @@ INVALID_CHATS = {
 
 
 @pytest.mark.parametrize("fields", INVALID_CHATS.values(), ids=INVALID_CHATS.keys())
+@DP1_ONLY
 def test_invalid_chat_parameters(server, fields):
     change, needle = fields
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, **change}
@@ -93,6 +95,7 @@ def test_invalid_chat_parameters(server, fields):
     still_serves(server)
 
 
+@DP1_ONLY
 def test_invalid_parameter_in_a_stream_fails_before_streaming(server):
     body = {"model": MODEL, "prompt": "Hello", "stream": True, "temperature": -1}
     check_error(server.post("/v1/completions", body), 400, "temperature")
@@ -101,6 +104,7 @@ def test_invalid_parameter_in_a_stream_fails_before_streaming(server):
     still_serves(server)
 
 
+@DP1_ONLY
 def test_malformed_json(server):
     response = httpx.post(
         server.url + "/v1/completions",
@@ -112,6 +116,7 @@ def test_malformed_json(server):
     still_serves(server)
 
 
+@DP1_ONLY
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=-1)
@@ -124,6 +129,7 @@ def test_openai_client_raises_bad_request(client):
 # ---------------------------------------------------------------------- 400: model limits
 
 
+@DP1_ONLY
 def test_prompt_longer_than_context(server):
     prompt = "hello " * 600
     n_prompt = count_tokens(server, prompt=prompt)
@@ -136,6 +142,7 @@ def test_prompt_longer_than_context(server):
     still_serves(server)
 
 
+@DP1_ONLY
 def test_prompt_plus_max_tokens_over_context(server):
     n_prompt = count_tokens(server, prompt="Hello there")
     max_tokens = MAX_MODEL_LEN - n_prompt + 1
@@ -150,6 +157,7 @@ def test_prompt_plus_max_tokens_over_context(server):
     still_serves(server)
 
 
+@DP1_ONLY
 def test_chat_longer_than_context(server):
     messages = [{"role": "user", "content": "hello " * 600}]
     n_prompt = count_tokens(server, messages=messages)
@@ -180,18 +188,21 @@ def test_prompt_that_just_fits(server):
     [[1, 2, VOCAB], [[5, 6], [7, VOCAB + 100]], [1, -1]],
     ids=["ids", "batch", "negative"],
 )
+@DP1_ONLY
 def test_out_of_vocabulary_prompt_ids(server, prompt):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
     check_error(server.post("/v1/completions", body), 400, "vocab")
     still_serves(server)
 
 
+@DP1_ONLY
 def test_out_of_vocabulary_stop_token_id(server):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stop_token_ids": [VOCAB]}
     check_error(server.post("/v1/completions", body), 400, "vocab")
     still_serves(server)
 
 
+@DP1_ONLY
 def test_detokenize_out_of_vocabulary(server):
     check_error(server.post("/detokenize", {"tokens": [1, VOCAB]}), 400, "vocab")
 
@@ -199,6 +210,7 @@ def test_detokenize_out_of_vocabulary(server):
 # ---------------------------------------------------------------------- 404
 
 
+@DP1_ONLY
 def test_unknown_model(server, client):
     body = {"model": "no-such-model", "prompt": "Hello", "max_tokens": 2}
     error = check_error(server.post("/v1/completions", body), 404, "no-such-model")
@@ -210,6 +222,7 @@ def test_unknown_model(server, client):
     still_serves(server)
 
 
+@DP1_ONLY
 def test_unknown_route(server):
     check_error(server.get("/v1/no-such-route"), 404)
 
@@ -220,6 +233,7 @@ def test_unknown_route(server):
 @pytest.mark.parametrize(
     "headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "test-key"}]
 )
+@DP1_ONLY
 def test_api_key_required_on_v1(server, headers):
     routes = [
         ("GET", "/v1/models", None),
@@ -233,6 +247,7 @@ def test_api_key_required_on_v1(server, headers):
     still_serves(server)
 
 
+@DP1_ONLY
 def test_openai_client_with_wrong_key(server):
     client = openai.OpenAI(base_url=server.base_url, api_key="wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -240,5 +255,6 @@ def test_openai_client_with_wrong_key(server):
 
 
 @pytest.mark.parametrize("path", ["/health", "/version", "/metrics"])
+@DP1_ONLY
 def test_routes_outside_v1_need_no_key(server, path):
     assert httpx.get(server.url + path, timeout=30).status_code == 200

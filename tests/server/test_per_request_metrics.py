@@ -15,7 +15,7 @@ import pytest
 
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from server.args import add_server_args, check_server_args
-from tests.server.conftest import MODEL, SECOND_API_KEY
+from tests.server.conftest import DP1_ONLY, MODEL, SECOND_API_KEY
 
 PROMPT = "Count to ten:"
 MESSAGES = [{"role": "user", "content": "Count to ten."}]
@@ -191,6 +191,7 @@ def call(server, method: str, path: str, headers: dict) -> httpx.Response:
 
 
 @pytest.mark.parametrize("method, path", GUARDED)
+@DP1_ONLY
 def test_api_key_guards_vllm_prefixes(server, method, path):
     """vLLM's AuthenticationMiddleware guards the paths under `/v1`, `/v2`,
     `/inference` and `/cohere`: without the Bearer token (the scheme in any case), 401

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import DP1_ONLY, MODEL
 
 PROMPT = "My name is"
 MESSAGES = [{"role": "user", "content": "Name a color."}]
@@ -108,6 +108,7 @@ def test_chat_prompt_logprobs_at_top_level(server):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@DP1_ONLY
 def test_prompt_logprobs_refused_when_streaming(server, path):
     """vLLM: "`prompt_logprobs` are not available when `stream=True`." (400)."""
     body = {"model": MODEL, "prompt": PROMPT, "messages": MESSAGES, "max_tokens": 2}
@@ -254,6 +255,7 @@ def test_chat_logprob_token_ids(server):
         ({"logprobs": 1, "logprob_token_ids": list(range(129))}, "max allowed: 128"),
     ],
 )
+@DP1_ONLY
 def test_bad_logprob_token_ids(server, extra, wording):
     """vLLM refuses `logprob_token_ids` without `logprobs`, an empty list, ids out of
     the vocabulary and more than 128 ids (400)."""
@@ -261,6 +263,7 @@ def test_bad_logprob_token_ids(server, extra, wording):
     bad_request(server.post("/v1/completions", body), wording)
 
 
+@DP1_ONLY
 def test_whole_vocabulary_needs_max_logprobs(server):
     """vLLM: -1 asks for all `vocab_size` logprobs, refused beyond `--max-logprobs`
     (20 by default): "Requested logprobs of 49152, which is greater than max allowed"."""

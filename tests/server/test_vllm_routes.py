@@ -15,7 +15,7 @@ import sys
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, start_server, stop_server
+from tests.server.conftest import DP1_ONLY, MODEL, start_server, stop_server
 from tests.server.test_errors import check_error, still_serves
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -25,6 +25,7 @@ GREEDY = {"max_tokens": 4, "temperature": 0}
 # ---------------------------------------------------------------------- /tokenize
 
 
+@DP1_ONLY
 def test_tokenize_always_sends_token_strs(server):
     """vLLM's TokenizeResponse has ``token_strs: list[str] | None``: the key is always
     there, null unless ``return_token_strs`` asks for the token strings."""
@@ -38,6 +39,7 @@ def test_tokenize_always_sends_token_strs(server):
 # ---------------------------------------------------------------------- errors
 
 
+@DP1_ONLY
 def test_validation_error_keeps_the_pydantic_error_type(server):
     """vLLM answers a RequestValidationError with 400 and the message
     ``"N validation error(s):"`` followed by each pydantic error (type, loc, msg,
@@ -53,6 +55,7 @@ def test_validation_error_keeps_the_pydantic_error_type(server):
     still_serves(server)
 
 
+@DP1_ONLY
 def test_logit_bias_error_names_every_bad_key(server):
     """logit_bias keys are token ids; a request with several bad keys hears of all."""
     bias = {"a": 1.0, "5": 1.0, "b": -1.0}
@@ -105,6 +108,7 @@ def test_batch_chat_answers_each_conversation(server):
     ],
     ids=["n", "stream", "tools", "empty conversation", "bad field"],
 )
+@DP1_ONLY
 def test_batch_chat_refuses_what_it_cannot_do(server, change, needle):
     """vLLM's batch endpoint supports neither streaming, tools, beam search nor
     ``n`` > 1; any invalid field fails the whole batch."""
@@ -133,6 +137,7 @@ def test_invocations_dispatch_by_body(server):
     check_error(bad_json, 400, "JSON decode error")
 
 
+@DP1_ONLY
 def test_ping(server):
     """SageMaker's ``/ping`` (GET or POST) is the health check."""
     assert server.get("/ping").status_code == 200
@@ -170,6 +175,7 @@ def test_orca_load_header(server):
 # ---------------------------------------------------------------------- flags
 
 
+@DP1_ONLY
 def test_tokenizer_info_is_off_by_default(server):
     """/tokenizer_info exists only with --enable-tokenizer-info-endpoint."""
     assert server.get("/tokenizer_info").status_code == 404
