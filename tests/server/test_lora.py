@@ -2,7 +2,8 @@
 field, `/v1/models`, runtime loading and unloading, refused adapters and the
 ``lora_requests_info`` gauge.
 
-One server for the module: the demo SmolLM2 with three adapters made by peft and two
+One server for the module: the tiny random Llama with SmolLM2's tokenizer (the
+`tiny_smollm2` fixture) with three adapters made by peft for its shapes and two
 device slots (so a mixed load queues); every adapter's greedy tokens are checked
 against its PEFT model. The pieces without an engine: tests/unit/test_server_lora.py.
 """
@@ -30,23 +31,25 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
 
 
 @pytest.fixture(scope="module")
-def adapters(smollm2_hf, tmp_path_factory) -> dict[str, tuple[Path, object]]:
+def adapters(tiny_smollm2, tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """name -> (PEFT folder, PEFT model); None -> the base model; "r16" has rank 16."""
     from tests.lora_adapters import make_adapter
 
+    base = tiny_smollm2[1]
     root = tmp_path_factory.mktemp("adapters")
-    made: dict = {None: (None, smollm2_hf)}
+    made: dict = {None: (None, base)}
     for name, seed in SEEDS.items():
-        made[name] = (root / name, make_adapter(smollm2_hf, root / name, seed=seed, r=8))
-    made["r16"] = (root / "r16", make_adapter(smollm2_hf, root / "r16", seed=9, r=16))
+        made[name] = (root / name, make_adapter(base, root / name, seed=seed, r=8))
+    made["r16"] = (root / "r16", make_adapter(base, root / "r16", seed=9, r=16))
     return made
 
 
 @pytest.fixture(scope="module")
-def server(adapters, tmp_path_factory):
+def server(tiny_smollm2, adapters, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server-lora") / "server.log"
     a3 = {"name": "a3", "path": str(adapters["a3"][0]), "base_model_name": ALIAS}
     flags = [
+        str(tiny_smollm2[0]),
         *SERVER_FLAGS, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
         "--lora-modules", f"a1={adapters['a1'][0]}", f"a2={adapters['a2'][0]}", json.dumps(a3),
     ]  # fmt: skip
