@@ -17,6 +17,7 @@ def hf_from_gguf(path):
 
 def hf_greedy(model, prompt_ids, new_tokens):
     """transformers' greedy continuation, never stopping early (EOS included)."""
+    torch.set_flush_denormal(True)  # tests/conftest.py: _flush_denormals
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),
@@ -32,6 +33,7 @@ def hf_greedy(model, prompt_ids, new_tokens):
 def hf_beam_search(model, prompt_ids, width, new_tokens, length_penalty, early_stopping, eos):
     """transformers' beam search: ``width`` sequences, best first, each cut after its
     first ``eos`` (kept), and their scores (``sequences_scores``)."""
+    torch.set_flush_denormal(True)  # tests/conftest.py: _flush_denormals
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),
