@@ -71,6 +71,8 @@ def _flush_denormals():
     Set before each test: the flag belongs to a thread, and it was seen cleared after
     an engine ran (`tests.models.hf_reference` sets it again before each reference)."""
     torch.set_flush_denormal(True)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)  # one thread per worker, as XLA's (top of this file)
 
 
 @pytest.fixture(scope="session")

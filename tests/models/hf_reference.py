@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import transformers
 
 
+def reference_threads() -> None:
+    """Two torch threads for a reference, one on an xdist worker: two workers share
+    the two cores, and two OpenMP threads on a busy core spin at each barrier (the
+    golden test's SmolLM2 references took 518 s on a worker instead of about 20)."""
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+
 def hf_from_gguf(path):
     """transformers' float32 model of a .gguf file (its own dequantization)."""
-    torch.set_num_threads(2)
+    reference_threads()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     )

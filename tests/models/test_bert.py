@@ -25,6 +25,7 @@ from jaxengine.loader.safetensors_io import iter_safetensors
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.runner.batch import SeqChunk, pack_batch
+from tests.models.hf_reference import reference_threads
 
 TINY = dict(
     vocab_size=120,
@@ -187,7 +188,7 @@ def test_minilm_matches_transformers(minilm_dir):
     prompts = [tokenizer(s)["input_ids"] for s in SENTENCES]
     assert len({len(p) for p in prompts}) == len(prompts)
     hidden, qsl = run_packed(loaded, prompts, num_tokens=64, num_reqs=4)
-    torch.set_num_threads(2)
+    reference_threads()
     hf = transformers.AutoModel.from_pretrained(minilm_dir, dtype=torch.float32).eval()
     for r, ids in enumerate(prompts):
         with torch.no_grad():
