@@ -30,7 +30,7 @@ def float32_dots(method):
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
         cfg = self.config
-        matmul = cfg.dtype if getattr(cfg, "matmul_dtype", None) is None else cfg.matmul_dtype
+        matmul = cfg.dtype if cfg.matmul_dtype is None else cfg.matmul_dtype
         if jnp.dtype(cfg.dtype) != jnp.float32 or jnp.dtype(matmul) != jnp.float32:
             return method(self, *args, **kwargs)
         with jax.default_matmul_precision("float32"):
