@@ -83,6 +83,18 @@ def xla_cache_dir(tmp_path_factory) -> str:
     return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache")
 
 
+@pytest.fixture(autouse=True)
+def _shared_xla_cache(xla_cache_dir):
+    """Every compilation of the run goes through the run's persistent cache (cold at
+    the start of each run), so a program compiled by one test is loaded by the next,
+    whichever engine, model test or kernel check asks for it. Engines built with
+    ``enable_compilation_cache=False`` still skip the executable store; a test that
+    points an engine at its own directory has it for that test only."""
+    from jaxengine.runner.executables import use_compilation_cache_dir
+
+    use_compilation_cache_dir(xla_cache_dir)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf (Llama architecture, chat template)."""

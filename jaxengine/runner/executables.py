@@ -163,7 +163,20 @@ def setup_compilation_cache(config: Any) -> None:
     comp = config.compilation_config
     if not comp.enable_compilation_cache:
         return
-    path = os.path.expanduser(comp.compilation_cache_dir)
+    use_compilation_cache_dir(os.path.expanduser(comp.compilation_cache_dir))
+
+
+def use_compilation_cache_dir(path: str) -> None:
+    """Points JAX's persistent compilation cache at ``path`` for this process.
+
+    JAX opens its cache once, at the first compilation after a directory is set, and
+    keeps that one: a second engine in the process with another directory would
+    read and write the first engine's. A changed directory therefore resets JAX's
+    cache (it reopens at ``path`` on the next compilation)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if jax.config.jax_compilation_cache_dir not in (None, path):
+        compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", path)
     # every executable, however quick to compile: a warm start then traces and loads
     # the sampler variants instead of compiling two dozen of them again
