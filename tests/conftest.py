@@ -140,11 +140,19 @@ def tiny_smollm2(smollm2_tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_gguf: Path):
+def reference_cache_dir(tmp_path_factory) -> Path:
+    """Where this run keeps transformers references for every worker (cold at the
+    start of each run, as `xla_cache_dir`)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "references"
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path, reference_cache_dir: Path):
     """transformers' float32 SmolLM2 from the same GGUF (the numerical reference)."""
     from tests.models.hf_reference import hf_from_gguf
 
-    return hf_from_gguf(smollm2_gguf)
+    return hf_from_gguf(smollm2_gguf, reference_cache_dir)
 
 
 @pytest.fixture(scope="session")

@@ -40,14 +40,14 @@ def test_smollm2_greedy_chat_matches_transformers(smollm2_loaded, smollm2_hf, sm
 
 
 @pytest.mark.slow
-def test_gemma3_kquant_logits_match_transformers(gemma3_gguf):
+def test_gemma3_kquant_logits_match_transformers(gemma3_gguf, reference_cache_dir):
     from jaxengine.config import LoadConfig, ModelConfig
     from jaxengine.loader import load_model
     from jaxengine.tokenizer import get_tokenizer
 
     loaded = load_model(ModelConfig(model=str(gemma3_gguf)), LoadConfig())
     tokenizer = get_tokenizer(gemma3_gguf)
-    hf = hf_from_gguf(gemma3_gguf)
+    hf = hf_from_gguf(gemma3_gguf, reference_cache_dir)
     texts = ["The quick brown fox", "Once upon a time, in a land far away,", "1, 2, 3,"]
     prompts = [tokenizer.encode(t) for t in texts]
     loop = GreedyLoop(loaded.module, loaded.config, loaded.params)

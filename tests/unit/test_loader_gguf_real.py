@@ -2,8 +2,9 @@
 
 This is the acceptance test of `iter_gguf`: SmolLM2 (llama: Q4_1 / Q8_0, permuted
 Q and K) and Gemma 3 (K-quants, Q5_0, norms stored as 1 + w). Slow: transformers
-parses the whole file with `gguf.GGUFReader` (some 10 s for Gemma's vocabulary), and
-dequantizes it all before we do the same.
+parses the whole file with `gguf.GGUFReader` (some 40 s for Gemma's vocabulary on one
+thread), and dequantizes it all before we do the same; the run keeps its copy for the
+golden tests (`hf_reference.hf_from_gguf`).
 """
 
 from __future__ import annotations
@@ -13,27 +14,21 @@ import pytest
 
 from jaxengine.loader.gguf_io import iter_gguf
 from jaxengine.loader.hf_config import load_hf_config
-from jaxengine.loader.sources import resolve_model
 
 pytestmark = pytest.mark.slow
 
 
-def _transformers_state_dict(gguf_path) -> dict[str, np.ndarray]:
-    import torch
-    from transformers import AutoModelForCausalLM
+def _transformers_state_dict(gguf_path, cache_dir) -> dict[str, np.ndarray]:
+    from tests.models.hf_reference import hf_from_gguf
 
-    source = resolve_model(gguf_path)
-    config = load_hf_config(source)
-    model = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file.name, config=config, dtype=torch.float32
-    )
+    model = hf_from_gguf(gguf_path, cache_dir)  # the run's copy, shared with the golden tests
     return {name: t.numpy() for name, t in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf"])
-def test_tensors_equal_transformers(fixture, request):
+def test_tensors_equal_transformers(fixture, request, reference_cache_dir):
     path = request.getfixturevalue(fixture)
-    reference = _transformers_state_dict(path)
+    reference = _transformers_state_dict(path, reference_cache_dir)
     seen = set()
     for name, ours in iter_gguf(path):
         assert name in reference, f"{name} is not a transformers parameter"
