@@ -26,3 +26,13 @@ def small_llm(smollm2_gguf, xla_cache_dir):
     engine = LLM(model=str(smollm2_gguf), **small_llm_kwargs(xla_cache_dir))
     yield engine
     engine.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_smollm2, xla_cache_dir):
+    """`small_llm_kwargs` on the tiny model (SmolLM2's tokenizer, two random layers):
+    the shared engine of the tests about scheduling, compilation and the `LLM` surface
+    rather than the weights."""
+    engine = LLM(model=str(tiny_smollm2[0]), **small_llm_kwargs(xla_cache_dir))
+    yield engine
+    engine.engine.shutdown()

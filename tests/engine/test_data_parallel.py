@@ -1,8 +1,8 @@
 """Data parallelism through `LLM`: replicas on their own devices, same greedy outputs.
 
 `LLM(..., data_parallel_size=2)` builds two engines on the first two (virtual CPU)
-devices. Its greedy outputs equal one engine's (the shared `small_llm`), both replicas
-take requests, each replica's parameters live on its own device, and the `LLM`
+devices. Its greedy outputs equal one engine's (the shared `tiny_llm`, on the same tiny
+model), both replicas take requests, each replica's parameters live on its own device, and the `LLM`
 behaviour around the engine (validation before queueing, chat, the tokenizer) holds.
 Tensor x data parallelism is checked with the other layouts in
 tests/sharding/test_parallel_engine.py.
@@ -53,21 +53,21 @@ def count_adds(monkeypatch, dp_engine) -> list[int]:
     return counts
 
 
-# ---------------------------------------------------------------------- SmolLM2, DP 2
+# ---------------------------------------------------------------------- tiny model, DP 2
 
 
 @pytest.fixture(scope="module")
-def dp_llm(smollm2_gguf, xla_cache_dir):
-    """`small_llm`'s settings on two replicas."""
+def dp_llm(tiny_smollm2, xla_cache_dir):
+    """`tiny_llm`'s model and settings on two replicas."""
     kwargs = small_llm_kwargs(xla_cache_dir)
-    llm = LLM(model=str(smollm2_gguf), data_parallel_size=2, **kwargs)
+    llm = LLM(model=str(tiny_smollm2[0]), data_parallel_size=2, **kwargs)
     yield llm
     llm.shutdown()
 
 
-def test_greedy_outputs_match_one_engine(small_llm, dp_llm, monkeypatch):
+def test_greedy_outputs_match_one_engine(tiny_llm, dp_llm, monkeypatch):
     counts = count_adds(monkeypatch, dp_llm.engine)
-    expected = small_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    expected = tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     got = dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
@@ -93,17 +93,17 @@ def test_bad_prompt_queues_nothing_on_any_replica(dp_llm):
     assert not dp_llm.engine.has_unfinished_requests()
 
 
-def test_chat_and_tokenizer(small_llm, dp_llm):
+def test_chat_and_tokenizer(tiny_llm, dp_llm):
     assert dp_llm.get_tokenizer() is dp_llm.engine.replicas[0].tokenizer
     assert dp_llm.engine.config.parallel_config.data_parallel_size == 2
     conversations = [[{"role": "user", "content": q}] for q in ("Say hello.", "Count to 3.")]
     params = SamplingParams(temperature=0, max_tokens=6)
     got = dp_llm.chat(conversations, params, use_tqdm=False)
-    expected = small_llm.chat(conversations, params, use_tqdm=False)
+    expected = tiny_llm.chat(conversations, params, use_tqdm=False)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
 
 
-def test_structured_outputs_on_both_replicas(small_llm, dp_llm, monkeypatch):
+def test_structured_outputs_on_both_replicas(tiny_llm, dp_llm, monkeypatch):
     counts = count_adds(monkeypatch, dp_llm.engine)
     params = SamplingParams(
         temperature=0,
@@ -111,7 +111,7 @@ def test_structured_outputs_on_both_replicas(small_llm, dp_llm, monkeypatch):
         structured_outputs=StructuredOutputsParams(regex=r"[0-9]{2}(, [0-9]{2}){2}"),
     )
     got = dp_llm.generate(PROMPTS[:4], params, use_tqdm=False)
-    expected = small_llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    expected = tiny_llm.generate(PROMPTS[:4], params, use_tqdm=False)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
     assert all(re.fullmatch(r"[0-9]{2}(, [0-9]{2}){2}", o.outputs[0].text) for o in got)
     assert min(counts) >= 1, counts
@@ -146,9 +146,9 @@ async def _collect(engine, prompt, params, request_id):
     return [out async for out in engine.generate(prompt, params, request_id)]
 
 
-def test_async_streams_spread_over_replicas(small_llm, dp_async, monkeypatch):
+def test_async_streams_spread_over_replicas(tiny_llm, dp_async, monkeypatch):
     counts = count_adds(monkeypatch, dp_async.engine)
-    expected = small_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    expected = tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     params = GREEDY.clone()
     params.output_kind = RequestOutputKind.DELTA
 

@@ -1,6 +1,7 @@
 """After warm-up no XLA compilation happens, whatever the traffic (DESIGN §3).
 
-One engine with small buckets and a small KV cache receives varied traffic: mixed
+One engine (the tiny model: what compiles depends on shapes and sampling flags, not
+weights) with small buckets and a small KV cache receives varied traffic: mixed
 prompt lengths, prompts longer than the token budget (chunked prefill), enough
 concurrency to force preemption, n > 1, logprobs (top-k and `logprob_token_ids`) and
 prompt logprobs on and off,
@@ -18,8 +19,8 @@ from jaxengine import SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.slow
-def test_varied_traffic_compiles_nothing_after_warmup(small_llm):
-    llm = small_llm
+def test_varied_traffic_compiles_nothing_after_warmup(tiny_llm):
+    llm = tiny_llm
     guard = llm.engine.executor.runner.guard
     assert guard.armed
     before = guard.compiles_after_warmup

@@ -18,8 +18,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.mark.slow
 def test_background_compile_then_a_restart_from_stored_executables(
-    smollm2_gguf, xla_cache_dir, tmp_path, monkeypatch
+    tiny_smollm2, xla_cache_dir, tmp_path, monkeypatch
 ):
+    model = str(tiny_smollm2[0])  # the stored programs, not the weights, are under test
     # buckets no other test compiles, so JAX's persistent cache cannot answer them and
     # the first engine compiles (and stores) every step itself
     kwargs = {
@@ -27,7 +28,7 @@ def test_background_compile_then_a_restart_from_stored_executables(
         "compile_token_buckets": [4, 12, 32],
         "compilation_cache_dir": str(tmp_path),
     }
-    first = LLM(model=str(smollm2_gguf), background_compile=True, **kwargs)
+    first = LLM(model=model, background_compile=True, **kwargs)
     runner = first.engine.executor.runner
     expected = [o.outputs[0].token_ids for o in first.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert runner.compiles.wait(600) and runner.guard.armed
@@ -44,7 +45,7 @@ def test_background_compile_then_a_restart_from_stored_executables(
     monkeypatch.setattr(
         ExecutableStore, "load", lambda self, *a: loaded.append(load(self, *a)) or loaded[-1]
     )
-    second = LLM(model=str(smollm2_gguf), **kwargs)  # blocking warm-up, from the store
+    second = LLM(model=model, **kwargs)  # blocking warm-up, from the store
     assert len(loaded) == stored.total() and all(x is not None for x in loaded)
     got = [o.outputs[0].token_ids for o in second.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == expected
