@@ -1,6 +1,6 @@
 """`AsyncLLM`: the engine on its own thread, streaming to asyncio callers.
 
-Runs on the shared small engine: streamed deltas add up to what `LLM.generate`
+Runs on the shared tiny engine (`tiny_llm`): streamed deltas add up to what `LLM.generate`
 returns, concurrent callers are batched, leaving a stream early frees the request's
 pages, bad input fails before anything is queued, a failing step is reported to
 every waiting caller and to `check_health` instead of hanging them, and as a
@@ -23,8 +23,8 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Hello, my name is"]
 
 
 @pytest.fixture
-def async_llm(small_llm):
-    engine = small_llm.engine
+def async_llm(tiny_llm):
+    engine = tiny_llm.engine
     wrapper = AsyncLLM(engine.config, engine=engine)
     yield wrapper
     wrapper.shutdown(shutdown_engine=False)
@@ -51,10 +51,10 @@ def _wait_idle(engine, timeout: float = 10.0) -> None:
 
 
 @pytest.fixture
-def offline_outputs(small_llm):
+def offline_outputs(tiny_llm):
     """`LLM.generate` on the shared engine, before `async_llm`'s thread steps it too
     (requested first, so it runs first)."""
-    return small_llm.generate(PROMPTS, _greedy(RequestOutputKind.FINAL_ONLY), use_tqdm=False)
+    return tiny_llm.generate(PROMPTS, _greedy(RequestOutputKind.FINAL_ONLY), use_tqdm=False)
 
 
 def test_streamed_deltas_match_offline_generate(offline_outputs, async_llm):
@@ -75,7 +75,7 @@ def test_streamed_deltas_match_offline_generate(offline_outputs, async_llm):
         assert ids == list(want.outputs[0].token_ids)
 
 
-def test_leaving_a_stream_aborts_and_frees_pages(small_llm, async_llm):
+def test_leaving_a_stream_aborts_and_frees_pages(tiny_llm, async_llm):
     async def main():
         params = _greedy(RequestOutputKind.DELTA, max_tokens=100)
         params.ignore_eos = True
@@ -86,8 +86,8 @@ def test_leaving_a_stream_aborts_and_frees_pages(small_llm, async_llm):
 
     first = asyncio.run(main())
     assert not first.finished
-    _wait_idle(small_llm.engine)
-    stats = small_llm.engine.get_stats()
+    _wait_idle(tiny_llm.engine)
+    stats = tiny_llm.engine.get_stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     assert async_llm.num_requests() == 0
 
@@ -135,9 +135,9 @@ def test_failing_step_reaches_callers_and_health(async_llm, monkeypatch):
     assert async_llm.errored and not async_llm.is_running
 
 
-def test_a_rank_keeps_its_streams_in_the_shared_table(small_llm):
+def test_a_rank_keeps_its_streams_in_the_shared_table(tiny_llm):
     table = StreamTable()
-    engine = small_llm.engine
+    engine = tiny_llm.engine
     rank = AsyncLLM(engine.config, engine=engine, rank=3, streams=table)
     assert rank.generation_config is engine.generation_config
 
