@@ -30,15 +30,17 @@ GROUP_SECONDS = {
     # seconds on a 2-core AVX-512 Xeon, cold compilation cache, one process (2026-11-26);
     # the tiny-model server groups, smollm2_server and test_lora.py re-estimated after
     # the move to the tiny model: measured with -n 2 beside other load, scaled by
-    # test_structured_outputs.py's ratio (165 s here, 360 s there)
+    # test_structured_outputs.py's ratio (165 s here, 360 s there); start-up, data
+    # parallel, golden_real and loader_gguf_real re-estimated after their moves to
+    # the tiny model and to the run's shared transformers references
     "tests/server/test_structured_outputs.py": 165,
     "server-dp2": 88,
     "server-dp1": 67,
     "smollm2_server": 63,
     "tests/sharding/test_parallel_engine.py": 108,
     "tests/engine/test_spec_decode.py": 96,
-    "tests/models/test_golden_real.py": 93,
-    "tests/engine/test_startup.py": 88,
+    "tests/models/test_golden_real.py": 60,
+    "tests/engine/test_startup.py": 20,
     "tests/models/test_quantization.py": 84,
     "tests/sharding/test_multihost.py": 68,
     "tests/server/test_quantized_async.py": 64,
@@ -46,9 +48,9 @@ GROUP_SECONDS = {
     "tests/kernels/test_cpu_attention.py": 62,
     "tests/torch_fallback/test_golden.py": 62,
     "tests/engine/test_async_scheduling.py": 55,
-    "tests/engine/test_data_parallel.py": 53,
+    "tests/engine/test_data_parallel.py": 35,
     "tests/lora/test_smollm2.py": 52,
-    "tests/unit/test_loader_gguf_real.py": 52,
+    "tests/unit/test_loader_gguf_real.py": 40,
     "tests/engine/test_structured_outputs.py": 51,
     "vllm_extras_server": 42,
     "tests/cli/test_run_batch.py": 49,
