@@ -75,12 +75,18 @@ def _flush_denormals():
         torch.set_num_threads(1)  # one thread per worker, as XLA's (top of this file)
 
 
+def _run_dir(tmp_path_factory) -> Path:
+    """This run's temporary folder, shared by the xdist workers (their base temps are
+    its children): new at the start of every run."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def xla_cache_dir(tmp_path_factory) -> str:
-    """One persistent compilation cache for this run's offline engines, shared by the
-    xdist workers (their base temps are siblings), so a shape compiles once per run."""
-    base = tmp_path_factory.getbasetemp()
-    return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache")
+    """One persistent compilation cache for this run, shared by the xdist workers, so a
+    shape compiles once per run."""
+    return str(_run_dir(tmp_path_factory) / "xla-cache")
 
 
 @pytest.fixture(autouse=True)
@@ -141,10 +147,8 @@ def tiny_smollm2(smollm2_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_cache_dir(tmp_path_factory) -> Path:
-    """Where this run keeps transformers references for every worker (cold at the
-    start of each run, as `xla_cache_dir`)."""
-    base = tmp_path_factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "references"
+    """Where this run keeps transformers references for every worker."""
+    return _run_dir(tmp_path_factory) / "references"
 
 
 @pytest.fixture(scope="session")

@@ -17,31 +17,25 @@ def reference_threads() -> None:
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
-def hf_from_gguf(path, cache_dir=None):
+def hf_from_gguf(path: Path, cache_dir: Path):
     """transformers' float32 model of a .gguf file (its own dequantization).
 
-    With ``cache_dir`` (the run's `reference_cache_dir`, shared by the xdist
-    workers), the first caller saves the dequantized model there as safetensors and
-    every later one loads that: transformers reads a GGUF's metadata field by field
+    ``cache_dir``: the run's `reference_cache_dir`, shared by the xdist workers. The
+    first caller saves the dequantized model there as safetensors and every later
+    one loads that: transformers reads a GGUF's metadata field by field
     through numpy (Gemma 3's 262k-token vocabulary took 41 s, SmolLM2's 18 s; the
     saved copy loads in under a second), and each worker would do it again."""
-    reference_threads()
-    if cache_dir is None:
-        return _dequantized(path)
     from filelock import FileLock
 
+    reference_threads()
     folder = Path(cache_dir) / f"{path.stem}-{path.stat().st_size}"
     with FileLock(f"{folder}.lock"):
         if not (folder / "config.json").exists():
-            _save(_dequantized(path), folder)
+            dequantized = transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32
+            )
+            _save(dequantized, folder)
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def _dequantized(path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 def _save(model, folder: Path) -> None:

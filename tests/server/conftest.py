@@ -51,6 +51,18 @@ ENGINE_LABEL = re.compile(r'(?<=[{,])engine="\d+",?|,engine="\d+"(?=})')
 DATA_PARALLEL_SIZES = [1, 2]
 
 
+def with_flags(flags: list[str], changes: dict[str, str]) -> list[str]:
+    """``flags`` with each named flag's values replaced by the one in ``changes``."""
+    flags = list(flags)
+    for name, value in changes.items():
+        at = flags.index(name) + 1
+        end = at + 1
+        while end < len(flags) and not flags[end].startswith("--"):
+            end += 1
+        flags[at:end] = [value]
+    return flags
+
+
 @dataclasses.dataclass
 class Server:
     """A running server: its URLs, key, process and log."""

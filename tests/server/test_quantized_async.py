@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from tests.server.conftest import MODEL, SERVER_FLAGS, start_server, stop_server
+from tests.server.conftest import MODEL, SERVER_FLAGS, start_server, stop_server, with_flags
 
 FLAGS = ["--quantization", "int8", "--kv-cache-dtype", "fp8", "--async-scheduling"]
 ONE_BUCKET = {
@@ -24,14 +24,7 @@ the test is about the quantized, asynchronous engine behind the API, not bucketi
 
 
 def _flags() -> list[str]:
-    flags = list(SERVER_FLAGS)
-    for name, value in ONE_BUCKET.items():
-        at = flags.index(name) + 1
-        end = at + 1
-        while end < len(flags) and not flags[end].startswith("--"):
-            end += 1
-        flags[at:end] = [value]
-    return [*flags, *FLAGS]
+    return [*with_flags(SERVER_FLAGS, ONE_BUCKET), *FLAGS]
 
 
 @pytest.fixture(scope="module")

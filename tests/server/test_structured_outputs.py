@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, SERVER_FLAGS, start_server, stop_server
+from tests.server.conftest import MODEL, SERVER_FLAGS, start_server, stop_server, with_flags
 from tests.server.test_errors import check_error, still_serves
 
 TEMPLATE = Path(__file__).with_name("tool_chat_template.jinja")
@@ -28,8 +28,7 @@ MAX_TOKENS = 200
 
 
 def _flags() -> list[str]:
-    flags = list(SERVER_FLAGS)
-    flags[flags.index("--max-model-len") + 1] = "1024"
+    flags = with_flags(SERVER_FLAGS, {"--max-model-len": "1024"})
     tools = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     return [*flags, *tools, "--chat-template", str(TEMPLATE)]
 

@@ -55,7 +55,7 @@ def test_store_keeps_its_directory_under_its_size_limit(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1.bin", "step-2.bin"]
 
 
-def test_a_second_cache_directory_takes_effect(tmp_path, xla_cache_dir):
+def test_a_second_cache_directory_takes_effect(tmp_path):
     """JAX opens its persistent cache once per process; an engine pointed at another
     directory must still write there (`use_compilation_cache_dir` reopens it)."""
     from jaxengine.runner.executables import use_compilation_cache_dir
@@ -65,4 +65,3 @@ def test_a_second_cache_directory_takes_effect(tmp_path, xla_cache_dir):
         use_compilation_cache_dir(str(path))
         jax.jit(lambda x, s=scale: x * s + OFFSET)(jnp.arange(7.0)).block_until_ready()
         assert path.is_dir() and any(path.iterdir()), path
-    use_compilation_cache_dir(xla_cache_dir)
