@@ -96,27 +96,40 @@ def _earlier_tokens(
     """The other new tokens of multi-token requests, in tiles of ``block_q`` rows
     (``causal`` False: each sees its request's every key, as its last token does)."""
     num_tokens = qg.shape[0]
-    num_reqs = seq_lens.shape[0]
     block_q = max(1, min(block_q, num_tokens))
+    num_tiles, tile_req, rows, q_pos = _tiles(seq_lens, qsl, num_seqs, num_tokens, block_q, causal)
+
+    def tile(i, out):
+        q_rows = qg[jnp.minimum(rows[i], num_tokens - 1)][None]  # [1, B, Hkv, G, D]
+        o = _attend(q_rows, q_pos[i][None], kv_cache, page_table[tile_req[i]][None], **spec)
+        return out.at[rows[i]].set(o[0])
+
+    return jax.lax.fori_loop(0, num_tiles, tile, out)
+
+
+def _tiles(seq_lens, qsl, num_seqs, num_tokens, block_q, causal):
+    """The query tiles of the earlier tokens, as a table the tile loop only indexes:
+    (tile count, request of each tile [N], its rows in ``out`` [N, B] (``num_tokens``:
+    none), their positions [N, B] (-1: none)). ``N`` is the static bound on the count.
+
+    Computed from the batch metadata alone, so every layer's copy is the same
+    expression and XLA computes it once per step, outside the layers' loops.
+    """
+    num_reqs = seq_lens.shape[0]
     real = jnp.arange(num_reqs) < num_seqs
     q_len = qsl[1:] - qsl[:-1]
     earlier = jnp.where(real, jnp.maximum(q_len - 1, 0), 0)  # [R]
     tiles_end = jnp.cumsum((earlier + block_q - 1) // block_q)  # [R]
-    offsets = jnp.arange(block_q)
-
-    def tile(i, out):
-        r = jnp.searchsorted(tiles_end, i, side="right").astype(jnp.int32)
-        first_tile = tiles_end[r] - (earlier[r] + block_q - 1) // block_q
-        local = (i - first_tile) * block_q + offsets  # [B] index among the request's tokens
-        ok = local < earlier[r]
-        rows = jnp.where(ok, qsl[r] + local, num_tokens)  # [B]
-        q_rows = qg[jnp.minimum(rows, num_tokens - 1)][None]  # [1, B, Hkv, G, D]
-        pos = seq_lens[r] - q_len[r] + local if causal else seq_lens[r] - 1 + 0 * local
-        q_pos = jnp.where(ok, pos, -1)[None]  # [1, B]
-        o = _attend(q_rows, q_pos, kv_cache, page_table[r][None], **spec)
-        return out.at[rows].set(o[0])
-
-    return jax.lax.fori_loop(0, tiles_end[-1], tile, out)
+    ids = jnp.arange(-(-num_tokens // block_q) + num_reqs)  # [N] (a tile may be partial)
+    req = jnp.sum(tiles_end[None, :] <= ids[:, None], axis=1)  # searchsorted, no loop
+    req = jnp.minimum(req, num_reqs - 1).astype(jnp.int32)
+    first_tile = tiles_end[req] - (earlier[req] + block_q - 1) // block_q
+    local = (ids - first_tile)[:, None] * block_q + jnp.arange(block_q)  # [N, B]
+    ok = local < earlier[req][:, None]
+    rows = jnp.where(ok, qsl[req][:, None] + local, num_tokens)
+    end = seq_lens[req][:, None]
+    pos = end - q_len[req][:, None] + local if causal else end - 1 + 0 * local
+    return tiles_end[-1], req, rows, jnp.where(ok, pos, -1)
 
 
 def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_cap):
