@@ -9,6 +9,8 @@ KV lengths cross page boundaries.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +140,13 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+@functools.cache
+def jitted_reference(**kwargs) -> Callable:
+    """The reference jitted for one set of static arguments: one compile per batch
+    shape, where running it op by op compiles each of its operations."""
+    return jax.jit(functools.partial(reference.ragged_paged_attention, **kwargs))
+
+
 def check_kernel(
     kernel, batch: Batch, dtype_name: str, cache_dtype: str | None = None, **kernel_kwargs
 ) -> float:
@@ -149,7 +158,7 @@ def check_kernel(
     """
     dtype = jnp.dtype(dtype_name)
     args = batch.args(dtype, cache_dtype)
-    want = np.asarray(reference.ragged_paged_attention(*args, **batch.kwargs()), np.float32)
+    want = np.asarray(jitted_reference(**batch.kwargs())(*args), np.float32)
     got = kernel(*args, **batch.kwargs(), **kernel_kwargs)
     assert got.shape == batch.q.shape and got.dtype == dtype
     got = np.asarray(got.astype(jnp.float32))
