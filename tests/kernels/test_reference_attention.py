@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
@@ -70,18 +73,24 @@ def test_reference_matches_dense(batch, seed):
     qsl[len(q_lens) + 1 :] = qsl[len(q_lens)]
     q = rng.standard_normal((num_tokens, hq, head_dim)).astype(np.float32)
     sm_scale = head_dim**-0.5
-    out = ragged_paged_attention(
+    # jitted: one compile per drawn shape (op by op, each operation compiles per shape)
+    attention = jax.jit(
+        functools.partial(
+            ragged_paged_attention,
+            sm_scale=sm_scale,
+            sliding_window=window,
+            soft_cap=soft_cap,
+            pages_per_chunk=2,
+            causal=causal,
+        )
+    )
+    out = attention(
         jnp.asarray(q),
         jnp.asarray(cache),
         jnp.asarray(seq_lens + [0], jnp.int32),
         jnp.asarray(page_table),
         jnp.asarray(qsl),
         jnp.asarray(len(q_lens), jnp.int32),
-        sm_scale=sm_scale,
-        sliding_window=window,
-        soft_cap=soft_cap,
-        pages_per_chunk=2,
-        causal=causal,
     )
     out = np.asarray(out)
     assert np.isfinite(out).all()
@@ -103,8 +112,6 @@ def test_reference_matches_dense(batch, seed):
 
 def _dots(dtype) -> tuple[int, int]:
     """(dot_general count, how many ask for HIGHEST) in the reference's program."""
-    import jax
-
     from tests.kernels.ragged_batches import Shape, build
 
     batch = build(Shape(4, 1, 2, 8, (1, 3), (2, 5), 0, 0, None, None), 0)
