@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from ragged_batches import Shape, build
+from ragged_batches import Shape, build, jitted_reference
 
 from pallas_kernels.encoder_attention import encoder_attention, padded_attention
 from pallas_kernels.kv_cache_update.reference import update_kv_cache
@@ -40,7 +40,7 @@ def encoder_batch(q_lens, ctx_lens=None, seed=0, heads=2, head_dim=32, pad_token
 
 def reference_out(batch, cache) -> np.ndarray:
     q, _, *meta = batch.args()
-    out = reference.ragged_paged_attention(q, cache, *meta, sm_scale=batch.sm_scale, causal=False)
+    out = jitted_reference(sm_scale=batch.sm_scale, causal=False)(q, cache, *meta)
     return np.asarray(out)
 
 
