@@ -1,4 +1,5 @@
-"""One small engine on the default model, compiled once and shared by engine tests."""
+"""The engine tests' shared engines, each built once per worker: SmolLM2 (`small_llm`)
+and the tiny model (`tiny_llm`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+from tests.kernels.ragged_batches import Shape, build, jitted_reference
 
 
 def dense_attention(q, k, v, q_pos, sm_scale, window, soft_cap):
@@ -73,16 +72,12 @@ def test_reference_matches_dense(batch, seed):
     qsl[len(q_lens) + 1 :] = qsl[len(q_lens)]
     q = rng.standard_normal((num_tokens, hq, head_dim)).astype(np.float32)
     sm_scale = head_dim**-0.5
-    # jitted: one compile per drawn shape (op by op, each operation compiles per shape)
-    attention = jax.jit(
-        functools.partial(
-            ragged_paged_attention,
-            sm_scale=sm_scale,
-            sliding_window=window,
-            soft_cap=soft_cap,
-            pages_per_chunk=2,
-            causal=causal,
-        )
+    attention = jitted_reference(
+        sm_scale=sm_scale,
+        sliding_window=window,
+        soft_cap=soft_cap,
+        pages_per_chunk=2,
+        causal=causal,
     )
     out = attention(
         jnp.asarray(q),
@@ -112,8 +107,6 @@ def test_reference_matches_dense(batch, seed):
 
 def _dots(dtype) -> tuple[int, int]:
     """(dot_general count, how many ask for HIGHEST) in the reference's program."""
-    from tests.kernels.ragged_batches import Shape, build
-
     batch = build(Shape(4, 1, 2, 8, (1, 3), (2, 5), 0, 0, None, None), 0)
     text = str(
         jax.make_jaxpr(lambda *a: ragged_paged_attention(*a, **batch.kwargs()))(*batch.args(dtype))
