@@ -30,6 +30,7 @@ from time import perf_counter
 from typing import Any, Protocol
 
 from jaxengine.benchmarks.common import ModelFiles, PeerResult, log
+from jaxengine.extras import TORCH_INSTALL
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -119,7 +120,7 @@ class TransformersPeer:
             import torch
             import transformers
         except ImportError as e:
-            raise Unavailable(f"torch/transformers not installed ({e})") from e
+            raise Unavailable(f"torch/transformers not installed ({e}): {TORCH_INSTALL}") from e
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         torch.set_num_threads(opts.threads)

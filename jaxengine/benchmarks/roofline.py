@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from jaxengine.benchmarks.common import ModelFiles
+from jaxengine.extras import require_torch
 
 COLUMNS = 2048  # the matrix is [weight elements / COLUMNS, COLUMNS]
 
@@ -42,6 +43,7 @@ class Roofline:
 def model_weight_bytes(files: ModelFiles) -> int:
     """Float32 bytes of the model's parameters (tied embeddings once), from its config
     (a meta-device model: nothing is allocated)."""
+    require_torch("the latency benchmark's roofline (--no-roofline skips it)")
     import torch
     import transformers
 

@@ -1,12 +1,14 @@
-"""A cache of what transformers derives from a GGUF file, kept as files beside it.
+"""A cache of the config and tokenizer derived from a GGUF file, kept as files.
 
-transformers builds a GGUF model's config and tokenizer from the file's metadata,
-parsing the whole header with ``gguf.GGUFReader``: 4 s for SmolLM2 and 11 s for
-Gemma 3 (its 262k-token vocabulary), each time. `gguf_sidecar` keeps the result of
-such a build in a folder keyed by the file's path, size, modification time and the
-transformers version, so later loads read a ``config.json`` or ``tokenizer.json`` in
-milliseconds. The config (`hf_config`) and the tokenizer (`jaxengine.tokenizer`) each
-keep their own entry and build it independently.
+A GGUF model's config and tokenizer are built from the file's metadata
+(`gguf_config`, the way transformers builds them): 0.1-0.3 s for the config, and for
+the tokenizer 0.3 s for SmolLM2 but 7 s for Gemma 3, whose merges are derived from
+its 262k-token vocabulary, each time. `gguf_sidecar` keeps the result of such a build
+in a folder under the models cache keyed by the file's path, size, modification time
+and the transformers version (whose tables and converters the build uses), so later
+loads read a ``config.json`` or ``tokenizer.json`` in milliseconds. The config
+(`hf_config`) and the tokenizer (`jaxengine.tokenizer`) each keep their own entry and
+build it independently.
 """
 
 from __future__ import annotations

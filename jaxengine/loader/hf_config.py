@@ -1,11 +1,11 @@
 """The Hugging Face config and generation defaults of a model source.
 
 For a folder the config is ``config.json``; for a GGUF file it is what transformers'
-own GGUF support derives from the metadata (``AutoConfig.from_pretrained(folder,
-gguf_file=...)``). That derivation parses the whole file header (seconds for a large
-vocabulary), so its result is kept in the GGUF sidecar cache (`gguf_sidecar`); later
-loads read a ``config.json`` from there in milliseconds. Reading a config builds
-nothing else: the tokenizer (`jaxengine.tokenizer`) keeps its own sidecar entry.
+GGUF support derives from the metadata (``AutoConfig.from_pretrained(folder,
+gguf_file=...)``), built without torch by `gguf_config.gguf_hf_config`. Its result is
+kept in the GGUF sidecar cache (`gguf_sidecar`); later loads read a ``config.json``
+from there. Reading a config builds nothing else: the tokenizer (`jaxengine.tokenizer`)
+keeps its own sidecar entry.
 """
 
 from __future__ import annotations
@@ -57,10 +57,12 @@ def load_hf_config(
         if src.gguf_file is None:
             config = AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code)
         else:
+            from jaxengine.loader.gguf_config import gguf_hf_config
+
             config = gguf_sidecar(
                 src.gguf_file,
                 "config",
-                build=lambda: AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file.name),
+                build=lambda: gguf_hf_config(src.gguf_file),
                 save=lambda cfg, folder: cfg.save_pretrained(folder),
                 load=lambda folder: AutoConfig.from_pretrained(folder),
             )

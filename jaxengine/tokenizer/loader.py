@@ -1,11 +1,12 @@
 """Loading a model's Hugging Face tokenizer, from a folder or from a GGUF file.
 
 A GGUF file carries its vocabulary, merges and chat template in its metadata;
-transformers turns them into a fast tokenizer (``AutoTokenizer.from_pretrained(folder,
-gguf_file=...)``). That conversion is slow for large vocabularies (25 s for Gemma 3's
-262k tokens), so its result is saved once in the GGUF sidecar cache
-(`jaxengine.loader.gguf_sidecar`) and reloaded from there afterwards. The model's
-config keeps its own entry there; neither builds the other.
+`jaxengine.loader.gguf_config.gguf_tokenizer` turns them into the fast tokenizer
+transformers would build (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``),
+without torch. That conversion is slow for large vocabularies (7 s for Gemma 3's 262k
+tokens, whose merges are derived from the vocabulary), so its result is saved once in
+the GGUF sidecar cache (`jaxengine.loader.gguf_sidecar`) and reloaded from there
+afterwards. The model's config keeps its own entry there; neither builds the other.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def get_tokenizer(
 def _load(src: ModelSource, kwargs: dict[str, Any]) -> Any:
     from transformers import AutoTokenizer
 
+    from jaxengine.loader.gguf_config import gguf_tokenizer
     from jaxengine.loader.gguf_sidecar import gguf_sidecar
 
     if src.gguf_file is None:
@@ -72,7 +74,7 @@ def _load(src: ModelSource, kwargs: dict[str, Any]) -> Any:
     return gguf_sidecar(
         gguf_file,
         "tokenizer" if "use_fast" not in kwargs else "tokenizer-slow",
-        build=lambda: AutoTokenizer.from_pretrained(src.path, gguf_file=gguf_file.name, **kwargs),
+        build=lambda: gguf_tokenizer(gguf_file, **kwargs),
         save=lambda tok, folder: tok.save_pretrained(folder),
         load=lambda folder: AutoTokenizer.from_pretrained(folder, **kwargs),
     )

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxengine.config import EngineConfig, ModelConfig
 from jaxengine.config.cache import FP8_CACHE_DTYPES
+from jaxengine.extras import require_torch
 from jaxengine.loader import LoadedModel, is_torch, load_model
 from jaxengine.loader.sources import ModelSource
 from jaxengine.models import UnsupportedArchitectureError
@@ -71,7 +72,9 @@ def load_jax_or_torch(config: EngineConfig, placement: Placement) -> LoadedModel
         except UnsupportedArchitectureError as e:
             if impl != "auto":
                 raise
+            require_torch(f"{e}; the torch fallback (--model-impl transformers) that runs it")
             logger.info("--model-impl auto: using transformers' PyTorch model (%s)", e)
+    require_torch("--model-impl transformers (the torch fallback)")
     from torch_fallback.loader import load_torch_model
 
     loaded = load_torch_model(config)
