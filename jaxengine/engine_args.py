@@ -124,6 +124,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = _default("skip_tokenizer_init")
     max_logprobs: int = _default("max_logprobs")
     enforce_eager: bool = _default("enforce_eager")
+    enable_sleep_mode: bool = _default("enable_sleep_mode")
     chat_template: str | None = _default("chat_template")
     disable_sliding_window: bool = _default("disable_sliding_window")
     logprobs_mode: LogprobsMode = _default("logprobs_mode")

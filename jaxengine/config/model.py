@@ -151,6 +151,10 @@ class ModelConfig:
     """Skip ahead-of-time compilation of the step function for every token/request
     bucket at start-up; shapes are then compiled on first use (jaxengine's
     counterpart of vLLM disabling CUDA graphs)."""
+    enable_sleep_mode: bool = False
+    """Enable the engine's sleep mode: `LLM.sleep` frees the KV cache and parks the
+    weights in host memory (level 1) or drops them (level 2) while a trainer uses the
+    devices; `LLM.wake_up` brings them back, with no recompilation."""
     chat_template: str | None = None
     """The chat template to use: a file path or the template itself as a string. If
     unspecified, the tokenizer's (or GGUF file's) template is used."""

@@ -28,6 +28,7 @@ from jaxengine.config import EngineConfig, ParallelConfig
 from jaxengine.core.dp_balancer import DPBalancer
 from jaxengine.core.sched_output import SchedulerStats, SpecDecodingStats
 from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.engine.rollout import RolloutControl
 from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import SamplingParams
@@ -58,6 +59,8 @@ class DataParallelEngine:
             len(self.replicas), block_size=self.config.cache_config.block_size
         )
         self._owner: dict[str, int] = {}  # request id -> replica index
+        self.rollout = RolloutControl(self.replicas, first._checkpoint_tensors)
+        """Sleep mode and weight updates on every replica (`engine.rollout`)."""
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property

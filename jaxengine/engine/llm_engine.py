@@ -25,6 +25,7 @@ from jaxengine.core.request import Request, RequestStatus
 from jaxengine.core.sched_output import SchedulerOutput
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.engine.output_processor import OutputProcessor
+from jaxengine.engine.rollout import RolloutControl
 from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.abstract import StepResult
 from jaxengine.inputs import PreparedPrompt
@@ -76,8 +77,15 @@ class LLMEngine:
         self.async_scheduling = self.config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepResult] | None = None
         self._shut_down = False
+        self.rollout = RolloutControl([self], self._checkpoint_tensors)
+        """Sleep mode and weight updates (RL rollouts: `engine.rollout`)."""
         if warmup and not self.config.model_config.enforce_eager:
             self.executor.warmup()
+
+    def _checkpoint_tensors(self, path: str | None):
+        from jaxengine.loader import checkpoint_tensors
+
+        return checkpoint_tensors(self.config.model_config, self.config.load_config, path)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -215,7 +223,9 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queues a prompt that `prepare` accepted (one sequence per ``n``)."""
+        """Queues a prompt that `prepare` accepted (one sequence per ``n``); refused
+        while the engine sleeps (`EngineSleepingError`)."""
+        self.rollout.check_awake()
         if request_id in self.outputs.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         text, ids, params, lora = prepared

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from jaxengine.config import EngineConfig
     from jaxengine.core.sched_output import SchedulerStats
+    from jaxengine.engine.rollout import RolloutControl
     from jaxengine.inputs import PreparedPrompt
     from jaxengine.outputs import RequestOutput
     from jaxengine.sampling_params import SamplingParams
@@ -72,6 +73,11 @@ class Engine(Protocol):
     def remove_lora(self, lora_id: int) -> bool: ...
 
     def list_loras(self) -> set[int]: ...
+
+    @property
+    def rollout(self) -> RolloutControl:
+        """Sleep mode and weight updates over every replica (`engine.rollout`)."""
+        ...
 
     def shutdown(self) -> None:
         """Aborts what is in flight and releases the devices. Idempotent."""

@@ -112,6 +112,35 @@ class LLM:
     def list_loras(self) -> set[int]:
         return self.engine.list_loras()
 
+    # RL rollouts (`engine.rollout`): vLLM's calls, between `generate` calls
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV cache and parks the weights in host memory (level 1) or drops
+        them (level 2, to be written by `update_weights`); needs enable_sleep_mode."""
+        self.engine.rollout.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores ``tags`` ("weights", "kv_cache"; default both)."""
+        self.engine.rollout.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.rollout.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.rollout.reset_prefix_cache()
+
+    def update_weights(self, weights: Any) -> int:
+        """Writes ``{hf_name: array}`` (or pairs) into the engine, all or nothing;
+        arrays may be numpy, torch, or `jax.Array`s (resharded on device)."""
+        return self.engine.rollout.update_weights(weights)
+
+    def reload_weights(self, path: str | None = None) -> int:
+        """Reads the checkpoint again (or the one at ``path``) into the engine."""
+        return self.engine.rollout.reload_weights(path)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        return self.engine.rollout.collective_rpc(method, args, kwargs)
+
     def get_metrics(self) -> list[Metric]:
         """The engine's metrics (those the server's ``/metrics`` has, by the same
         names) as `Counter`, `Gauge`, `Histogram` and `Vector` records. Needs

@@ -19,6 +19,11 @@ config, tokenizer, cache size, scheduler limits). Then:
   `LoRAAdapterError` when it cannot be served), ``remove_lora(lora_id)`` forgets one,
   ``list_loras()`` gives the registered ids (``--enable-lora``; without it, adding
   raises ValueError);
+- ``sleep(level)`` frees the KV caches and parks (1) or drops (2) the weights,
+  ``wake_up(tags)`` restores them, ``is_sleeping`` says whether any part is away
+  (`runner.sleep`); ``update_weights(pairs)`` writes ``(hf_name, array)`` pairs into
+  the parameters, all or nothing (`runner.weights`). Executors that drive other
+  hosts refuse them (NotImplementedError);
 - ``check_health()`` raises when a worker is gone;
 - ``compiles_after_warmup`` counts compilations that escaped warm-up (0 when none);
 - ``shutdown()`` stops the workers and releases every device buffer. It is
@@ -63,9 +68,28 @@ class Executor(Protocol):
 
     def list_loras(self) -> set[int]: ...
 
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    @property
+    def is_sleeping(self) -> bool: ...
+
+    def update_weights(self, weights: Any) -> int: ...
+
     def check_health(self) -> None: ...
 
     @property
     def compiles_after_warmup(self) -> int: ...
 
     def shutdown(self) -> None: ...
+
+
+def refuse_rollout(where: str):
+    """Sleep mode and weight updates on an executor that drives other hosts' workers:
+    not there yet (each worker would have to sleep, wake and take its shards)."""
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"sleep mode and weight updates are not supported {where}")
+
+    return refused

@@ -5,6 +5,8 @@ from __future__ import annotations
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.runner.pending import PendingStep
+from jaxengine.runner.sleep import SleepMode, runner_parts
+from jaxengine.runner.weights import apply_update, plan_update
 
 
 class LocalExecutor:
@@ -13,6 +15,7 @@ class LocalExecutor:
     def __init__(self, runner: ModelRunner, *, background_compile: bool = False) -> None:
         self.runner = runner
         self.background_compile = background_compile
+        self.sleep_mode = SleepMode(runner_parts(runner))
         self.closed = False
 
     def warmup(self, progress: bool = True) -> None:
@@ -39,6 +42,30 @@ class LocalExecutor:
         if self.runner.lora is None:
             raise ValueError("LoRA adapters need --enable-lora")
         return self.runner.lora.store
+
+    def sleep(self, level: int) -> None:
+        """Frees the KV caches and parks (1) or drops (2) the weights, between steps
+        (`runner.sleep`)."""
+        self.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.sleep_mode.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode.sleeping
+
+    def update_weights(self, weights) -> int:
+        """Writes ``(hf_name, array)`` pairs into the runner's parameters, all or
+        nothing (`runner.weights`); the number of leaves changed."""
+        layout = self.runner.weights
+        if layout is None:
+            raise NotImplementedError("update_weights is not supported for this model")
+        if self.sleep_mode.asleep("weights"):
+            raise RuntimeError("the weights are asleep: wake_up(tags=['weights']) first")
+        plan = plan_update(layout, weights)
+        self.runner.params = apply_update(self.runner.params, plan, layout)
+        return len(plan)
 
     def check_health(self) -> None:
         if self.closed:

@@ -33,7 +33,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from jaxengine.config import EngineConfig
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.engine_args import EngineArgs
-from jaxengine.executor.abstract import DoneStep
+from jaxengine.executor.abstract import DoneStep, refuse_rollout
 from jaxengine.executor.local import LocalExecutor
 from jaxengine.messages import (
     DriverWelcome,
@@ -166,6 +166,9 @@ class DriverExecutor(LocalExecutor):
     def submit(self, scheduler_output: SchedulerOutput) -> DoneStep:
         """Runs the step now: the followers step in lockstep with this host."""
         return DoneStep(self.execute(scheduler_output))
+
+    sleep = wake_up = update_weights = refuse_rollout("with --nnodes > 1 yet")
+    is_sleeping = False
 
     def shutdown(self) -> None:
         if not self.closed:

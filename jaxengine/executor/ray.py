@@ -25,7 +25,7 @@ import socket
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
-from jaxengine.executor.abstract import DoneStep
+from jaxengine.executor.abstract import DoneStep, refuse_rollout
 from jaxengine.executor.multihost import check_spans_all_devices, without_host_swap
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.worker.build import HostParts, build_worker
@@ -163,6 +163,9 @@ class RayExecutor:
 
     def list_loras(self) -> set[int]:
         return self._all("lora", "list")[0]
+
+    sleep = wake_up = update_weights = refuse_rollout("with --distributed-executor-backend ray yet")
+    is_sleeping = False
 
     def check_health(self) -> None:
         """Raises when a worker has died (Ray raises for a dead actor)."""

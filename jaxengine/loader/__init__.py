@@ -332,3 +332,20 @@ def _checkpoint_tensors(
     return iter_safetensors(
         source.path, ignore_patterns=load_config.ignore_patterns, max_workers=max_workers
     )
+
+
+def checkpoint_tensors(model_config: ModelConfig, load_config: LoadConfig, path: str | None = None):
+    """The ``(hf_name, array)`` pairs of the model's checkpoint, or of the one at
+    ``path`` (same architecture), as float tensors in Hugging Face's layout: what
+    `LLM.reload_weights` writes into a running engine. The checkpoint is read even
+    when the engine started with ``--load-format dummy``."""
+    if path is not None:
+        model_config = dataclasses.replace(model_config, model=str(path))
+    if load_config.load_format == "dummy":
+        load_config = dataclasses.replace(load_config, load_format="auto")
+    source, hf_config = resolve_source(model_config, load_config)
+    stored = checkpoint_format(model_config.quantization, source, hf_config)
+    tensors = _checkpoint_tensors(source, load_config, None, packed=False)
+    if stored is not None:
+        tensors = canonical_tensors(tensors, stored, str(source.path))
+    return tensors

@@ -171,7 +171,7 @@ def _tree_set(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _leaf_of(shapes: Any, path: tuple[str, ...]) -> Any:
+def leaf_at(shapes: Any, path: tuple[str, ...]) -> Any:
     node = shapes
     for key in path:
         if not isinstance(node, dict) or key not in node:
@@ -202,14 +202,14 @@ def params_from_tensors(
     """
     if abstract is None:
         abstract = abstract_params(module, config)
-    shapes = _plain(nn.unbox(abstract))
-    out = _plain(shapes, fill=None)
-    placement = _plain(shardings) if shardings is not None else None
+    shapes = plain_tree(nn.unbox(abstract))
+    out = plain_tree(shapes, fill=None)
+    placement = plain_tree(shardings) if shardings is not None else None
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], set] = {}
     names = checkpoint_names(module)
     for name, array in tensors:
-        slot = _slot(names(name), name, array, config, shapes, source)
+        slot = tensor_slot(names(name), name, array, config, shapes, source)
         if slot is None:
             continue
         path, index, parts, leaf = slot
@@ -239,11 +239,11 @@ def _default_leaves(out: dict, placement: Any, path: tuple[str, ...] = (), shape
         if isinstance(value, dict):
             _default_leaves(value, placement, (*path, key), shapes)
         elif value is None and key in KV_SCALES:
-            sharding = _leaf_of(placement, (*path, key)) if placement else None
+            sharding = leaf_at(placement, (*path, key)) if placement else None
             out[key] = place(np.ones((), np.float32), np.float32, sharding)
         elif value is None and key in LORA_LEAVES:
-            leaf = _leaf_of(shapes, (*path, key))
-            sharding = _leaf_of(placement, (*path, key)) if placement else None
+            leaf = leaf_at(shapes, (*path, key))
+            sharding = leaf_at(placement, (*path, key)) if placement else None
             out[key] = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
 
 
@@ -264,12 +264,12 @@ def _fill(
         leaves = {"": array.reshape(()) if leaf.shape == () else array}
     for suffix, value in leaves.items():
         target = (*path[:-1], path[-1] + suffix)
-        sharding = _leaf_of(placement, target) if placement else None
+        sharding = leaf_at(placement, target) if placement else None
         dtype = leaf.dtype if not suffix else value.dtype
         _tree_set(out, target, place(value, dtype, sharding))
 
 
-def _slot(
+def tensor_slot(
     mapped: Any, name: str, array: np.ndarray, config: TransformerConfig, shapes: Any, source: str
 ):
     """``(path, index, parts, leaf)`` of a checkpoint tensor, or None to skip it.
@@ -282,9 +282,9 @@ def _slot(
     if mapped is None:
         return None
     path, index = mapped
-    leaf, parts = _leaf_of(shapes, path), 1
+    leaf, parts = leaf_at(shapes, path), 1
     if leaf is None and config.fused_projections and len(path) > 1 and fused_name(path[-2]):
-        fused = _leaf_of(shapes, (*path[:-2], fused_name(path[-2]), path[-1]))
+        fused = leaf_at(shapes, (*path[:-2], fused_name(path[-2]), path[-1]))
         if fused is not None:
             path, index, parts = fused_param_path(path, config, fused.shape[0])
             leaf = fused
@@ -313,10 +313,10 @@ def _slot(
     return path, index, parts, leaf
 
 
-def _plain(tree: Any, fill: Any = ...) -> Any:
+def plain_tree(tree: Any, fill: Any = ...) -> Any:
     """A mutable nested dict copy of a parameter tree (optionally with every leaf = fill)."""
     if isinstance(tree, dict) or hasattr(tree, "items"):
-        return {k: _plain(v, fill) for k, v in tree.items()}
+        return {k: plain_tree(v, fill) for k, v in tree.items()}
     return tree if fill is ... else fill
 
 

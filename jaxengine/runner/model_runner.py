@@ -64,6 +64,7 @@ from jaxengine.runner.sampling_metadata import (
 )
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
+from jaxengine.runner.weights import WeightLayout
 from jaxengine.speculative import ProposalInput, Proposer, StepFeatures
 
 logger = logging.getLogger(__name__)
@@ -114,11 +115,15 @@ class ModelRunner:
         lora: LoRASlots | None = None,
         proposer: Proposer | None = None,
         classifier: Callable[[Params, np.ndarray], jax.Array] | None = None,
+        weights: WeightLayout | None = None,
     ) -> None:
         """``lora``: the adapter slots (``--enable-lora``), None without LoRA.
         ``proposer``: speculative decoding's (``--speculative-config``), or None.
-        ``classifier``: a classification model's head (`step.make_classifier`)."""
+        ``classifier``: a classification model's head (`step.make_classifier`).
+        ``weights``: how checkpoint names map onto ``params`` (`update_weights`;
+        None: the model takes no updates, the transformers fallback)."""
         self.classifier = classifier
+        self.weights = weights
         self.program = program
         self.lora = lora
         self.proposer = proposer

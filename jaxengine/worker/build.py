@@ -36,6 +36,7 @@ from jaxengine.runner.pooler import PoolerSettings
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import logprobs_bucket
 from jaxengine.runner.step import make_classifier
+from jaxengine.runner.weights import WeightLayout
 from jaxengine.speculative.device.build import (
     draft_bytes_per_block,
     lookahead_tokens,
@@ -294,6 +295,7 @@ def build_worker(
         lora_slots(config, loaded),
         proposer,
         make_classifier(loaded.module) if pooler and pooler.num_labels else None,
+        None if is_torch(loaded) else WeightLayout.of(loaded),
     )
     limits = dataclasses.replace(
         limits,

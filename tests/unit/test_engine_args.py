@@ -47,6 +47,7 @@ VALID_FLAGS = [
     (["--skip-tokenizer-init"], "skip_tokenizer_init", True),
     (["--max-logprobs", "-1"], "max_logprobs", -1),
     (["--enforce-eager"], "enforce_eager", True),
+    (["--enable-sleep-mode"], "enable_sleep_mode", True),
     (["--chat-template", "{{ messages }}"], "chat_template", "{{ messages }}"),
     (["--disable-sliding-window"], "disable_sliding_window", True),
     (["--logprobs-mode", "processed_logits"], "logprobs_mode", "processed_logits"),
