@@ -25,9 +25,11 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxengine.engine.rollout import EngineSleepingError
 from jaxengine.entrypoints.client import EngineClient, EngineDeadError
 from jaxengine.version import __version__
 from server import envs
+from server.dev_routes import add_dev_routes
 from server.errors import APIError, error_response, validation_message
 from server.extra_routes import add_extra_routes, respond
 from server.lora import add_lora_routes, runtime_updating_allowed
@@ -145,6 +147,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> N
         "scores": ScoreHandler(ctx),
     }
     add_extra_routes(app, ctx, handlers, args)  # batch chat, /invocations, /tokenizer_info
+    if envs.dev_mode():
+        add_dev_routes(app, ctx.engine)  # /sleep, /pause, /collective_rpc, ...
     if runtime_updating_allowed():
         if ctx.engine.config.lora_config.enable_lora:
             add_lora_routes(app, ctx.models)
@@ -158,15 +162,23 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
+        _check_awake(ctx)
         return respond(await completions.create(request, raw_request), raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        _check_awake(ctx)
         return respond(await chat.create(request, raw_request), raw_request)
 
     @app.get("/v1/models")
     async def show_models():
         return {"object": "list", "data": ctx.models.cards()}
+
+
+def _check_awake(ctx: ServingContext) -> None:
+    """503 while the engine sleeps (`/sleep`), before any stream starts."""
+    if ctx.engine.is_sleeping:
+        raise APIError("the engine is asleep (sleep mode): POST /wake_up first", 503)
 
 
 def _add_pooling_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:
@@ -289,6 +301,10 @@ def _add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError):
         return error_response(str(exc), 500)
+
+    @app.exception_handler(EngineSleepingError)
+    async def engine_sleeping(_: Request, exc: EngineSleepingError):
+        return error_response(str(exc), 503)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):

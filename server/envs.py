@@ -14,6 +14,8 @@ and have no counterpart):
 - ``VLLM_LOGGING_PREFIX``: text put before every ``jaxengine`` log line ("").
 - ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds an idle HTTP connection stays open (5).
 
+- ``VLLM_SERVER_DEV_MODE``: 1 turns on the development routes (`server/dev_routes.py`).
+
 Read elsewhere: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (`server/lora.py`) and
 ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (`jaxengine/worker/build.py`).
 """
@@ -70,3 +72,11 @@ def logging_prefix(environ: Mapping[str, str] = os.environ) -> str:
 def http_timeout_keep_alive(environ: Mapping[str, str] = os.environ) -> int:
     """Seconds an idle keep-alive connection stays open (``$VLLM_HTTP_TIMEOUT_KEEP_ALIVE``)."""
     return int(environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
+
+
+def dev_mode(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the development routes are on (``$VLLM_SERVER_DEV_MODE=1``): sleep and
+    wake, pause and resume, prefix-cache reset, weight updates, ``/collective_rpc``
+    (`server/dev_routes.py`). They let any client take the engine down: off by
+    default."""
+    return environ.get("VLLM_SERVER_DEV_MODE", "0").strip() in ("1", "true", "True")

@@ -297,6 +297,18 @@ class LLMEngine:
         children = [c for rid in ids for c in self.outputs.abort(rid)]
         self.scheduler.abort_requests(children)
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Aborts every request; each one's last output, finished with reason
+        ``abort`` (`AsyncLLM.pause_generation("abort")`)."""
+        outputs, children, now = [], [], time.time()
+        for request_id in list(self.outputs.requests):
+            ids, output = self.outputs.abort_with_output(request_id, now)
+            children += ids
+            if output is not None:
+                outputs.append(output)
+        self.scheduler.abort_requests(children)
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 

@@ -176,6 +176,18 @@ class OutputProcessor:
                 self._forget(state)
         return emitted, stops
 
+    def abort_with_output(self, request_id: str, now: float) -> tuple[list[str], Any]:
+        """`abort`, and the request's last output: its sequences finished with reason
+        ``abort`` (None for a pooling request, which has no partial result)."""
+        state = self.requests.get(request_id)
+        output = None
+        if state is not None and not isinstance(state.params, PoolingParams):
+            for seq in state.sequences:
+                if not seq.finished:
+                    seq.finish_reason = "abort"
+            output = self._make_output(state, now)
+        return self.abort(request_id), output
+
     def abort(self, request_id: str) -> list[str]:
         """Forgets a request; returns its scheduler ids (to abort there too)."""
         state = self.requests.get(request_id)

@@ -15,8 +15,10 @@ engine's) between rollouts:
   against vLLM's workers); one result per replica.
 
 Each call needs an idle engine (no unfinished request): between `LLM.generate` calls,
-or once `AsyncLLM.pause_generation` has drained or aborted the running ones. While
-any part sleeps, a new request is refused with `EngineSleepingError`.
+or once `AsyncLLM.pause_generation` has drained or aborted the running ones; a weight
+update may also come while paused with requests held (``mode="keep"``: they go on
+with the new weights). While any part sleeps, a new request is refused with
+`EngineSleepingError`.
 """
 
 from __future__ import annotations
@@ -60,12 +62,17 @@ class RolloutControl:
         (`loader.checkpoint_tensors`)."""
         self.replicas = list(replicas)
         self.reader = reader
+        self.paused = False
+        """Set by `AsyncLLM.pause_generation`: unfinished requests are held, not
+        stepped, and the weights may change under them (``mode="keep"``)."""
 
     @property
     def config(self) -> EngineConfig:
         return self.replicas[0].config
 
-    def _idle(self, what: str) -> None:
+    def _idle(self, what: str, held_ok: bool = False) -> None:
+        if held_ok and self.paused:
+            return
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
         if busy:
             raise RuntimeError(
@@ -108,7 +115,7 @@ class RolloutControl:
     def update_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> int:
         """Writes the tensors into every replica; returns the parameter leaves changed
         per replica. Raises `CheckpointError` naming a bad tensor (nothing changed)."""
-        self._idle("update_weights")
+        self._idle("update_weights", held_ok=True)
         pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
         changed = 0
         for replica in self.replicas:
@@ -119,7 +126,7 @@ class RolloutControl:
     def reload_weights(self, path: str | None = None) -> int:
         """Reads the engine's checkpoint again, or the one at ``path`` (same
         architecture), into the running engine."""
-        self._idle("reload_weights")
+        self._idle("reload_weights", held_ok=True)
         return self.update_weights(self.reader(path))
 
     def collective_rpc(

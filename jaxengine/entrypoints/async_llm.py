@@ -26,17 +26,21 @@ replica behind a `DPAsyncLLM` (`entrypoints.dp_async_llm`), all sharing its tabl
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.engine.rollout import RPC_METHODS
 from jaxengine.entrypoints.client import EngineDeadError, EngineFront, StatLogger
+from jaxengine.entrypoints.pausing import PAUSE_MODES, PauseState
 from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.inputs import PreparedPrompt
 from jaxengine.metrics.stats import IterationStats
@@ -73,6 +77,7 @@ class AsyncLLM(EngineFront):
         self.streams = streams if streams is not None else StreamTable()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._dead: BaseException | None = None
+        self._pause = PauseState()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
@@ -115,6 +120,7 @@ class AsyncLLM(EngineFront):
         validated by `prepare`. Raises ValueError for bad input (before queueing) and
         `EngineDeadError` when the engine fails. Closing the iterator early aborts.
         """
+        self.engine.rollout.check_awake()
         prepared = prompt if isinstance(prompt, PreparedPrompt) else None
         if prepared is None:
             prepared = self.prepare(prompt, sampling_params, lora_request)
@@ -136,6 +142,45 @@ class AsyncLLM(EngineFront):
                 self.streams.close(rid)
             self._commands.put(_Abort(rid))
 
+    # ------------------------------------------------------------------ RL rollouts
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.rollout.is_sleeping()
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stops stepping (vLLM's modes): ``abort`` the unfinished requests (each
+        stream ends with finish reason ``abort``), ``wait`` for them to finish, or
+        ``keep`` them, held until `resume_generation`. New requests wait too."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: expected one of {', '.join(PAUSE_MODES)}")
+        await self._on_engine_thread(_Pause(mode))
+
+    async def resume_generation(self) -> None:
+        await self._on_engine_thread(_Resume())
+
+    async def is_paused(self) -> bool:
+        return self._pause.paused
+
+    async def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``engine.rollout.collective_rpc`` (sleep, wake_up, update_weights, ...:
+        `engine.rollout.RPC_METHODS`) on the engine thread, between steps; one result
+        per replica."""
+        if method not in RPC_METHODS:
+            raise ValueError(f"unknown method {method!r}; expected one of {', '.join(RPC_METHODS)}")
+        rollout = self.engine.rollout
+        return await self._on_engine_thread(
+            _Call(lambda: rollout.collective_rpc(method, args, kwargs))
+        )
+
+    async def _on_engine_thread(self, command: _Pause | _Resume | _Call) -> Any:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+        self._commands.put(command)
+        return await asyncio.wrap_future(command.done)
+
     def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:
         """Stops the engine thread and (unless told not to) releases the engine."""
         self._stopped.set()
@@ -150,10 +195,11 @@ class AsyncLLM(EngineFront):
         engine = self.engine
         try:
             while not self._stopped.is_set():
-                busy = engine.has_unfinished_requests()
+                busy = engine.has_unfinished_requests() and not self._pause.paused
                 if not self._apply_commands(block=not busy):
                     return
-                if not engine.has_unfinished_requests():
+                self._pause.drained(engine)
+                if self._pause.paused or not engine.has_unfinished_requests():
                     self._record(engine.take_iteration_stats())  # aborts, if any
                     continue
                 outputs = engine.step()
@@ -176,13 +222,36 @@ class AsyncLLM(EngineFront):
                 self._add(command)
             elif isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
+            else:
+                self._control(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
 
+    def _control(self, command: _Pause | _Resume | _Call) -> None:
+        """A pause, resume or rollout call, run here between steps; its result (or
+        error) goes to the caller's future."""
+        try:
+            if isinstance(command, _Pause):
+                if command.mode == "abort":
+                    outputs = self.engine.abort_all()
+                    self.streams.deliver(((o.request_id, o) for o in outputs), self.rank)
+                self._pause.begin(command, self.engine)
+                return  # ``wait``: answered once drained (`PauseState.drained`)
+            if isinstance(command, _Resume):
+                for add in self._pause.end(self.engine):
+                    self._add(add)
+                command.done.set_result(None)
+                return
+            command.done.set_result(command.fn())
+        except Exception as e:  # noqa: BLE001 - the caller's error, not the engine's
+            command.done.set_exception(e)
+
     def _add(self, add: _Add) -> None:
         if self.streams.owner_of(add.request_id) != self.rank:  # aborted before now
+            return
+        if self._pause.hold(add):
             return
         try:
             self.engine.add_prepared(
@@ -229,4 +298,21 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+@dataclasses.dataclass(frozen=True)
+class _Pause:
+    mode: str
+    done: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    done: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    done: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+_Command = _Add | _Abort | _Stop | _Pause | _Resume | _Call

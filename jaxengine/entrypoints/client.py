@@ -277,6 +277,27 @@ class EngineClient(Protocol):
         sequences, best first (`EngineFront.beam_search`)."""
         ...
 
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether any replica's weights or KV cache sleep (`engine.rollout`)."""
+        ...
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stops stepping: ``abort``, ``wait`` for or ``keep`` the unfinished requests
+        (`entrypoints.pausing`)."""
+        ...
+
+    async def resume_generation(self) -> None: ...
+
+    async def is_paused(self) -> bool: ...
+
+    async def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """A rollout call (sleep, wake_up, update_weights, reload_weights, ...) on every
+        replica between steps; one result each."""
+        ...
+
     def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:
         """Stops the engine threads and (unless told not to) releases the engine."""
         ...

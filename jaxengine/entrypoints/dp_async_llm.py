@@ -145,6 +145,37 @@ class DPAsyncLLM(EngineFront):
             for replica in targets:
                 await replica.abort(rid)
 
+    # ------------------------------------------------------------------ RL rollouts
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(r.is_sleeping for r in self._local("sleep mode"))
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        for replica in self._local("pause_generation"):
+            await replica.pause_generation(mode)
+
+    async def resume_generation(self) -> None:
+        for replica in self._local("resume_generation"):
+            await replica.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return all([await r.is_paused() for r in self._local("is_paused")])
+
+    async def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """The call on every replica, in rank order (one result each)."""
+        results = []
+        for replica in self._local("collective_rpc"):
+            results += await replica.collective_rpc(method, args, kwargs)
+        return results
+
+    def _local(self, what: str) -> list[AsyncLLM]:
+        if len(self.replicas) > len(self.engine.replicas):
+            raise NotImplementedError(f"{what} is not supported with replicas on other nodes yet")
+        return self.replicas  # type: ignore[return-value]
+
     def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:
         """Stops every replica's thread (and the remote nodes), and (unless told not to)
         releases the local engines."""

@@ -124,7 +124,11 @@ class Server:
 
 
 def start_server(
-    log_path: Path, flags: list[str], timeout: float = START_TIMEOUT, num_cpu_devices: int = 1
+    log_path: Path,
+    flags: list[str],
+    timeout: float = START_TIMEOUT,
+    num_cpu_devices: int = 1,
+    environ: dict[str, str] | None = None,
 ) -> Server:
     """Starts `jaxengine serve` and waits until /health answers 200.
 
@@ -140,7 +144,7 @@ def start_server(
         cmd.append("--no-background-compile")
     cmd += ["--port", str(port), *flags]
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(environ or {})}
     if num_cpu_devices > 1:
         count = f"--xla_force_host_platform_device_count={num_cpu_devices}"
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {count}".strip()
@@ -173,15 +177,20 @@ def stop_server(server: Server) -> None:
     scope="session", params=DATA_PARALLEL_SIZES, ids=[f"dp{n}" for n in DATA_PARALLEL_SIZES]
 )
 def server(request, tiny_smollm2, tmp_path_factory) -> Server:
-    """The shared server (the tiny model; see SERVER_FLAGS), with 1 or 2 replicas."""
+    """The shared server (the tiny model; see SERVER_FLAGS), with 1 or 2 replicas; in
+    sleep mode with vLLM's development routes on (test_rollout_routes.py)."""
     dp = request.param
     log_path = tmp_path_factory.mktemp(f"server-dp{dp}") / "server.log"
     flags = [str(tiny_smollm2[0]), *SERVER_FLAGS, "--data-parallel-size", str(dp)]
-    running = start_server(log_path, flags, num_cpu_devices=dp)
+    flags.append("--enable-sleep-mode")
+    running = start_server(log_path, flags, num_cpu_devices=dp, environ=DEV_MODE)
     running.data_parallel_size = dp
     yield running
     stop_server(running)
 
+
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+"""The shared server's development routes (/sleep, /pause, /collective_rpc, ...)."""
 
 DP1_ONLY = pytest.mark.parametrize("server", [1], ids=["dp1"], indirect=True)
 """For a test that never reaches the engine client: the API layer answers it (routes,
