@@ -21,6 +21,8 @@ sentences on all-MiniLM-L6-v2) are left out, so the ceiling is a little high.
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,23 +75,33 @@ def flops_per_token(config: dict[str, Any]) -> int:
 
 
 def dot_timer(
-    shapes: list[tuple[int, int]], dtype: str, tokens: int = STEP_TOKENS
+    shapes: list[tuple[int, int]],
+    dtype: str,
+    tokens: int = STEP_TOKENS,
+    input_dtype: str = "float32",
 ) -> Callable[[int], float]:
     """A function of ``repeats`` giving the FLOP/s (best of that many runs) of a jitted
     function computing ``x @ w.T`` for each ``(out, in)`` weight of ``shapes`` on
-    ``tokens`` float32 rows, the weights stored in ``dtype`` and the rows cast to it,
-    accumulated in float32. It is compiled here, once."""
+    ``tokens`` rows stored in ``input_dtype``, the weights stored in ``dtype`` and the
+    rows cast to it, accumulated in float32. It is compiled here, once. With
+    ``input_dtype == dtype`` nothing is cast: the products alone (a peak rate)."""
     import jax
     import jax.numpy as jnp
 
-    keys = jax.random.split(jax.random.PRNGKey(0), len(shapes))
-    weights = [
-        jax.random.normal(k, s, jnp.float32).astype(dtype)
-        for k, s in zip(keys, shapes, strict=True)
-    ]
-    inputs = [
-        jax.random.normal(k, (tokens, s[1]), jnp.float32) for k, s in zip(keys, shapes, strict=True)
-    ]
+    arrays = [(s, dtype) for s in shapes] + [((tokens, s[1]), input_dtype) for s in shapes]
+    sizes = [math.prod(shape) for shape, _ in arrays]
+
+    @jax.jit
+    def draw(key):  # one normal draw sliced: XLA:CPU compiles one RNG, not two per shape
+        flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+        ends = itertools.accumulate(sizes)
+        return [
+            flat[end - n : end].reshape(shape).astype(dt)
+            for (shape, dt), n, end in zip(arrays, sizes, ends, strict=True)
+        ]
+
+    drawn = draw(jax.random.PRNGKey(0))
+    weights, inputs = drawn[: len(shapes)], drawn[len(shapes) :]
     dims = (((1,), (1,)), ((), ()))
     flops = sum(2 * tokens * out * inp for out, inp in shapes)
 

@@ -59,6 +59,18 @@ def decode_seconds(llm, prompt: list[int], tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def decode_rate(llm, prompt_len: int, tokens: int, repeats: int) -> float:
+    """Batch-1 decode tokens/s of ``llm``: ``tokens`` over the difference between a
+    generation of ``1 + tokens`` tokens and one of 1 token from the same
+    ``prompt_len``-token prompt (medians of ``repeats``), so prefill, the first token
+    and the request overhead cancel."""
+    prompt = [1 + i % 100 for i in range(prompt_len)]
+    decode_seconds(llm, prompt, 2, 1)  # first call: any lazy work
+    short = decode_seconds(llm, prompt, 1, repeats)
+    long = decode_seconds(llm, prompt, 1 + tokens, repeats)
+    return tokens / max(long - short, 1e-9)
+
+
 def run(args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
@@ -85,11 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         runner = llm.engine.executor.runner
         weights = total_bytes(runner.params)
-        prompt = [1 + i % 100 for i in range(args.prompt_len)]
-        decode_seconds(llm, prompt, 2, 1)  # first call: any lazy work
-        short = decode_seconds(llm, prompt, 1, args.repeats)
-        long = decode_seconds(llm, prompt, 1 + args.tokens, args.repeats)
-        tokens_per_s = args.tokens / max(long - short, 1e-9)
+        tokens_per_s = decode_rate(llm, args.prompt_len, args.tokens, args.repeats)
         bandwidth = copy_bandwidth(jnp.bfloat16, 5, args.copy_mib << 20)
         per_device = weights / args.tensor_parallel_size
         return {

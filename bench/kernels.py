@@ -49,7 +49,7 @@ import numpy as np
 from jaxengine.benchmarks.common import describe_run, fmt, format_table, log, machine_info
 from jaxengine.runner.attention_backend import select_attention_backend
 from pallas_kernels.ragged_paged_attention import cpu, reference
-from pallas_kernels.ragged_paged_attention.cost import batch_cost
+from pallas_kernels.ragged_paged_attention.cost import Cost, batch_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +93,16 @@ def smollm2_workloads() -> list[Workload]:
 @dataclasses.dataclass
 class Arrays:
     paged: tuple  # the kernels' positional arguments
-    dense_q: jax.Array  # [R, Q, Hq, D]
-    dense_k: jax.Array  # [R, L, Hkv, D]
-    dense_v: jax.Array
-    mask: jax.Array  # [R, 1, Q, L]
+    dense_q: jax.Array | None  # [R, Q, Hq, D] (None: not built)
+    dense_k: jax.Array | None  # [R, L, Hkv, D]
+    dense_v: jax.Array | None
+    mask: jax.Array | None  # [R, 1, Q, L]
     sm_scale: float
 
 
-def make_arrays(w: Workload, dtype, seed: int = 0) -> Arrays:
+def make_arrays(w: Workload, dtype, seed: int = 0, dense: bool = True) -> Arrays:
+    """The paged batch of ``w`` (random queries and cache, pages scattered) and, with
+    ``dense``, the same K and V gathered for ``jax.nn.dot_product_attention``."""
     rng = np.random.default_rng(seed)
     s, d = w.page_size, w.head_dim
     pages = [-(-n // s) for n in w.seq_lens]
@@ -125,6 +127,8 @@ def make_arrays(w: Workload, dtype, seed: int = 0) -> Arrays:
         jnp.asarray(qsl),
         jnp.asarray(len(w.q_lens), jnp.int32),
     )
+    if not dense:
+        return Arrays(paged, None, None, None, None, d**-0.5)
     # dense copies for jax.nn.dot_product_attention (built once, not timed)
     longest, widest = max(w.seq_lens), max(w.q_lens)
     kv = cache[jnp.asarray(table)].reshape(len(pages), -1, 2 * w.num_kv_heads, d)[:, :longest]
@@ -187,6 +191,33 @@ def _reference_output(a: Arrays) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
+def workload_cost(w: Workload, dtype) -> Cost:
+    """What the batch needs (`cost.batch_cost`): the same count for every peer."""
+    return batch_cost(
+        w.seq_lens,
+        w.q_lens,
+        num_q_heads=w.num_q_heads,
+        num_kv_heads=w.num_kv_heads,
+        head_dim=w.head_dim,
+        itemsize=jnp.dtype(dtype).itemsize,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One peer on one workload: median seconds per call and the rates they give."""
+
+    seconds: float
+    bytes_per_s: float  # effective: the batch's needed bytes over the time
+    flops_per_s: float
+
+
+def time_attention(fn: Callable, fn_args: tuple, cost: Cost, iters: int) -> Timing:
+    """Times ``fn(*fn_args)`` (`time_call`) and divides ``cost`` by the median."""
+    seconds = time_call(fn, fn_args, iters=iters)
+    return Timing(seconds, cost.bytes_accessed / seconds, cost.flops / seconds)
+
+
 def _dense(a: Arrays, impl):
     fn = functools.partial(jax.nn.dot_product_attention, scale=a.sm_scale, implementation=impl)
     return jax.jit(lambda q, k, v, m: fn(q, k, v, mask=m)), (
@@ -204,20 +235,13 @@ def run(args: argparse.Namespace) -> str:
     rows = []
     for w in workloads(args.small, args.smollm2):
         arrays = make_arrays(w, dtype)
-        cost = batch_cost(
-            w.seq_lens,
-            w.q_lens,
-            num_q_heads=w.num_q_heads,
-            num_kv_heads=w.num_kv_heads,
-            head_dim=w.head_dim,
-            itemsize=dtype.itemsize,
-        )
+        cost = workload_cost(w, dtype)
         want = None
         for name, build in peers(args).items():
             log(f"{w.name}: {name}")
             try:
                 fn, fn_args = build(arrays)
-                seconds = time_call(fn, fn_args, iters=args.iters)
+                timing = time_attention(fn, fn_args, cost, args.iters)
             except Exception as exc:  # a peer that cannot take the shapes
                 rows.append([w.name, name, "-", "-", "-", "-", f"error: {exc}".splitlines()[0]])
                 continue
@@ -226,15 +250,14 @@ def run(args: argparse.Namespace) -> str:
                 got = np.asarray(fn(*fn_args), np.float32)
                 want = want if want is not None else _reference_output(arrays)
                 note = f"max |err| vs reference {np.abs(got - want).max():.1e}"
-            bw = cost.bytes_accessed / seconds
             rows.append(
                 [
                     w.name,
                     name,
-                    fmt(seconds * 1e6, 1),
-                    fmt(bw / 1e9, 1),
-                    f"{100 * bw / copy_bw:.0f}%",
-                    fmt(cost.flops / seconds / 1e12, 2),
+                    fmt(timing.seconds * 1e6, 1),
+                    fmt(timing.bytes_per_s / 1e9, 1),
+                    f"{100 * timing.bytes_per_s / copy_bw:.0f}%",
+                    fmt(timing.flops_per_s / 1e12, 2),
                     note,
                 ]
             )

@@ -1,0 +1,164 @@
+"""The run's tables, one per section plus the goals, from the JSON document alone
+(so ``python -m bench.device --report FILE`` prints a saved run again)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxengine.benchmarks.common import fmt, format_table
+
+GOALS = (
+    # (name, section, item, key, target, at least (True) or exactly (False))
+    ("batch-1 decode MBU", "engine", "decode", "mbu", 0.85, True),
+    ("decode attention / copy bandwidth", "kernels", "decode", "of_copy", 0.70, True),
+    ("prefill attention / matmul peak", "kernels", "prefill", "of_matmul", 0.50, True),
+    ("compilations after warm-up", "engine", "compiles_after_warmup", "total", 0, False),
+)
+
+
+def status(result: Any) -> str | None:
+    """``error: ...`` / ``skipped: ...`` / ``missing`` for an item that has no figures
+    (failed, out of time, or never reached), else None."""
+    if not isinstance(result, dict) or not result:
+        return "missing"
+    for key in ("error", "skipped"):
+        if isinstance(result.get(key), str):  # (pytest's counts have a "skipped" number)
+            return f"{key}: {(result[key].splitlines() or [''])[0][:100]}"
+    return None
+
+
+def num(result: dict, key: str, digits: int = 2) -> str:
+    """``result[key]`` for a table cell: a number formatted, anything else as text."""
+    value = result.get(key) if isinstance(result, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-" if value is None else str(value)
+    return str(value) if isinstance(value, int) else fmt(value, digits)
+
+
+def environment(doc: dict) -> str:
+    env = doc.get("environment", {})
+    v, d = env.get("versions", {}), env.get("devices", {})
+    rows = [[name, str(value)] for name, value in v.items() if isinstance(value, str)]
+    if not status(d):
+        limits = [m.get("bytes_limit") for m in d.get("memory", []) if m.get("bytes_limit")]
+        memory = ", ".join(f"{b / 2**30:.1f} GiB" for b in limits) or "not reported"
+        rows += [["device", f"{d['count']} x {d['kind']} ({d['backend']})"],
+                 ["memory limit", memory], ["nvidia-smi", str(d.get("nvidia_smi"))]]  # fmt: skip
+    for name, item, key in (("copy GB/s", "copy", "copy_gb_s"),
+                            ("bf16 matmul TFLOP/s", "matmul", "matmul_tflop_s")):  # fmt: skip
+        result = env.get(item, {})
+        rows.append([name, status(result) or num(result, key, 3 if "TFLOP" in name else 1)])
+    return format_table(["environment", "value"], rows)
+
+
+def correctness(doc: dict) -> str:
+    sec = doc.get("correctness", {})
+    rows = []
+    for family in ("llama", "qwen3", "gemma3"):
+        r = sec.get(family, {})
+        bad = status(r)
+        rows.append([family, bad or r["architecture"], num(r, "float32_match"),
+                     num(r, "float32_equal_fraction"), num(r, "bf16_agreement"),
+                     num(r, "bf16_equal_fraction")])  # fmt: skip
+    header = ["tiny family", "model", "float32 = transformers", "float32 equal",
+              "bf16 agreement", "bf16 equal"]  # fmt: skip
+    py = sec.get("pytest_gpu", {})
+    counts = status(py) or ", ".join(
+        f"{py.get(k, '-')} {k}" for k in ("passed", "failed", "errors", "skipped")
+    )
+    line = f"pytest -m gpu tests/kernels: {counts} ({num(py, 'seconds', 1)} s"
+    line += ", timed out)" if py.get("timed_out") else ")"
+    failures = py.get("failures") or []
+    return format_table(header, rows) + "\n" + line + "".join(f"\n  failed: {f}" for f in failures)
+
+
+def kernels(doc: dict) -> str:
+    sec = doc.get("kernels", {})
+    rows = []
+    for name in ("decode", "prefill", "mixed"):
+        r = sec.get(name, {})
+        if status(r):
+            rows.append([name, "-", "-", "-", "-", "-", "-", status(r)])
+            continue
+        for peer in ("engine", "reference"):
+            p = r.get(peer, {})
+            notes = status(p) or ""
+            if peer == "engine" and not notes:
+                notes = f"{r['backend']}; max |err| {num(r, 'max_err', 4)}; "
+                notes += f"{num(r, 'engine_over_reference', 1)}x reference"
+            rows.append([name, peer, num(p, "us", 1), num(p, "gb_s", 1), num(p, "of_copy"),
+                         num(p, "tflop_s"), num(p, "of_matmul"), notes])  # fmt: skip
+    header = ["attention", "peer", "us", "GB/s", "of copy", "TFLOP/s", "of matmul", "notes"]
+    return format_table(header, rows)
+
+
+def goals(doc: dict) -> str:
+    rows = []
+    for name, section, item, key, target, at_least in GOALS:
+        r = doc.get(section, {}).get(item, {})
+        if section == "kernels" and not status(r):
+            r = r.get("engine", {})  # the engine's attention path, not the reference
+        value = r.get(key) if isinstance(r, dict) else None
+        if isinstance(value, (int, float)):
+            met = value >= target if at_least else value == target
+            rows.append([name, (">= " if at_least else "== ") + str(target), num(r, key),
+                         "yes" if met else "NO"])  # fmt: skip
+        else:
+            rows.append([name, str(target), status(r) or "-", "-"])
+    return format_table(["goal", "target", "measured", "met"], rows)
+
+
+def engine(doc: dict) -> str:
+    sec = doc.get("engine", {})
+    rows = []
+    for label, item, build in ENGINE_ROWS:
+        r = sec.get(item, {})
+        rows.append([label, status(r) or "", "", ""] if status(r) else [label, *build(r)])
+    c = sec.get("compiles_after_warmup", {})
+    per = ", ".join(f"{k} {'-' if v is None else v}" for k, v in c.get("per_engine", {}).items())
+    rows.append(["compilations after warm-up", num(c, "total", 0), "", per])
+    m = sec.get("model", {})
+    title = f"model: {m.get('num_hidden_layers', '?')} layers, hidden {m.get('hidden_size')}"
+    return title + "\n" + format_table(["engine", "figure", "ratio", "notes"], rows)
+
+
+ENGINE_ROWS = (
+    ("start-up (cold / warm s)", "startup",
+     lambda r: [f"{num(r, 'cold_s', 1)} / {num(r, 'warm_s', 1)}", "", "engine build, bf16"]),
+    ("batch-1 decode tok/s", "decode",
+     lambda r: [num(r, "tok_s", 1), f"MBU {num(r, 'mbu')}", f"{num(r, 'weight_gib')} GiB"]),
+    ("throughput out tok/s", "throughput",
+     lambda r: [num(r, "out_tok_s", 1), "",
+                f"{r['prompts']} x {r['input_len']} in / {r['output_len']} out, "
+                f"{num(r, 'total_tok_s', 1)} total tok/s"]),
+    ("TTFT s", "ttft",
+     lambda r: [num(r, "ttft_s", 3), "", f"{r['prompt_len']}-token prompt"]),
+    ("async scheduling decode tok/s", "async",
+     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", "vs off"]),
+    ("fp8 weights decode tok/s", "fp8_weights",
+     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", f"MBU {num(r, 'mbu')}"]),
+    ("int8 weights decode tok/s", "int8_weights",
+     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", f"MBU {num(r, 'mbu')}"]),
+    ("fp8 KV cache decode tok/s", "fp8_kv_cache",
+     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", "vs bf16 cache"]),
+    ("n-gram speculation out tok/s", "ngram",
+     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_none')}x",
+                f"acceptance {num(r, 'acceptance')}, length "
+                f"{num(r, 'mean_acceptance_length')}, same tokens {r['same_tokens_as_none']}"]),
+    ("4 LoRA adapters out tok/s", "lora",
+     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x",
+                f"{r['prompts']} prompts, rank {r['rank']}, vs no adapter"]),
+)  # fmt: skip
+
+
+def tables(doc: dict) -> str:
+    parts = [("environment", environment), ("correctness", correctness),
+             ("kernels", kernels), ("engine", engine)]  # fmt: skip
+    out = []
+    for name, fn in (p for p in parts if p[0] in doc):
+        text = f"== {name} ==\n{fn(doc)}"
+        if broken := doc[name].get("error"):  # the section itself stopped, not one item
+            text += f"\nsection error: {broken}"
+        out.append(text)
+    out.append(f"== goals ==\n{goals(doc)}")
+    return "\n\n".join(out)
