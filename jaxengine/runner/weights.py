@@ -11,14 +11,15 @@ device). LoRA adapter slots are separate leaves: the base changes under them.
 shape, a non-float dtype: `CheckpointError` naming the tensor) and `apply_update`
 builds the new leaves beside the old ones, so a bad update changes nothing and a
 failed one leaves the engine's parameters as they were. Arrays that are already
-`jax.Array`s move to the leaf's sharding on device (`jax.device_put`), with no host
-round trip; numpy arrays are placed shard by shard; torch tensors are taken through
-DLPack.
+`jax.Array`s, sharded any way on any devices, move to the leaf's sharding device to
+device (`resharded`), with no host round trip; numpy arrays are placed shard by
+shard; torch tensors are taken through DLPack.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -149,11 +150,44 @@ def _written(old: jax.Array, value: Any, index: Any) -> jax.Array:
     dtype and sharding."""
     if index is None:
         if isinstance(value, jax.Array):
-            return jax.device_put(value.astype(old.dtype), old.sharding)
+            return resharded(value.astype(old.dtype), old.sharding)
         return place(value, old.dtype, old.sharding)
     whole = _replicated(old.sharding)
-    value = jax.device_put(_on_device(value).astype(old.dtype), whole)
-    return jax.device_put(old.at[index].set(value), old.sharding)
+    value = resharded(_on_device(value).astype(old.dtype), whole)
+    if isinstance(index, int):  # one expert of a stacked leaf
+        value, index = jnp.expand_dims(value, 0), slice(index, index + 1)
+    start = (index.start or 0,) + (0,) * (old.ndim - 1)
+    return resharded(_write_rows(old, value, start), old.sharding)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _write_rows(old: jax.Array, rows: jax.Array, start: tuple[int, ...]) -> jax.Array:
+    """``old`` with ``rows`` written from ``start`` (compiled: an eager ``.at[]`` sends
+    its index to the device, a host transfer)."""
+    return jax.lax.dynamic_update_slice(old, rows, start)
+
+
+def resharded(value: jax.Array, sharding: Any) -> jax.Array:
+    """``value`` in ``sharding``, device to device. `jax.device_put` copies an array
+    held by one device (or whose shards the destination's are) between devices, but
+    reads any other multi-device array, a trainer's FSDP-sharded weight, back through
+    the host: such an array is resharded by a compiled identity when both shardings
+    span the same devices, else gathered whole on its own devices first and copied
+    from one of them."""
+    src = value.sharding
+    if (
+        len(src.device_set) == 1
+        or not value.is_fully_addressable
+        or src.is_equivalent_to(sharding, value.ndim)
+    ):
+        return jax.device_put(value, sharding, may_alias=False)  # the engine owns its copy
+    # a jitted function's inputs and outputs span the same devices in the same order
+    devices = src._device_assignment
+    if devices == sharding._device_assignment:
+        return jax.jit(lambda x: x, out_shardings=sharding)(value)
+    whole = NamedSharding(jax.sharding.Mesh(np.array(devices), ("all",)), PartitionSpec())
+    gathered = jax.jit(lambda x: x, out_shardings=whole)(value)
+    return jax.device_put(gathered.addressable_shards[0].data, sharding)
 
 
 def _replicated(sharding: Any) -> Any:

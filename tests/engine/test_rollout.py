@@ -101,6 +101,20 @@ def test_trl_colocate_sequence_gives_the_checkpoints_answers(dummy, tiny_smollm2
     assert tokens(dummy) == expected
 
 
+def test_the_engine_keeps_its_own_copy_of_device_arrays(dummy, expected):
+    """Freeing the engine's weights (sleep level 2) leaves the caller's arrays alive,
+    and the caller's arrays changing leaves the engine's."""
+    arrays = {k: jax.device_put(v) for k, v in tensors_of(dummy).items()}
+    dummy.update_weights(arrays)
+    dummy.sleep(level=2)
+    assert not any(a.is_deleted() for a in arrays.values())
+    dummy.wake_up()
+    dummy.update_weights(arrays)
+    for a in arrays.values():
+        a.delete()
+    assert tokens(dummy) == expected
+
+
 def test_partial_update_changes_answers_and_updating_back_restores_them(dummy, expected):
     """One projection of a fused q/k/v leaf (its rows only)."""
     dummy.reload_weights()
