@@ -51,6 +51,7 @@ GROUP_SECONDS = {
     "tests/engine/test_data_parallel.py": 35,
     "tests/lora/test_smollm2.py": 52,
     "tests/unit/test_loader_gguf_real.py": 40,
+    "tests/integrations/test_tunix.py": 45,  # a Tunix GRPO step beside a tiny engine
     "tests/unit/test_gguf_config.py": 55,  # measured beside other load (2 cores busy)
     "tests/unit/test_no_torch.py": 45,  # idem; a torch-less SmolLM2 engine compiling
     "tests/engine/test_structured_outputs.py": 51,
