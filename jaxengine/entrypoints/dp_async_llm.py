@@ -149,7 +149,8 @@ class DPAsyncLLM(EngineFront):
 
     @property
     def is_sleeping(self) -> bool:
-        return any(r.is_sleeping for r in self._local("sleep mode"))
+        """Whether a local replica sleeps (replicas on other nodes cannot: refused)."""
+        return any(r.is_sleeping for r in self.replicas if isinstance(r, AsyncLLM))
 
     async def pause_generation(self, mode: str = "abort") -> None:
         for replica in self._local("pause_generation"):

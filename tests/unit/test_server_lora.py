@@ -112,6 +112,7 @@ class FakeEngine:
         self.vocab_size = 100
         self.tokenizer = None
         self.generation_config = None
+        self.is_sleeping = False  # (sleep mode: the generation routes ask)
         self.config = SimpleNamespace(
             model_config=SimpleNamespace(model="/models/base", served_model_names=["base", "b2"]),
             structured_outputs_config=SimpleNamespace(
