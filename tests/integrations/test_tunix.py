@@ -173,6 +173,20 @@ def actor(cluster):
     return cluster.actor_trainer.model
 
 
+def assert_logps_match(rollout, actor, sampled) -> tuple[np.ndarray, np.ndarray]:
+    """The engine's per-token logprobs of ``sampled``'s completions equal Tunix's own
+    (`tunix_logps`) within 1e-4 on the unpadded positions; returns (the engine's
+    logprobs, that mask)."""
+    pad, eos = rollout.pad_id(), rollout.eos_id()
+    prompts = sampled.left_padded_prompt_tokens
+    completions = right_padded(sampled.tokens, NEW_TOKENS, pad)
+    ours = np.asarray(rollout.get_per_token_logps(jnp.asarray(prompts), jnp.asarray(completions)))
+    theirs = tunix_logps(actor, prompts, completions, pad, eos)
+    mask = completions != pad
+    np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-4)
+    return ours, mask
+
+
 def test_greedy_rollouts_after_update_params_equal_tunix_sampler(cluster, actor):
     rollout, tokenizer = cluster.rollout, cluster.tokenizer
     before = rollout.generate(PROMPTS, GREEDY)
@@ -204,14 +218,8 @@ def test_per_token_logps_equal_tunix_within_1e_4(cluster, actor):
         max_prompt_length=PROMPT_LEN, return_logprobs=True,
     )  # fmt: skip
     sampled = rollout.generate(PROMPTS, config)
-    pad, eos = rollout.pad_id(), rollout.eos_id()
-    prompts = sampled.left_padded_prompt_tokens
-    completions = right_padded(sampled.tokens, NEW_TOKENS, pad)
-    ours = np.asarray(rollout.get_per_token_logps(jnp.asarray(prompts), jnp.asarray(completions)))
-    theirs = tunix_logps(actor, prompts, completions, pad, eos)
-    mask = completions != pad
+    ours, mask = assert_logps_match(rollout, actor, sampled)
     assert mask.sum() >= len(PROMPTS) * 2
-    np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-4)
     assert not ours[~mask].any()
     # the sampler's logprobs (temperature 1: processed = raw) are the same numbers
     for row, lps in enumerate(sampled.logprobs):
@@ -242,13 +250,7 @@ def test_one_grpo_step_trains_the_actor_and_syncs_the_engine(cluster, actor):
     # the engine scores with the trained weights (synced after the step)
     rollout = cluster.rollout
     sampled = rollout.generate(PROMPTS, GREEDY)
-    pad, eos = rollout.pad_id(), rollout.eos_id()
-    prompts = sampled.left_padded_prompt_tokens
-    completions = right_padded(sampled.tokens, NEW_TOKENS, pad)
-    ours = np.asarray(rollout.get_per_token_logps(jnp.asarray(prompts), jnp.asarray(completions)))
-    theirs = tunix_logps(actor, prompts, completions, pad, eos)
-    mask = completions != pad
-    np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-4)
+    assert_logps_match(rollout, actor, sampled)
 
 
 SMALL = dict(
