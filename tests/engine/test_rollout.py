@@ -148,6 +148,16 @@ def test_bad_update_changes_nothing(dummy, expected, bad, error):
     assert tokens(dummy) == expected
 
 
+def check_sleep_and_bad_update(llm, want) -> None:
+    """sleep(1) / wake_up() and a refused update leave the answers as they were."""
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert tokens(llm) == want
+    with pytest.raises(CheckpointError, match="shape"):
+        llm.update_weights({"model.layers.1.mlp.up_proj.weight": np.ones((2, 2), np.float32)})
+    assert tokens(llm) == want
+
+
 def test_tensor_parallel_engine_takes_device_arrays(tiny_smollm2, kwargs, expected):
     """3 tensor devices; the new weights are jax.Arrays on another device, resharded
     on device."""
@@ -159,6 +169,7 @@ def test_tensor_parallel_engine_takes_device_arrays(tiny_smollm2, kwargs, expect
         arrays = {k: jax.device_put(v, device) for k, v in tensors_of(llm).items()}
         llm.update_weights(arrays)
         assert tokens(llm) == expected
+        check_sleep_and_bad_update(llm, expected)
 
 
 def test_quantized_engine_requantizes_float_weights(tiny_smollm2, kwargs):
@@ -168,9 +179,7 @@ def test_quantized_engine_requantizes_float_weights(tiny_smollm2, kwargs):
     with LLM(folder, quantization="int8", load_format="dummy", enforce_eager=True, **kwargs) as llm:
         llm.update_weights(tensors_of(llm))
         assert tokens(llm) == want
-        with pytest.raises(CheckpointError, match="shape"):
-            llm.update_weights({"model.layers.1.mlp.up_proj.weight": np.ones((2, 2), np.float32)})
-        assert tokens(llm) == want
+        check_sleep_and_bad_update(llm, want)
 
 
 def test_collective_rpc_and_refusals(dummy, tiny_llm, expected):
