@@ -1,7 +1,7 @@
 """Counting XLA compilations, to prove that none happens after warm-up.
 
-JAX reports every backend compilation (and every persistent-cache hit, counted per
-thread for `persistent_cache_hits`) through `jax.monitoring`, on the thread that
+JAX reports every backend compilation (and every persistent-cache hit; both counted
+per thread for `compile_counts`) through `jax.monitoring`, on the thread that
 compiles; one listener per process hands each event to the guard watching that
 thread. A runner watches while it warms up and while it runs a step
 (``with guard.watching():``), so its guard counts its own engine's compilations and
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _watching = threading.local()  # .guard: the CompileGuard this thread compiles for
-_hits = threading.local()  # .count: persistent-cache hits on this thread
+_counts = threading.local()  # .compiles, .hits: backend compilations, cache hits
 _install_lock = threading.Lock()
 _installed = False
 
@@ -35,6 +35,7 @@ _installed = False
 def _on_event(event: str, duration: float, **kwargs: object) -> None:
     if event != _BACKEND_EVENT:
         return
+    _counts.compiles = getattr(_counts, "compiles", 0) + 1
     guard = getattr(_watching, "guard", None)
     if guard is not None:
         guard.count(duration)
@@ -42,7 +43,7 @@ def _on_event(event: str, duration: float, **kwargs: object) -> None:
 
 def _on_cache_hit(event: str, **kwargs: object) -> None:
     if event == _CACHE_HIT_EVENT:
-        _hits.count = getattr(_hits, "count", 0) + 1
+        _counts.hits = getattr(_counts, "hits", 0) + 1
 
 
 def _install_listener() -> None:
@@ -54,11 +55,13 @@ def _install_listener() -> None:
             _installed = True
 
 
-def persistent_cache_hits() -> int:
-    """How many compilations this thread has had answered by JAX's persistent cache
-    (compare before and after a compile to know whether it really compiled)."""
+def compile_counts() -> tuple[int, int]:
+    """(backend compilations, of which answered by JAX's persistent cache) on this
+    thread so far. Compare before and after a ``compile()`` to know whether XLA really
+    compiled: a persistent-cache hit counts in both, and JAX's in-memory cache (the
+    same lowered module compiled again) in neither."""
     _install_listener()
-    return getattr(_hits, "count", 0)
+    return getattr(_counts, "compiles", 0), getattr(_counts, "hits", 0)
 
 
 class CompileGuard:

@@ -21,8 +21,11 @@ A file that fails to load (truncated, other runtime) is compiled again and repla
 The directory is kept under ``max_bytes`` (least recently used files go first: a
 load touches its file), since every edit of the source starts a new set of files.
 Only fresh compilations are stored: an executable JAX's persistent cache handed back
-does not serialize whole again (XLA:CPU drops its kernels), so after a cache hit the
-store writes nothing and the next start takes the persistent cache's path again.
+does not serialize whole again (XLA:CPU drops its kernels: the stored file loads, then
+fails at its first run with "Function ... not found"). Such an executable also comes
+back from JAX's in-memory cache when the same lowered module is compiled again, with
+no event at all; so the store writes only after a backend compilation that was not a
+cache hit, and otherwise the next start takes the persistent cache's path again.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import jax
 
-from jaxengine.runner.compile_guard import persistent_cache_hits
+from jaxengine.runner.compile_guard import compile_counts
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +132,10 @@ class ExecutableStore:
         """The stored executable, else ``lower().compile()`` (stored for next time)."""
         compiled = self.load(name, key)
         if compiled is None:
-            hits = persistent_cache_hits()
+            compiles, hits = compile_counts()
             compiled = lower().compile()
-            if persistent_cache_hits() == hits:  # compiled here, not loaded
+            now_compiles, now_hits = compile_counts()
+            if now_compiles > compiles and now_hits == hits:  # compiled here, not loaded
                 self.save(name, key, compiled)
         return compiled
 

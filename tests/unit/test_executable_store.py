@@ -65,3 +65,24 @@ def test_a_second_cache_directory_takes_effect(tmp_path):
         use_compilation_cache_dir(str(path))
         jax.jit(lambda x, s=scale: x * s + OFFSET)(jnp.arange(7.0)).block_until_ready()
         assert path.is_dir() and any(path.iterdir()), path
+
+
+def test_store_saves_nothing_it_did_not_compile(tmp_path):
+    """An executable handed back by JAX's persistent cache, then again by its
+    in-memory cache (the same lowered module compiled twice, with no event), does not
+    serialize whole: stored, it would load and then fail at its first run."""
+    from jaxengine.runner.executables import use_compilation_cache_dir
+
+    use_compilation_cache_dir(str(tmp_path / "xla"))
+    x = jnp.linspace(0.0, 1.0, 6)
+
+    def make():  # the same program, traced anew: no in-memory hit between them
+        return jax.jit(lambda v: jnp.argmax(jnp.sin(v) + OFFSET * v))
+
+    make().lower(x).compile()  # compiled: written to JAX's persistent cache
+    fn = make()
+    fn.lower(x).compile()  # a persistent-cache hit
+    store_dir = tmp_path / "executables"
+    compiled = ExecutableStore(store_dir, "program").compile("fn", 6, lambda: fn.lower(x))
+    assert not store_dir.exists() or not any(store_dir.iterdir())
+    assert int(compiled(x)) == 5
