@@ -92,6 +92,16 @@ class ChatHandler:
         return list(ids)
 
     async def create(self, request: ChatCompletionRequest, raw_request=None):
+        view, streams = self.start(request)
+        if request.stream:
+            return sse(view.stream(streams))
+        return await until_disconnected(raw_request, view.collect(streams))
+
+    def start(self, request: ChatCompletionRequest) -> tuple[_ChatView, AsyncIterator]:
+        """Queues the request in the engine: its view and output streams. The other
+        APIs over chat (Responses, Anthropic Messages) reshape what the view builds:
+        ``await view.collect(streams)`` (a chat.completion dict) or ``view.stream(
+        streams)`` (chat.completion.chunk dicts)."""
         ctx = self.ctx
         choice = resolve_tool_choice(request, ctx.auto_tool_choice)
         model, lora = ctx.resolve_model(request.model)
@@ -114,9 +124,7 @@ class ChatHandler:
         )
         prompt_ids = prepared[0].token_ids
         view = _ChatView(ctx, request, model, request_id, len(prompt_ids), parser, prompt_ids)
-        if request.stream:
-            return sse(view.stream(streams))
-        return await until_disconnected(raw_request, view.collect(streams))
+        return view, streams
 
     def _constraint(self, request, choice: ToolChoice) -> StructuredOutputsParams | None:
         """The request's structured outputs, or the tool-call schema it forces."""
