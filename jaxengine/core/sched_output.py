@@ -184,6 +184,9 @@ class SchedulerStats:
     """``--max-loras`` (0: LoRA off)."""
     spec_decoding: SpecDecodingStats | None = None
     """Speculative-decoding counters (None: speculative decoding off)."""
+    sleep_level: int = 0
+    """0 awake; the sleep level (1 weights in host memory, 2 dropped) while asleep.
+    Set by the engine (`LLMEngine.get_stats`), not the scheduler."""
     num_deferred: int = 0
     """Of ``num_waiting``, the requests the last admission pass skipped (vLLM's
     "deferred": LoRA budget, grammar still compiling, a token in flight, the

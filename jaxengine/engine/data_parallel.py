@@ -169,6 +169,7 @@ class DataParallelEngine:
         }
         total["kv_cache_usage"] /= len(stats)
         total["max_lora"] = stats[0].max_lora
+        total["sleep_level"] = max(s.sleep_level for s in stats)
         return SchedulerStats(**total)
 
     def shutdown(self) -> None:

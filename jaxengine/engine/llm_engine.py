@@ -15,6 +15,7 @@ or the schedule is empty.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -351,8 +352,10 @@ class LLMEngine:
         return outputs
 
     def get_stats(self):
-        """The scheduler's snapshot (`SchedulerStats`): queues, KV usage, counters."""
-        return self.scheduler.get_stats()
+        """The scheduler's snapshot (`SchedulerStats`): queues, KV usage, counters,
+        and the executor's sleep level."""
+        stats = self.scheduler.get_stats()
+        return dataclasses.replace(stats, sleep_level=self.executor.sleep_level)
 
     def take_iteration_stats(self):
         """Token and latency statistics (`IterationStats`) since the last call."""

@@ -244,7 +244,9 @@ class AsyncLLM(EngineFront):
                     self._add(add)
                 command.done.set_result(None)
                 return
-            command.done.set_result(command.fn())
+            result = command.fn()
+            self._record(self.engine.take_iteration_stats())  # a new sleep state, say
+            command.done.set_result(result)
         except Exception as e:  # noqa: BLE001 - the caller's error, not the engine's
             command.done.set_exception(e)
 

@@ -20,10 +20,11 @@ config, tokenizer, cache size, scheduler limits). Then:
   ``list_loras()`` gives the registered ids (``--enable-lora``; without it, adding
   raises ValueError);
 - ``sleep(level)`` frees the KV caches and parks (1) or drops (2) the weights,
-  ``wake_up(tags)`` restores them, ``is_sleeping`` says whether any part is away
-  (`runner.sleep`); ``update_weights(pairs)`` writes ``(hf_name, array)`` pairs into
-  the parameters, all or nothing (`runner.weights`). Executors that drive other
-  hosts refuse them (NotImplementedError);
+  ``wake_up(tags)`` restores them, ``is_sleeping`` says whether any part is away and
+  ``sleep_level`` at which level (0 awake; `runner.sleep`); ``update_weights(pairs)``
+  writes ``(hf_name, array)`` pairs into the parameters, all or nothing
+  (`runner.weights`). Executors that drive other hosts refuse them
+  (NotImplementedError);
 - ``check_health()`` raises when a worker is gone;
 - ``compiles_after_warmup`` counts compilations that escaped warm-up (0 when none);
 - ``shutdown()`` stops the workers and releases every device buffer. It is
@@ -74,6 +75,9 @@ class Executor(Protocol):
 
     @property
     def is_sleeping(self) -> bool: ...
+
+    @property
+    def sleep_level(self) -> int: ...
 
     def update_weights(self, weights: Any) -> int: ...
 

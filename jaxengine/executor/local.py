@@ -55,6 +55,10 @@ class LocalExecutor:
     def is_sleeping(self) -> bool:
         return self.sleep_mode.sleeping
 
+    @property
+    def sleep_level(self) -> int:
+        return self.sleep_mode.level
+
     def update_weights(self, weights) -> int:
         """Writes ``(hf_name, array)`` pairs into the runner's parameters, all or
         nothing (`runner.weights`); the number of leaves changed."""

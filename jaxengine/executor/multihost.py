@@ -169,6 +169,7 @@ class DriverExecutor(LocalExecutor):
 
     sleep = wake_up = update_weights = refuse_rollout("with --nnodes > 1 yet")
     is_sleeping = False
+    sleep_level = 0
 
     def shutdown(self) -> None:
         if not self.closed:

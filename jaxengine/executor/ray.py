@@ -166,6 +166,7 @@ class RayExecutor:
 
     sleep = wake_up = update_weights = refuse_rollout("with --distributed-executor-backend ray yet")
     is_sleeping = False
+    sleep_level = 0
 
     def check_health(self) -> None:
         """Raises when a worker has died (Ray raises for a dead actor)."""

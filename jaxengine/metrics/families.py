@@ -45,6 +45,9 @@ CACHE_CONFIG_LABELS = {"kv_cache_dtype": "cache_dtype"}
 FINISH_REASONS = ("stop", "length", "abort")
 """request_success label values, pre-created so they are exposed at 0."""
 
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+"""engine_sleep_state label values, by sleep level (0: awake, 1, 2)."""
+
 # fmt: off
 # Bucket boundaries as in vLLM v1 (`vllm/v1/metrics/loggers.py`).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -102,6 +105,9 @@ LABELLED = (
     (Gauge, "num_requests_waiting_by_reason", "reason", ("capacity", "deferred"),
      "Waiting requests by reason: 'capacity' waits for room; 'deferred' was skipped by "
      "the last admission pass (LoRA budget, grammar compiling, partial-prefill limit)."),
+    (Gauge, "engine_sleep_state", "sleep_state", SLEEP_STATES,
+     "Engine sleep state: awake = 1 when awake; weights_offloaded = 1 at sleep level 1 "
+     "(weights in host memory), discard_all = 1 at level 2 (weights dropped)."),
     (Counter, "prompt_tokens_by_source", "source",
      ("local_compute", "local_cache_hit", "external_kv_transfer"),
      "Prompt tokens by source (there is no KV connector here: external_kv_transfer "

@@ -78,6 +78,7 @@ from jaxengine.metrics.families import (
     LORA_LABELS,
     PREFIXES,
     REQUEST_HISTOGRAMS,
+    SLEEP_STATES,
     SPEC_COUNTERS,
     STEP_METRICS,
     PrefixedCollector,
@@ -249,7 +250,7 @@ class _EngineMetrics:
         def bind(metrics: dict) -> dict:
             return {key: metric.labels(*labels) for key, metric in metrics.items()}
 
-        return cls(
+        metrics = cls(
             gauges=bind(gauges),
             cumulative=bind(cumulative),
             request_histograms=bind(request_histograms),
@@ -262,6 +263,8 @@ class _EngineMetrics:
             last_cumulative={field: 0 for _, field, _ in CUMULATIVE_COUNTERS},
             labels=labels,
         )
+        metrics.labelled["engine_sleep_state"]["awake"].set(1)  # an engine starts awake
+        return metrics
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
         """Gauges and cumulative counters (the caller holds the lock)."""
@@ -270,6 +273,8 @@ class _EngineMetrics:
         waiting = self.labelled["num_requests_waiting_by_reason"]
         waiting["capacity"].set(stats.num_waiting - stats.num_deferred)
         waiting["deferred"].set(stats.num_deferred)
+        for level, state in enumerate(SLEEP_STATES):
+            self.labelled["engine_sleep_state"][state].set(int(stats.sleep_level == level))
         for field, counter in self.cumulative.items():
             current = getattr(stats, field)
             counter.inc(_delta(current, self.last_cumulative[field]))

@@ -91,13 +91,14 @@ def test_trl_colocate_sequence_gives_the_checkpoints_answers(dummy, tiny_smollm2
     wake_up(kv_cache): TRL's order with a colocated trainer."""
     assert tokens(dummy) != expected
     dummy.sleep(level=2)
+    assert dummy.engine.get_stats().sleep_level == 2  # metrics: discard_all
     dummy.wake_up(["weights"])
     assert dummy.is_sleeping()  # the KV cache still sleeps
     state = tiny_smollm2[1].state_dict()  # the trainer's torch tensors
     assert dummy.update_weights(state.items()) > 0
     assert dummy.reset_prefix_cache()
     dummy.wake_up(["kv_cache"])
-    assert not dummy.is_sleeping()
+    assert not dummy.is_sleeping() and dummy.engine.get_stats().sleep_level == 0
     assert tokens(dummy) == expected
 
 

@@ -49,11 +49,24 @@ class Streamed(threading.Thread):
             self.finish_reason = chunk.choices[0].finish_reason or self.finish_reason
 
 
+def sleep_states(server) -> dict[str, float]:
+    """vLLM's ``engine_sleep_state`` gauge by its ``sleep_state`` label, engines summed."""
+    found = {}
+    for key, value in server.metrics().items():
+        if key.startswith("vllm:engine_sleep_state{"):
+            found[key.split('sleep_state="')[1].split('"')[0]] = value
+    return found
+
+
 def test_sleep_refuses_generation_and_wake_up_answers_the_same(server):
     want = greedy(server)
+    engines = server.data_parallel_size
+    assert sleep_states(server) == {"awake": engines, "weights_offloaded": 0, "discard_all": 0}
     assert server.post("/sleep?level=1", {}).status_code == 200
     try:
         assert server.get("/is_sleeping").json() == {"is_sleeping": True}
+        asleep = {"awake": 0, "weights_offloaded": engines, "discard_all": 0}
+        assert sleep_states(server) == asleep
         assert server.get("/health").status_code == 200
         refused = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPT})
         assert refused.status_code == 503
@@ -61,6 +74,7 @@ def test_sleep_refuses_generation_and_wake_up_answers_the_same(server):
     finally:
         assert server.post("/wake_up", {}).status_code == 200
     assert server.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert sleep_states(server)["awake"] == engines
     assert greedy(server) == want
 
 
