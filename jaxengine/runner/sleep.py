@@ -149,11 +149,21 @@ def _restore(specs: Any, host: Any) -> Any:
 
 
 def _zeros(specs: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[jax.Array, ...]:
-    make = jax.jit(
-        lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in specs),
-        out_shardings=tuple(s.sharding for s in specs),
-    )
-    return make()
+    """Zeros of each spec, one program per set of devices (pipeline stages hold their
+    leaves on different devices, and one program runs on one set)."""
+    groups: dict[frozenset, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(frozenset(d.id for d in spec.sharding.device_set), []).append(i)
+    out: list[jax.Array | None] = [None] * len(specs)
+    for indexes in groups.values():
+        group = tuple(specs[i] for i in indexes)
+        make = jax.jit(
+            lambda group=group: tuple(jnp.zeros(s.shape, s.dtype) for s in group),
+            out_shardings=tuple(s.sharding for s in group),
+        )
+        for i, array in zip(indexes, make(), strict=True):
+            out[i] = array
+    return tuple(out)
 
 
 def runner_parts(runner: Any) -> list[Part]:

@@ -159,14 +159,18 @@ def check_sleep_and_bad_update(llm, want) -> None:
     assert tokens(llm) == want
 
 
-def test_tensor_parallel_engine_takes_device_arrays(tiny_smollm2, kwargs, expected):
-    """3 tensor devices; the new weights are jax.Arrays on another device, resharded
-    on device."""
+@pytest.mark.parametrize(
+    "layout",
+    [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}],
+    ids=["tp3", "pp2"],
+)
+def test_parallel_engine_takes_device_arrays(tiny_smollm2, kwargs, expected, layout):
+    """3 tensor devices, or 2 pipeline stages (each takes its layers); the new weights
+    are jax.Arrays on another device, resharded on device."""
     device = jax.devices()[5]
     with LLM(
-        str(tiny_smollm2[0]), load_format="dummy", tensor_parallel_size=3, enforce_eager=True,
-        **kwargs,
-    ) as llm:  # fmt: skip
+        str(tiny_smollm2[0]), load_format="dummy", enforce_eager=True, **layout, **kwargs
+    ) as llm:
         arrays = {k: jax.device_put(v, device) for k, v in tensors_of(llm).items()}
         llm.update_weights(arrays)
         assert tokens(llm) == expected
