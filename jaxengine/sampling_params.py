@@ -195,9 +195,7 @@ class SamplingParams:
             # Zero temperature means greedy sampling: the filters are irrelevant.
             self.top_p = 1.0
             self.top_k = 0
-            self.min_p = 0.0
-            if self.n > 1:
-                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+            self.min_p = 0.0  # n > 1 is allowed, as vLLM: n equal sequences
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     @classmethod

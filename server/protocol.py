@@ -232,7 +232,7 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
-            raise ValueError("prompt must not be empty")
+            raise ValueError("The decoder prompt cannot be empty")  # vLLM's wording
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # one tokenized prompt
         return list(prompt)

@@ -270,7 +270,7 @@ class LLMEngine:
         """Checks the prompt's ids and length (with ``params`` None: a pooling
         request's, which generates nothing)."""
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise ValueError("The decoder prompt cannot be empty")  # vLLM's wording
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(

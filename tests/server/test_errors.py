@@ -59,7 +59,8 @@ INVALID_COMPLETIONS = {
     "logprobs 21": ({"logprobs": 21}, "20"),
     "stream_options without stream": ({"stream_options": {"include_usage": True}}, "stream"),
     "prompt missing": ({"prompt": None}, "prompt"),
-    "prompt empty list": ({"prompt": []}, "prompt"),
+    "prompt empty list": ({"prompt": []}, "The decoder prompt cannot be empty"),
+    "prompt empty string": ({"prompt": ""}, "The decoder prompt cannot be empty"),  # vLLM's
 }
 
 
