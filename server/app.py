@@ -3,8 +3,8 @@
 `build_app(engine, args)` wires the handlers to an `EngineClient` (an `AsyncLLM`, or
 a `DPAsyncLLM` with ``--data-parallel-size`` > 1); `server/launch.py` adds the
 ``--lora-modules`` adapters (`server/lora.py`) and serves it with uvicorn. Every
-error leaves the app in OpenAI's error shape (see `server/errors.py`); none of them
-stops the server.
+error leaves the app in OpenAI's error shape (see `server/errors.py`), Anthropic's on
+its /v1/messages routes (`server/anthropic_errors.py`); none of them stops the server.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from jaxengine.engine.rollout import EngineSleepingError
 from jaxengine.entrypoints.client import EngineClient, EngineDeadError
 from jaxengine.version import __version__
 from server import envs
+from server.anthropic_errors import anthropic_error_response, is_messages_path
 from server.dev_routes import add_dev_routes
 from server.errors import APIError, error_response, validation_message
 from server.extra_routes import add_extra_routes, respond
@@ -48,6 +49,8 @@ from server.serving import ServerOptions, ServingContext
 from server.serving_chat import ChatHandler
 from server.serving_completion import CompletionHandler
 from server.serving_embedding import EmbeddingHandler
+from server.serving_messages import add_messages_routes
+from server.serving_responses import add_responses_routes
 from server.serving_score import ScoreHandler
 
 logger = logging.getLogger("jaxengine.server")
@@ -136,7 +139,8 @@ async def _log_stats(stats_logs: Sequence[Any], interval: float) -> None:
 
 def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> None:
     chat = ChatHandler(ctx)
-    _add_generation_routes(app, ctx, chat)
+    _add_generation_routes(app, ctx, chat, args)
+    add_messages_routes(app, ctx, chat, _check_awake)  # Anthropic's /v1/messages, over chat
     _add_pooling_routes(app, ctx, chat)
     _add_token_routes(app, ctx, chat)
     _add_status_routes(app, ctx, metrics, args)
@@ -156,8 +160,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> N
             logger.warning("runtime LoRA updating is allowed, but LoRA is off (--enable-lora)")
 
 
-def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:
-    """The OpenAI endpoints: completions, chat completions, models."""
+def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler, args: Any) -> None:
+    """The OpenAI endpoints: completions, chat completions, models, responses."""
     completions = CompletionHandler(ctx)
 
     @app.post("/v1/completions")
@@ -173,6 +177,9 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler)
     @app.get("/v1/models")
     async def show_models():
         return {"object": "list", "data": ctx.models.cards()}
+
+    stored = getattr(args, "max_stored_responses", 1024)
+    add_responses_routes(app, ctx, chat, stored, _check_awake)  # /v1/responses, over chat
 
 
 def _check_awake(ctx: ServingContext) -> None:
@@ -307,7 +314,9 @@ def _add_exception_handlers(app: FastAPI) -> None:
         return error_response(str(exc), 503)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if is_messages_path(_path(request.scope)):  # e.g. a GET: Anthropic's shape there
+            return anthropic_error_response(str(exc.detail), exc.status_code)
         return error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
@@ -349,8 +358,9 @@ open."""
 
 class AuthMiddleware:
     """401 for a request under `GUARDED_PREFIXES` (but a CORS preflight, OPTIONS)
-    without ``Authorization: Bearer <key>`` for one of ``keys`` (the scheme in any
-    case, as vLLM)."""
+    without ``Authorization: Bearer <key>`` (the scheme in any case, as vLLM) or
+    Anthropic's ``x-api-key: <key>`` for one of ``keys``; in Anthropic's error shape
+    on its /v1/messages routes."""
 
     def __init__(self, app, keys: list[str]) -> None:
         self.app = app
@@ -359,17 +369,25 @@ class AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
-        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+        path = _path(scope)
         if path.startswith(GUARDED_PREFIXES) and not self._authorized(scope):
-            response = error_response("Unauthorized: a valid API key is required", 401)
+            message = "Unauthorized: a valid API key is required"
+            response = (
+                anthropic_error_response(message, 401)
+                if is_messages_path(path)
+                else error_response(message, 401)
+            )
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, given = header.partition(b" ")
-        matches = [hmac.compare_digest(given, key) for key in self.expected]  # each compared
-        return scheme.lower() == b"bearer" and any(matches)
+        headers = dict(scope["headers"])
+        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+        given = [bearer] if scheme.lower() == b"bearer" else []
+        if b"x-api-key" in headers:
+            given.append(headers[b"x-api-key"])
+        # every pair compared, so the time does not tell which key came close
+        return any([hmac.compare_digest(g, key) for g in given for key in self.expected])
 
 
 class RequestIdMiddleware:
@@ -410,8 +428,12 @@ class LoadTrackingMiddleware:
 
 
 def _is_api(scope) -> bool:
-    path = scope["path"].removeprefix(scope.get("root_path", "") or "")
-    return path.startswith("/v1")
+    return _path(scope).startswith("/v1")
+
+
+def _path(scope) -> str:
+    """The request's path below ``--root-path``."""
+    return scope["path"].removeprefix(scope.get("root_path", "") or "")
 
 
 def _add_user_middleware(app: FastAPI, path: str) -> None:

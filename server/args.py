@@ -136,6 +136,15 @@ def _add_api_args(add: Any) -> None:
         "queue_time_ms, mean_itl_ms, tokens_per_second) for a request with one prompt "
         "and n = 1; when streaming, in the final usage chunk",
     )
+    add(
+        "--max-stored-responses",
+        type=int,
+        default=1024,
+        help="how many /v1/responses responses (store: true, the default) the server "
+        "keeps in memory for GET /v1/responses/{id}, previous_response_id and cancel; "
+        "beyond it the least recently used finished response is dropped (default: "
+        "1024; 0 stores none and refuses background responses)",
+    )
 
 
 def _add_tool_args(add: Any) -> None:
@@ -196,7 +205,8 @@ def check_server_args(args: argparse.Namespace) -> None:
     """Frontend flags that cannot work (ValueError), checked before the engine loads:
     several API server processes, auto tool choice without a parser, an unknown parser
     name, a broken plugin, ``--lora-modules`` without ``--enable-lora`` or with a name
-    twice, ``--enable-per-request-metrics`` with ``--disable-log-stats`` (as vLLM)."""
+    twice, ``--enable-per-request-metrics`` with ``--disable-log-stats`` (as vLLM), a
+    negative ``--max-stored-responses``."""
     from server.serving import tool_parser_class
 
     if getattr(args, "api_server_count", 1) != 1:
@@ -208,6 +218,8 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser to be set")
     tool_parser_class(args.tool_call_parser, args.tool_parser_plugin)
     check_lora_modules(getattr(args, "lora_modules", []), getattr(args, "enable_lora", False))
+    if getattr(args, "max_stored_responses", 0) < 0:
+        raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     if getattr(args, "enable_per_request_metrics", False) and args.disable_log_stats:
         raise ValueError(
             "--enable-per-request-metrics requires engine statistics logging; remove "

@@ -252,3 +252,24 @@ def client(server):
 @pytest.fixture
 def async_client(server):
     return server.async_client(max_retries=0, timeout=120)
+
+
+TOOL_TEMPLATE = Path(__file__).with_name("tool_chat_template.jinja")
+AGENT_FLAGS = [
+    *SERVER_FLAGS,
+    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--chat-template", str(TOOL_TEMPLATE),
+]  # fmt: skip
+"""`agents_server`'s flags: SERVER_FLAGS plus tool calling (hermes, a ChatML template
+that renders tools)."""
+
+
+@pytest.fixture(scope="session")
+def agents_server(tiny_smollm2, tmp_path_factory) -> Server:
+    """One server (dp1, the tiny model, AGENT_FLAGS) for the agent-facing APIs built on
+    chat completions: /v1/responses and Anthropic's /v1/messages, each compared with
+    /v1/chat/completions on the same server."""
+    log_path = tmp_path_factory.mktemp("server-agents") / "server.log"
+    running = start_server(log_path, [str(tiny_smollm2[0]), *AGENT_FLAGS])
+    yield running
+    stop_server(running)
