@@ -12,11 +12,11 @@ the output but that jaxengine does not run are declared and refused (`REFUSED`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from server.unsupported_fields import Refusal
+from server.unsupported_fields import Refusal, RefusingModel
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -92,8 +92,10 @@ class OutputConfig(AnthropicModel):
     format: OutputFormat | None = None
 
 
-class AnthropicCountTokensRequest(AnthropicModel):
+class AnthropicCountTokensRequest(AnthropicModel, RefusingModel):
     """POST /v1/messages/count_tokens: what the prompt is rendered from."""
+
+    refused: ClassVar[dict[str, Refusal]] = REFUSED
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -108,24 +110,6 @@ class AnthropicCountTokensRequest(AnthropicModel):
     # refused when given (REFUSED)
     mcp_servers: list[Any] | None = None
     context_management: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _log_ignored(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            known = {f.alias or name for name, f in cls.model_fields.items()}
-            ignored = sorted(set(data) - known - set(cls.model_fields))
-            if ignored:
-                logger.warning("fields present in the request but ignored: %s", ignored)
-        return data
-
-    @field_validator("*")
-    @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        refusal = REFUSED.get(info.field_name)
-        if refusal is not None and refusal.refuses(value, info.data):
-            raise ValueError(refusal.reason)
-        return value
 
 
 class Metadata(AnthropicModel):

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
-from server.unsupported_fields import refuse_unsupported
+from server.unsupported_fields import RefusingModel
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -56,7 +56,7 @@ class ResponseFormat(OpenAIModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(OpenAIModel, RefusingModel):
     """Fields shared by completions and chat: OpenAI's and vLLM's extras."""
 
     model: str | None = None
@@ -119,22 +119,6 @@ class SamplingFields(OpenAIModel):
     kv_transfer_params: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _log_ignored(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            known = {f.alias or name for name, f in cls.model_fields.items()}
-            ignored = sorted(set(data) - known - set(cls.model_fields))
-            if ignored:
-                logger.warning("fields present in the request but ignored: %s", ignored)
-        return data
-
-    @field_validator("*")
-    @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        refuse_unsupported(info.field_name, value, info.data)
-        return value
 
     @model_validator(mode="after")
     def _check_stream_options(self):

@@ -13,12 +13,12 @@ are accepted; any other unknown field is ignored and logged, as on the other rou
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from server.protocol import OpenAIModel
-from server.unsupported_fields import Refusal
+from server.unsupported_fields import Refusal, RefusingModel
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -83,10 +83,12 @@ class TextConfig(OpenAIModel):
         return value
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(OpenAIModel, RefusingModel):
     """POST /v1/responses: OpenAI's fields, and the vLLM extras it passes to chat
     completions (``stop``, ``top_k``, ``min_p``, ``repetition_penalty``,
     ``structured_outputs``, ...)."""
+
+    refused: ClassVar[dict[str, Refusal]] = REFUSED
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -134,23 +136,6 @@ class ResponsesRequest(OpenAIModel):
     max_tool_calls: int | None = None
     context_management: list[dict[str, Any]] | None = None
     moderation: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _log_ignored(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            ignored = sorted(set(data) - set(cls.model_fields))
-            if ignored:
-                logger.warning("fields present in the request but ignored: %s", ignored)
-        return data
-
-    @field_validator("*")
-    @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        refusal = REFUSED.get(info.field_name)
-        if refusal is not None and refusal.refuses(value, info.data):
-            raise ValueError(refusal.reason)
-        return value
 
     @field_validator("include")
     @classmethod

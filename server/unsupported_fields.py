@@ -15,8 +15,13 @@ as the error's location (``param``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ValidationInfo, field_validator, model_validator
+
+logger = logging.getLogger("jaxengine.server")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +84,27 @@ REFUSED: dict[str, Refusal] = {
 """Every refused field, by name."""
 
 
-def refuse_unsupported(name: str, value: Any, data: dict[str, Any]) -> None:
-    """Raises ValueError if ``value`` asks for a missing feature (pydantic reports it
-    as a 400 at the field's location, so the message starts with ``name``)."""
-    refusal = REFUSED.get(name)
-    if refusal is not None and refusal.refuses(value, data):
-        raise ValueError(refusal.reason)
+class RefusingModel(BaseModel):
+    """A request body that refuses the fields of its ``refused`` table (a 400 at the
+    field) and logs the unknown fields it ignores. OpenAI's requests refuse
+    `REFUSED`; the Responses and Anthropic requests bring their own tables."""
+
+    refused: ClassVar[dict[str, Refusal]] = REFUSED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = {f.alias or name for name, f in cls.model_fields.items()}
+            ignored = sorted(set(data) - known - set(cls.model_fields))
+            if ignored:
+                logger.warning("fields present in the request but ignored: %s", ignored)
+        return data
+
+    @field_validator("*")
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        refusal = cls.refused.get(info.field_name)
+        if refusal is not None and refusal.refuses(value, info.data):
+            raise ValueError(refusal.reason)
+        return value
