@@ -25,6 +25,7 @@ from server.responses_store import ResponseStore, StoredResponse
 from server.serving import ServerOptions
 from server.serving_chat import _ChatView
 from server.tool_calls import resolve_tool_choice
+from tests.server.test_chat_parsing import FakeReasoning
 
 WEATHER = {
     "type": "function",
@@ -203,17 +204,11 @@ def test_output_items_and_incomplete_last_item():
     assert output_items({"message": {"content": None}, "finish_reason": "stop"}) == []
 
 
-class FakeThink:
-    """<think>...</think>: whole, streamed (markers within one delta), and by token ids
-    (END is the end marker's id)."""
+class FakeThink(FakeReasoning):
+    """<think>...</think>: whole (chat's fake), streamed (markers within one delta),
+    and by token ids (END is the end marker's id)."""
 
     END = 99
-
-    def extract(self, text):
-        if "</think>" not in text:
-            return None, text
-        reasoning, content = text.removeprefix("<think>").split("</think>", 1)
-        return reasoning or None, content or None
 
     def stream(self):
         state = {"done": False}
