@@ -1,0 +1,244 @@
+"""Qwen2.5-VL: the vision tower (pixels -> decoder tokens) and the decoder's M-RoPE.
+
+The tower (`Qwen2_5_VisionTransformer`) takes the processor's ``pixel_values`` rows,
+zero-padded to ``N``, and a `qwen2_5_vl_inputs.VisionLayout` built on the host:
+
+1. patch embedding: the checkpoint's Conv3d has kernel = stride = one patch
+   (``[E, C, T, p, p]``), so it is one matmul over the flattened rows;
+2. the rows are gathered into window order (whole merge units move);
+3. ``depth`` pre-norm blocks (RMSNorm, biased fused ``qkv``, 2-D rotary embedding,
+   attention, biased ``proj``; RMSNorm, gated SiLU MLP with biases). Blocks of
+   ``fullatt_block_indexes`` attend within each frame of each image, the others
+   within each window: a mask from the layout's segment ids over the fixed ``N``
+   rows, so images never see each other and padding never touches a real row;
+4. the merger: RMSNorm, each unit's ``m*m`` rows concatenated, Linear-GELU-Linear;
+5. the merged tokens gathered back to the processor's order.
+
+Output: ``[N / m**2, out_hidden_size]``, image after image (`qwen2_5_vl_inputs.
+split_tokens`), then padding rows to ignore. Attention is dense over ``N`` (scores
+``[heads, N, N]``): the reference, fine for a few thousand patches; a segment-aware
+flash kernel is the step for large images.
+
+`apply_mrope` rotates the decoder's q/k by 3-row positions (`qwen2_5_vl_inputs.
+mrope_positions`): frequency ``j`` takes its angle from row ``section(j) % 3``.
+
+Parameters keep the checkpoint's names and layouts: ``model.visual.blocks.3.attn.qkv.
+weight`` (or ``visual.blocks...`` in older checkpoints) is ``blocks_3/attn/qkv/weight``,
+``merger.mlp.2.bias`` is ``merger/mlp_2/bias`` (`Qwen2_5_VisionTransformer.
+hf_param_path`). The tower is small next to the decoder: its weights are replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.models.layers.basic import Linear, RMSNorm, activation
+from jaxengine.models.layers.config import RopeSpec
+from jaxengine.models.layers.rope import inv_freq_and_scale
+from jaxengine.models.vision.params import abstract_params, params_from_tensors
+from jaxengine.models.vision.qwen2_5_vl_inputs import (
+    Qwen2_5_VisionConfig,
+    VisionLayout,
+    vision_layout,
+)
+
+jax.tree_util.register_dataclass(
+    VisionLayout,
+    data_fields=[f.name for f in dataclasses.fields(VisionLayout)],
+    meta_fields=[],
+)
+
+_REPLICATED = (None, "embed")  # logical axes of every tower weight (`sharding.rules`)
+_NORM_EPS = 1e-6  # transformers hard-codes the tower's RMSNorm epsilon
+
+
+def rotate(x: jax.Array, angles: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Rotate-half rotary embedding of ``x [T, H, D]`` by ``angles [T, D/2]``: feature
+    ``j`` pairs with ``j + D/2``. In float32, returned in ``x``'s dtype."""
+    cos = (jnp.cos(angles) * scale)[:, None, :]  # [T, 1, D/2]
+    sin = (jnp.sin(angles) * scale)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def vision_rope_angles(rope_hw: jax.Array, head_dim: int, theta: float) -> jax.Array:
+    """Angles ``[N, D/2]`` of the 2-D rotary: ``D/4`` frequencies times h, then w."""
+    half = head_dim // 2
+    inv_freq = (1.0 / theta ** (np.arange(0, half, 2) / half)).astype(np.float32)  # [D/4]
+    angles = rope_hw.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # [N, 2, D/4]
+    return angles.reshape(rope_hw.shape[0], half)
+
+
+def apply_mrope(
+    x: jax.Array,  # [T, H, D]
+    positions: jax.Array,  # [3, T] int: (t, h, w) rows
+    spec: RopeSpec,
+    section: tuple[int, ...],
+) -> jax.Array:
+    """M-RoPE: frequency ``j`` of ``D/2`` rotates by the position row of its section
+    of ``section`` (sections cycle t, h, w), as transformers' ``Qwen2_5_VLRotaryEmbedding``
+    with ``apply_rotary_pos_emb``. Equal rows give the 1-D rope of ``spec``."""
+    inv_freq, scale = inv_freq_and_scale(spec, x.shape[-1])
+    if sum(section) != inv_freq.shape[0] or inv_freq.shape[0] * 2 != x.shape[-1]:
+        raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {x.shape[-1] // 2}")
+    rows = np.repeat(np.arange(len(section)) % 3, section)  # [D/2]: row of each frequency
+    angles = positions.astype(jnp.float32)[rows].T * jnp.asarray(inv_freq)  # [T, D/2]
+    return rotate(x, angles, scale)
+
+
+def segment_attention(q, k, v, segments: jax.Array, scale: float) -> jax.Array:
+    """Bidirectional attention of each row over the rows of its own segment.
+
+    ``q, k, v [N, H, D]``, ``segments [N]`` -> ``[N, H, D]``. Every row is in its own
+    segment, so no softmax row is empty. Scores and softmax in float32."""
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * scale
+    same = segments[:, None] == segments[None, :]  # [N, N]
+    probs = jax.nn.softmax(jnp.where(same[None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), v)
+
+
+def _linear(cfg: Qwen2_5_VisionConfig, features: int, name: str) -> Linear:
+    return Linear(features, _REPLICATED, use_bias=True, dtype=cfg.dtype, name=name)
+
+
+class PatchProjection(nn.Module):
+    """The patch "Conv3d" ``proj``: ``[N, C*T*p*p]`` rows -> ``[N, E]``; the kernel keeps
+    the checkpoint's ``[E, C, T, p, p]`` (the processor flattens rows in C, T, p, p)."""
+
+    config: Qwen2_5_VisionConfig
+
+    @nn.compact
+    def __call__(self, patches: jax.Array) -> jax.Array:
+        cfg = self.config
+        shape = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size)
+        shape += (cfg.patch_size, cfg.patch_size)
+        init = nn.with_logical_partitioning(nn.initializers.normal(0.02), (None,) * 5)
+        kernel = self.param("weight", init, shape, cfg.dtype).reshape(cfg.hidden_size, -1)
+        return jnp.dot(patches.astype(cfg.dtype), kernel.T)
+
+
+class PatchEmbed(nn.Module):
+    """``patch_embed``: holds the ``proj`` kernel, as the checkpoint names it."""
+
+    config: Qwen2_5_VisionConfig
+
+    @nn.compact
+    def __call__(self, patches: jax.Array) -> jax.Array:
+        return PatchProjection(self.config, name="proj")(patches)
+
+
+class VisionAttention(nn.Module):
+    """Fused ``qkv``, 2-D rotary on q and k, segment-masked attention, ``proj``."""
+
+    config: Qwen2_5_VisionConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, angles: jax.Array, segments: jax.Array) -> jax.Array:
+        cfg = self.config
+        n, h, d = x.shape[0], cfg.num_heads, cfg.head_dim
+        qkv = _linear(cfg, 3 * cfg.hidden_size, "qkv")(x).reshape(n, 3, h, d)
+        q, k = rotate(qkv[:, 0], angles), rotate(qkv[:, 1], angles)  # [N, H, D]
+        out = segment_attention(q, k, qkv[:, 2], segments, d**-0.5)
+        return _linear(cfg, cfg.hidden_size, "proj")(out.reshape(n, h * d))
+
+
+class VisionMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``, every projection biased."""
+
+    config: Qwen2_5_VisionConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        gate = _linear(cfg, cfg.intermediate_size, "gate_proj")(x)
+        up = _linear(cfg, cfg.intermediate_size, "up_proj")(x)
+        return _linear(cfg, cfg.hidden_size, "down_proj")(activation(cfg.hidden_act)(gate) * up)
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    config: Qwen2_5_VisionConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, angles: jax.Array, segments: jax.Array) -> jax.Array:
+        cfg = self.config
+        attn = VisionAttention(cfg, name="attn")
+        x = x + attn(RMSNorm(_NORM_EPS, dtype=cfg.dtype, name="norm1")(x), angles, segments)
+        return x + VisionMLP(cfg, name="mlp")(RMSNorm(_NORM_EPS, dtype=cfg.dtype, name="norm2")(x))
+
+
+class PatchMerger(nn.Module):
+    """``ln_q`` RMSNorm, each unit's ``m*m`` rows side by side, ``mlp_0``-GELU-``mlp_2``."""
+
+    config: Qwen2_5_VisionConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [N, E] -> [N / m**2, out]
+        cfg = self.config
+        width = cfg.hidden_size * cfg.merge_unit
+        x = RMSNorm(_NORM_EPS, dtype=cfg.dtype, name="ln_q")(x).reshape(-1, width)
+        x = jax.nn.gelu(_linear(cfg, width, "mlp_0")(x), approximate=False)
+        return _linear(cfg, cfg.out_hidden_size, "mlp_2")(x)
+
+
+_PREFIXES = ("model.visual.", "visual.")
+_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+_MERGER_MLP = re.compile(r"^merger\.mlp\.(\d+)\.")
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    """The tower: ``pixel_values [N, C*T*p*p]`` and a layout -> ``[N / m**2, out]``."""
+
+    config: Qwen2_5_VisionConfig
+
+    @nn.compact
+    def __call__(self, pixel_values: jax.Array, layout: VisionLayout) -> jax.Array:
+        cfg = self.config
+        full_f32 = jnp.dtype(cfg.dtype) == jnp.float32  # torch keeps float32 dots exact
+        precision = jax.default_matmul_precision("float32") if full_f32 else None
+        with precision or contextlib.nullcontext():
+            x = PatchEmbed(cfg, name="patch_embed")(pixel_values)[layout.patch_order]
+            angles = vision_rope_angles(layout.rope_hw, cfg.head_dim, cfg.rope_theta)
+            for i in range(cfg.depth):
+                full = i in cfg.fullatt_block_indexes
+                segments = layout.frame_segments if full else layout.window_segments
+                x = VisionBlock(cfg, name=f"blocks_{i}")(x, angles, segments)
+            return PatchMerger(cfg, name="merger")(x)[layout.token_order]
+
+    @staticmethod
+    def hf_param_path(name: str) -> tuple[tuple[str, ...], None] | None:
+        """A checkpoint tensor's parameter path, or None for the decoder's tensors."""
+        body = next((name[len(p) :] for p in _PREFIXES if name.startswith(p)), None)
+        if body is None:
+            return None
+        body = _MERGER_MLP.sub(r"merger.mlp_\1.", _BLOCK.sub(r"blocks_\1.", body))
+        return tuple(body.split(".")), None
+
+
+def example_inputs(config: Qwen2_5_VisionConfig) -> tuple[jax.Array, VisionLayout]:
+    """The smallest valid inputs (one merge unit of one image), for init and shapes."""
+    m = config.spatial_merge_size
+    layout = vision_layout([[1, m, m]], config)
+    return jnp.zeros((config.merge_unit, config.patch_dim), config.dtype), layout
+
+
+def load_params(
+    config: Qwen2_5_VisionConfig, tensors: Iterable[tuple[str, Any]], source: str
+) -> dict:
+    """The tower's parameters from a checkpoint's ``(name, array)`` pairs (the whole
+    model's: the decoder's tensors are skipped). Raises `CheckpointError` on a missing,
+    extra, repeated or misshapen tower tensor."""
+    module = Qwen2_5_VisionTransformer(config)
+    abstract = abstract_params(module, *example_inputs(config))
+    return params_from_tensors(module.hf_param_path, abstract, tensors, source)
