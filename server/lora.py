@@ -28,7 +28,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from jaxengine.lora import LoRARequest
+from jaxengine.lora import LoRAAdapterNotFoundError, LoRARequest
 from server.errors import APIError
 
 logger = logging.getLogger("jaxengine.server")
@@ -189,7 +189,8 @@ class ServingModels:
 
     async def load(self, request: LoadLoRAAdapterRequest) -> str:
         """``/v1/load_lora_adapter``: vLLM's success text; APIError 400 for a missing
-        field, a name already in use, or an adapter the engine refuses."""
+        field, a name already in use, or an adapter the engine refuses, 404 (vLLM's
+        NotFoundError) for a path with no adapter (no ``adapter_config.json``)."""
         name, path = request.lora_name, request.lora_path
         if not name or not path:
             raise APIError("Both 'lora_name' and 'lora_path' must be provided.")
@@ -200,6 +201,8 @@ class ServingModels:
                 raise APIError(f"The lora adapter '{name}' has the name of a served model.")
             try:
                 await self._add(name, path, None)
+            except LoRAAdapterNotFoundError as e:
+                raise APIError(str(e), 404) from e
             except ValueError as e:  # LoRAAdapterError: the adapter's problem
                 raise APIError(str(e), 400) from e
         logger.info("Loaded new LoRA adapter: name %r, path %r", name, path)

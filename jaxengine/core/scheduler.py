@@ -30,7 +30,10 @@ one budget (`max_num_batched_tokens`) and one request cap (`max_num_seqs`):
    order. Prefix-cache hits are skipped; the rest is chunked to the budget (without
    chunked prefill a prompt that does not fit waits). The partial-prefill limiter may
    skip a prompt that would be left part-way, letting later ones in. A request that
-   lacks blocks stops admission (head-of-line order is kept).
+   lacks blocks stops admission (head-of-line order is kept). A LoRA request waits
+   while ``max_loras`` other adapters run; its adapter is pinned on the host from its
+   first admission until it finishes (`core.adapters`), and one that can no longer
+   be read fails that request alone, as a grammar that cannot compile does.
 
 Speculative decoding (``num_speculative_tokens`` > 0): a decoding request with
 proposals (`Request.spec_token_ids`, from the previous step's `RunnerOutput`) is
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from jaxengine.core.adapters import AdapterPins
 from jaxengine.core.grammar import GrammarTracker
 from jaxengine.core.kv_cache.manager import KVCacheManager
 from jaxengine.core.limits import SchedulerLimits
@@ -69,11 +73,19 @@ _RS = RequestStatus
 class Scheduler:
     """Decides, each step, which requests compute how many tokens (see module doc)."""
 
-    def __init__(self, limits: SchedulerLimits, grammars: GrammarTracker | None = None) -> None:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        grammars: GrammarTracker | None = None,
+        adapters: AdapterPins | None = None,
+    ) -> None:
         """``grammars`` (structured outputs): holds waiting requests until their grammar
-        is compiled, gives each step's bitmask rows, and follows the sampled tokens."""
+        is compiled, gives each step's bitmask rows, and follows the sampled tokens.
+        ``adapters`` (LoRA): pins the adapters of admitted requests on the host."""
         self.limits = limits
         self.grammars = grammars
+        self.adapters = adapters
+        self._pinned: set[str] = set()  # requests whose adapter is pinned
         self._failed: list[EngineCoreOutput] = []
         self.kv = KVCacheManager(
             limits.num_blocks,
@@ -144,6 +156,9 @@ class Scheduler:
             self.kv.free(req)
             if self.grammars is not None:
                 self.grammars.free(req.request_id)
+            if req.request_id in self._pinned:
+                self._pinned.remove(req.request_id)
+                self.adapters.unpin_lora(req.lora_request.lora_int_id)
             del self.requests[req.request_id]
             if req.num_cached_tokens >= 0:  # the runner has seen it
                 self._finished_ids.add(req.request_id)
@@ -298,8 +313,9 @@ class Scheduler:
         grammar = self._grammar_verdict(req)
         if grammar is not None:
             return grammar
-        if not self._lora_fits(req):
-            return Verdict.SKIP
+        lora = self._lora_verdict(req)
+        if lora is not None:
+            return lora
         if req.num_output_placeholders:  # preempted while a token was in flight
             return Verdict.SKIP
         swapped = req.status is _RS.SWAPPED
@@ -331,13 +347,25 @@ class Scheduler:
         self.running.append(req)
         return Verdict.ADMIT
 
-    def _lora_fits(self, req: Request) -> bool:
-        """Whether ``req``'s adapter is running already or one more fits ``max_loras``."""
+    def _lora_verdict(self, req: Request) -> Verdict | None:
+        """SKIP unless ``req``'s adapter is running already or one more fits
+        ``max_loras``; GONE (finished, reported at the next `update`) when its adapter
+        cannot be pinned on the host; None when it may be admitted."""
         if req.lora_request is None:
-            return True
+            return None
         running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         lora_id = req.lora_request.lora_int_id
-        return lora_id in running or len(running) < self.limits.max_loras
+        if lora_id not in running and len(running) >= self.limits.max_loras:
+            return Verdict.SKIP
+        if self.adapters is None or req.request_id in self._pinned:
+            return None
+        try:
+            self.adapters.pin_lora(req.lora_request)
+        except ValueError as e:  # LoRAAdapterError: its folder is gone or changed
+            self._fail(req, str(e))
+            return Verdict.GONE
+        self._pinned.add(req.request_id)
+        return None
 
     def _grammar_verdict(self, req: Request) -> Verdict | None:
         """SKIP while a new request's grammar compiles; GONE (finished, reported at the
@@ -347,9 +375,13 @@ class Scheduler:
         try:
             return None if self.grammars.is_ready(req) else Verdict.SKIP
         except ValueError as e:
-            self.finish_requests(req.request_id, _RS.FINISHED_ABORTED, stop_reason=str(e))
-            self._failed.append(EngineCoreOutput(req.request_id, [], "abort", str(e)))
+            self._fail(req, str(e))
             return Verdict.GONE
+
+    def _fail(self, req: Request, error: str) -> None:
+        """Finishes ``req`` aborted with ``error``, reported at the next `update`."""
+        self.finish_requests(req.request_id, _RS.FINISHED_ABORTED, stop_reason=error)
+        self._failed.append(EngineCoreOutput(req.request_id, [], "abort", error))
 
     def _admission_chunk(
         self, remaining: int, step: StepPlan, whole: bool = False

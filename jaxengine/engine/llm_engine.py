@@ -73,7 +73,8 @@ class LLMEngine:
                 self.vocab_size,
                 self.eos_token_id,
             )
-        self.scheduler = Scheduler(host.limits, self.structured_outputs)
+        pins = self.executor if self.config.lora_config.enable_lora else None
+        self.scheduler = Scheduler(host.limits, self.structured_outputs, pins)
         self.outputs = OutputProcessor(self.tokenizer)
         self.async_scheduling = self.config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepResult] | None = None

@@ -18,7 +18,9 @@ config, tokenizer, cache size, scheduler limits). Then:
 - ``add_lora(lora_request)`` reads and checks a LoRA adapter on the host (raises
   `LoRAAdapterError` when it cannot be served), ``remove_lora(lora_id)`` forgets one,
   ``list_loras()`` gives the registered ids (``--enable-lora``; without it, adding
-  raises ValueError);
+  raises ValueError); ``pin_lora(lora_request)`` / ``unpin_lora(lora_id)`` keep an
+  adapter's host copy while a request that uses it lives (the scheduler's
+  `core.adapters.AdapterPins`: `lora.store`);
 - ``sleep(level)`` frees the KV caches and parks (1) or drops (2) the weights,
   ``wake_up(tags)`` restores them, ``is_sleeping`` says whether any part is away and
   ``sleep_level`` at which level (0 awake; `runner.sleep`); ``update_weights(pairs)``
@@ -68,6 +70,10 @@ class Executor(Protocol):
     def remove_lora(self, lora_id: int) -> bool: ...
 
     def list_loras(self) -> set[int]: ...
+
+    def pin_lora(self, lora_request: Any) -> None: ...
+
+    def unpin_lora(self, lora_id: int) -> None: ...
 
     def sleep(self, level: int) -> None: ...
 

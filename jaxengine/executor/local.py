@@ -38,6 +38,12 @@ class LocalExecutor:
     def list_loras(self) -> set[int]:
         return self._store().list()
 
+    def pin_lora(self, lora_request) -> None:
+        self._store().pin(lora_request)
+
+    def unpin_lora(self, lora_id: int) -> None:
+        self._store().unpin(lora_id)
+
     def _store(self):
         if self.runner.lora is None:
             raise ValueError("LoRA adapters need --enable-lora")

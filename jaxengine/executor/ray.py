@@ -68,7 +68,8 @@ class RayWorker:
         self.runner.warmup(progress=progress and self.rank == 0)
 
     def lora(self, method: str, *args: object) -> object:
-        """``add``, ``remove`` or ``list`` on this worker's adapter store."""
+        """``add``, ``remove``, ``list``, ``pin`` or ``unpin`` on this worker's adapter
+        store."""
         if self.runner.lora is None:
             raise ValueError("LoRA adapters need --enable-lora")
         return getattr(self.runner.lora.store, method)(*args)
@@ -163,6 +164,12 @@ class RayExecutor:
 
     def list_loras(self) -> set[int]:
         return self._all("lora", "list")[0]
+
+    def pin_lora(self, lora_request) -> None:
+        self._all("lora", "pin", lora_request)
+
+    def unpin_lora(self, lora_id: int) -> None:
+        self._all("lora", "unpin", lora_id)
 
     sleep = wake_up = update_weights = refuse_rollout("with --distributed-executor-backend ray yet")
     is_sleeping = False

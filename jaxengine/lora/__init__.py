@@ -4,6 +4,6 @@ Nothing here imports JAX. The device side is `models.layers.lora` (the batched
 matmul over adapter slots) and `runner.lora_slots` (writing adapters into slots).
 """
 
-from jaxengine.lora.request import LoRAAdapterError, LoRARequest
+from jaxengine.lora.request import LoRAAdapterError, LoRAAdapterNotFoundError, LoRARequest
 
-__all__ = ["LoRAAdapterError", "LoRARequest"]
+__all__ = ["LoRAAdapterError", "LoRAAdapterNotFoundError", "LoRARequest"]

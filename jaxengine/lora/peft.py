@@ -7,7 +7,14 @@ per target module. `read_adapter` checks every part against the model's projecti
 (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA; per-module ``rank_pattern``
 and ``alpha_pattern`` honoured) and pads the rank with zeros to the slot rank. Fused
 modules (``qkv_proj``, ``gate_up_proj``) are split: their B rows go to q/k/v (or
-gate/up), each with the shared A. Anything it cannot serve is a `LoRAAdapterError`.
+gate/up), each with the shared A. Anything it cannot serve is a `LoRAAdapterError`
+(a `LoRAAdapterNotFoundError` when the folder holds no ``adapter_config.json``).
+
+The config is checked before the tensors: its ranks (``r``, ``rank_pattern``) against
+``--max-lora-rank`` even when the tensors are smaller (as vLLM does), and its
+``init_lora_weights``: PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA rewrite the base
+model's weights when the adapter is made (``W - B A``, or a quantized W), so their
+adapters only fit that rewritten base, never the one served here.
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxengine.lora.request import LoRAAdapterError
+from jaxengine.lora.request import LoRAAdapterError, LoRAAdapterNotFoundError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[\w-]+)?\.weight$")
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# PEFT's initializations that leave the base weights alone (B A = 0 at the start, or
+# random A and B over the untouched W); every other one is refused (`_check_init`)
+_BASE_KEEPING_INITS = ("gaussian", "eva", "orthogonal", "mica")
 
 Weights = dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (A [R, in], B [out, R])
 
@@ -38,7 +48,7 @@ def read_adapter(
     module of ``targets`` (module name -> weight ``(out, in)``) it adapts, scaling
     folded into B. Raises `LoRAAdapterError` naming the problem."""
     folder = Path(path)
-    config = read_config(folder)
+    config = read_config(folder, max_rank)
     pairs = _pairs(_tensors(folder), folder)
     weights: Weights = {}
     for module, (a, b) in pairs.items():
@@ -61,12 +71,14 @@ def read_adapter(
     return weights
 
 
-def read_config(folder: Path) -> dict:
+def read_config(folder: Path, max_rank: int) -> dict:
     """``adapter_config.json``, checked for what the engine cannot serve."""
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except FileNotFoundError:
-        raise LoRAAdapterError(f"{folder}: no {CONFIG_FILE} (not a PEFT adapter folder)") from None
+        raise LoRAAdapterNotFoundError(
+            f"{folder}: no {CONFIG_FILE} (not a PEFT adapter folder)"
+        ) from None
     except (OSError, ValueError) as e:
         raise LoRAAdapterError(f"{folder}/{CONFIG_FILE}: cannot read: {e}") from e
     if not isinstance(config, dict):
@@ -82,7 +94,43 @@ def read_config(folder: Path) -> dict:
     if bad:
         shown = ", ".join(f"{k}={config.get(k)!r}" for k in bad)
         raise LoRAAdapterError(f"{folder}: adapter setting not supported: {shown}")
+    _check_init(folder, config.get("init_lora_weights", True))
+    _check_ranks(folder, config, max_rank)
     return config
+
+
+def _check_init(folder: Path, init) -> None:
+    """Refuses an ``init_lora_weights`` that rewrites the base model's weights."""
+    if init is None or isinstance(init, bool):
+        return
+    if isinstance(init, str) and init.lower() in _BASE_KEEPING_INITS:
+        return
+    raise LoRAAdapterError(
+        f"{folder}: adapter setting not supported: init_lora_weights={init!r} (the engine "
+        "serves the base model's weights unchanged, so it serves only adapters made over "
+        f"them: init_lora_weights true, false or one of {', '.join(_BASE_KEEPING_INITS)}; "
+        "PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA rewrite them when the adapter is made: "
+        "save such an adapter with PEFT's save_pretrained(path_initial_model_for_weight_"
+        "conversion=...) to make a plain LoRA of it)"
+    )
+
+
+def _check_ranks(folder: Path, config: dict, max_rank: int) -> None:
+    """The config's ``r`` and ``rank_pattern`` ranks, each at most ``max_rank``."""
+    pattern = config.get("rank_pattern") or {}
+    if not isinstance(pattern, dict):
+        raise LoRAAdapterError(f"{folder}/{CONFIG_FILE}: rank_pattern is not a JSON object")
+    ranks = {"r": config.get("r")} | {f"rank_pattern[{k!r}]": v for k, v in pattern.items()}
+    for key, rank in ranks.items():
+        if rank is None and key == "r":
+            continue
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise LoRAAdapterError(f"{folder}/{CONFIG_FILE}: {key} is not a rank: {rank!r}")
+        if rank > max_rank:
+            raise LoRAAdapterError(
+                f"{folder}: LoRA rank {rank} is greater than max_lora_rank {max_rank} "
+                f"({key} in {CONFIG_FILE}; raise --max-lora-rank)"
+            )
 
 
 def _tensors(folder: Path):

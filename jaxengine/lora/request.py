@@ -10,6 +10,11 @@ class LoRAAdapterError(ValueError):
     or of a rank above ``--max-lora-rank``. Nothing else is affected."""
 
 
+class LoRAAdapterNotFoundError(LoRAAdapterError):
+    """No adapter at the path: no ``adapter_config.json`` there (vLLM's
+    `LoRAAdapterNotFoundError`; the server answers 404, not 400)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRARequest:
     """A LoRA adapter by name, integer id (> 0, unique per adapter) and folder.

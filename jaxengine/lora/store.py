@@ -8,6 +8,14 @@ theirs, a new one takes a free slot or the least recently used one that no reque
 of this step needs, and the caller writes it there before the step runs. Slot 0 is
 the base model. Thread-safe: the API server validates adapters (`add`) while the
 engine thread steps.
+
+Pins: the scheduler pins a request's adapter when it first admits the request
+(`pin`, which reads it again if it was dropped: the one disk read that can fail,
+and then only that request fails) and unpins it when the request finishes. A pinned
+adapter is never dropped from the host, not even by `remove`, so `assign` finds
+every scheduled request's adapter in memory and never reads a folder inside a step
+(which may be gone by then). Pinned adapters may hold the host above
+``--max-cpu-loras`` for as long as their requests live.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from jaxengine.lora.peft import Weights, read_adapter
-from jaxengine.lora.request import LoRAAdapterError, LoRARequest
+from jaxengine.lora.request import LoRAAdapterError, LoRAAdapterNotFoundError, LoRARequest
 
 
 class AdapterStore:
@@ -39,6 +47,7 @@ class AdapterStore:
             collections.OrderedDict()
         )
         self._registered: dict[int, LoRARequest] = {}
+        self._pins: collections.Counter[int] = collections.Counter()  # adapter id -> pins
         self._slot_ids: list[int | None] = [None] * max_loras  # slot s + 1 -> adapter id
         self._last_use = [0] * max_loras
         self._clock = 0
@@ -59,31 +68,63 @@ class AdapterStore:
             return known is None
 
     def remove(self, lora_id: int) -> bool:
-        """Forgets an adapter (a running request that uses it reads it again)."""
+        """Forgets an adapter (the requests that pinned it keep its host copy)."""
         with self._lock:
-            self._host.pop(lora_id, None)
+            if not self._pins[lora_id]:
+                self._host.pop(lora_id, None)
             for i, held in enumerate(self._slot_ids):
                 if held == lora_id:
                     self._slot_ids[i] = None
             return self._registered.pop(lora_id, None) is not None
 
+    def pin(self, request: LoRARequest) -> None:
+        """Keeps ``request``'s adapter on the host until as many `unpin` calls (read
+        again if it was dropped; `LoRAAdapterError` if that fails)."""
+        with self._lock:
+            self._weights(request, pin=True)
+
+    def unpin(self, lora_id: int) -> None:
+        with self._lock:
+            self._pins[lora_id] -= 1
+            if self._pins[lora_id] <= 0:
+                del self._pins[lora_id]
+                if lora_id not in self._registered:  # removed while pinned
+                    self._host.pop(lora_id, None)
+                self._evict()
+
     def list(self) -> set[int]:
         with self._lock:
             return set(self._registered)
 
-    def _weights(self, request: LoRARequest) -> Weights:
-        """The adapter's weights, read if not held (the lock is held)."""
-        held = self._host.get(request.lora_int_id)
-        if held is not None and held[0].lora_path == request.lora_path:
-            self._host.move_to_end(request.lora_int_id)
-            return held[1]
+    def _weights(self, request: LoRARequest, pin: bool = False) -> Weights:
+        """The adapter's weights, read if not held, pinned once more if ``pin`` (the
+        lock is held)."""
+        lora_id = request.lora_int_id
+        held = self._host.get(lora_id)
+        if held is None or held[0].lora_path != request.lora_path:
+            held = (request, self._read(request))
+            self._host[lora_id] = held
+        self._host.move_to_end(lora_id)
+        if pin:
+            self._pins[lora_id] += 1
+        self._evict()
+        return held[1]
+
+    def _read(self, request: LoRARequest) -> Weights:
         if not request.lora_path:
             raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r} has no lora_path")
-        weights = read_adapter(request.lora_path, self.targets, self.max_rank)
-        self._host[request.lora_int_id] = (request, weights)
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
-        return weights
+        try:
+            return read_adapter(request.lora_path, self.targets, self.max_rank)
+        except LoRAAdapterNotFoundError:  # vLLM's wording (its server answers 404)
+            raise LoRAAdapterNotFoundError(
+                f"Loading lora {request.lora_name} failed: No adapter found for {request.lora_path}"
+            ) from None
+
+    def _evict(self) -> None:
+        """Drops the least recently used unpinned adapters past ``max_cpu_loras``."""
+        spare = [i for i in self._host if not self._pins[i]]  # least recent first
+        for lora_id in spare[: max(len(self._host) - self.max_cpu_loras, 0)]:
+            del self._host[lora_id]
 
     # ------------------------------------------------------------------ slots
 

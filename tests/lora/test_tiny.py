@@ -1,9 +1,11 @@
 """Multi-LoRA on a tiny random Llama: golden against transformers + peft per adapter,
-slot queueing without compiles, prefix-cache isolation, refused adapters, TP."""
+slot queueing without compiles, prefix-cache isolation, refused adapters, an adapter
+deleted while its request waits, TP."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 from jaxengine import LLM, LoRARequest, SamplingParams
 from jaxengine.engine_args import EngineArgs
-from jaxengine.lora import LoRAAdapterError
+from jaxengine.lora import LoRAAdapterError, LoRAAdapterNotFoundError
 from tests.lora.conftest import ENGINE_KWARGS, PROMPTS
 from tests.lora_adapters import make_adapter
 from tests.models.hf_reference import hf_greedy
@@ -122,7 +124,7 @@ def bad_adapters(tiny_base, tmp_path_factory):
         "other": (root / "other", "do not fit the model's weight"),
         "head": (root / "head", "lm_head"),
         "corrupt": (root / "corrupt", "corrupt adapter weights"),
-        "missing": (root / "nowhere", "no adapter_config.json"),
+        "missing": (root / "nowhere", "failed: No adapter found for .*nowhere"),
     }
 
 
@@ -137,6 +139,41 @@ def test_bad_adapter_is_refused_and_nothing_else_is_affected(
     assert 90 not in lora_llm.list_loras()
     (out,) = _generate(lora_llm, PROMPTS[:1], adapters["a1"][0])
     assert out.outputs[0].token_ids == hf_greedy(adapters["a1"][1], PROMPTS[0], 10)
+
+
+def test_adapter_deleted_while_its_request_waits_fails_that_request_alone(
+    lora_llm, adapters, tiny_base, tmp_path
+):
+    """An adapter read when its request is queued, then pushed off the host (two
+    adapters fit it) by the next requests' adapters, then deleted: its request fails
+    alone when it is admitted (vLLM's not-found error, naming the adapter), the base
+    and the other adapters' requests finish normally, and the engine keeps serving.
+    Admitted requests pin their adapters, so none is read inside a step."""
+    folder = shutil.copytree(adapters["a4"][0].lora_path, tmp_path / "gone")
+    gone = LoRARequest("gone", 77, str(folder))
+    jobs = {"base": None, "gone": gone, "a1": adapters["a1"][0], "a2": adapters["a2"][0]}
+    engine = lora_llm.engine
+    for i, (rid, lora) in enumerate(jobs.items()):
+        engine.add_request(rid, {"prompt_token_ids": PROMPTS[i]}, GREEDY, lora_request=lora)
+    store = engine.executor.runner.lora.store
+    assert 77 not in store._host  # a1 and a2 were read (or touched) after it
+    shutil.rmtree(folder)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+    failed = finished.pop("gone")
+    assert (failed.finish_reason, failed.token_ids) == ("abort", [])
+    assert failed.stop_reason == f"Loading lora gone failed: No adapter found for {folder}"
+    for i, (rid, lora) in enumerate(jobs.items()):
+        if rid != "gone":
+            model = _reference(adapters, tiny_base, None if lora is None else rid)
+            assert finished[rid].token_ids == hf_greedy(model, PROMPTS[i], 10), rid
+    assert not store._pins  # every finished request gave its pin back
+    with pytest.raises(LoRAAdapterNotFoundError):  # a new request for it: refused
+        _generate(lora_llm, PROMPTS[:1], gone)
+    (out,) = _generate(lora_llm, PROMPTS[:1], adapters["a1"][0])
+    assert out.outputs[0].token_ids == hf_greedy(adapters["a1"][1], PROMPTS[0], 10)
+    assert lora_llm.remove_lora(77) is True
 
 
 def test_add_remove_list(lora_llm, adapters):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import openai
@@ -177,20 +178,38 @@ def test_runtime_load_use_unload(server, adapters, expected):
     assert reply.json()["error"]["message"] == "The lora adapter 'a4' cannot be found."
 
 
+def a1_with(folder: Path, adapters, **config) -> Path:
+    """A copy of adapter a1 with ``config`` changed in its adapter_config.json."""
+    shutil.copytree(adapters["a1"][0], folder)
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
 def test_bad_adapters_are_refused(server, adapters, tmp_path, expected):
+    """400s naming the folder, as vLLM's BadRequestError: a rank above
+    --max-lora-rank (in the tensors, or only in the config's r), a PiSSA adapter
+    (made over rewritten base weights), corrupt weights."""
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     config = adapters["a1"][0] / "adapter_config.json"
     (corrupt / "adapter_config.json").write_text(config.read_text())
     (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
-    bad = {"r16": adapters["r16"][0], "missing": tmp_path / "nowhere", "corrupt": corrupt}
+    bad = {
+        "r16": adapters["r16"][0],
+        "config-r16": a1_with(tmp_path / "config-r16", adapters, r=16),
+        "pissa": a1_with(tmp_path / "pissa", adapters, init_lora_weights="pissa"),
+        "corrupt": corrupt,
+    }
     messages = {}
     for name, path in bad.items():
         reply = server.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         assert reply.status_code == 400, (name, reply.text)
         messages[name] = reply.json()["error"]["message"]
         assert str(path) in messages[name], name  # the engine's message names the folder
-    assert "rank 16" in messages["r16"]
+    assert "LoRA rank 16 is greater than max_lora_rank 8" in messages["r16"]
+    assert "LoRA rank 16 is greater than max_lora_rank 8" in messages["config-r16"]
+    assert "init_lora_weights='pissa'" in messages["pissa"]
     assert server.post("/v1/load_lora_adapter", {"lora_name": "x"}).status_code == 400
     client = server.client(max_retries=0, timeout=120)
     assert not set(bad) & {m.id for m in client.models.list().data}
@@ -198,6 +217,29 @@ def test_bad_adapters_are_refused(server, adapters, tmp_path, expected):
     for model in (MODEL, "a1"):  # still serving, base and adapters alike
         reply = client.completions.create(model=model, prompt=PROMPTS[2], **GREEDY)
         assert completion_ids(reply.choices[0]) == expected(None if model == MODEL else model, ids)
+
+
+def test_adapters_that_are_not_there_are_404(server, adapters, tmp_path):
+    """vLLM's NotFoundError, worded as vLLM's: loading a path with no adapter, and a
+    request for a loaded adapter whose folder was deleted after the host dropped it
+    (two adapters fit the host: a1 and a2 push it out)."""
+    client = server.client(max_retries=0, timeout=120)
+    nowhere = tmp_path / "nowhere"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.post(
+            "load_lora_adapter", cast_to=str, body={"lora_name": "x", "lora_path": str(nowhere)}
+        )
+    assert info.value.body["message"] == f"Loading lora x failed: No adapter found for {nowhere}"
+    folder = shutil.copytree(adapters["a4"][0], tmp_path / "gone")
+    reply = server.post("/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(folder)})
+    assert reply.status_code == 200, reply.text
+    for model in ("a1", "a2"):
+        client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=1)
+    shutil.rmtree(folder)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gone", prompt=PROMPTS[0], max_tokens=1)
+    assert info.value.body["message"] == f"Loading lora gone failed: No adapter found for {folder}"
+    assert server.post("/v1/unload_lora_adapter", {"lora_name": "gone"}).status_code == 200
 
 
 def test_unknown_model_is_404(server):

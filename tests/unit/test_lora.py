@@ -1,10 +1,12 @@
 """LoRA pieces on their own: the slot matmul against its reference, reading PEFT
-folders (fused modules, rank and alpha patterns, refusals), the host store's slots
-and LRU, and the scheduler's cap on adapters per batch."""
+folders (fused modules, rank and alpha patterns, refusals, vLLM's not-found error),
+the host store's slots, LRU and pins, and the scheduler's cap on adapters per batch
+and its pins (a request whose adapter is gone fails alone)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +14,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from jaxengine.core.sched_output import RunnerOutput
 from jaxengine.core.scheduler import Scheduler
-from jaxengine.lora import LoRAAdapterError, LoRARequest
+from jaxengine.lora import LoRAAdapterError, LoRAAdapterNotFoundError, LoRARequest
 from jaxengine.lora.peft import read_adapter
 from jaxengine.lora.store import AdapterStore
 from jaxengine.models.layers.lora import lora_delta, lora_delta_reference
@@ -92,6 +95,16 @@ def test_read_adapter_scales_pads_and_splits_fused_modules(tmp_path):
         ({}, "only_a", "has lora_A only"),
         ({}, "wrong_rows", "lora_B has 15 rows"),
         ({}, "embed", "'model.embed_tokens' cannot carry an adapter"),
+        # the config's ranks count, not only the tensors' (rank 2 here): vLLM's check
+        (dict(r=8), None, "LoRA rank 8 is greater than max_lora_rank 4"),
+        (dict(rank_pattern={"q_proj": 6}), None, "LoRA rank 6 is greater than max_lora_rank 4"),
+        # inits that rewrite the base model's weights when the adapter is made
+        (dict(init_lora_weights="pissa"), None, "init_lora_weights='pissa'"),
+        (dict(init_lora_weights="pissa_niter_4"), None, "init_lora_weights='pissa_niter_4'"),
+        (dict(init_lora_weights="olora"), None, "init_lora_weights='olora'"),
+        (dict(init_lora_weights="corda"), None, "init_lora_weights='corda'"),
+        (dict(init_lora_weights="loftq"), None, "init_lora_weights='loftq'"),
+        (dict(init_lora_weights="lora_ga"), None, "init_lora_weights='lora_ga'"),
     ],
 )
 def test_read_adapter_refusals(tmp_path, config, tensors, message):
@@ -106,6 +119,32 @@ def test_read_adapter_refusals(tmp_path, config, tensors, message):
     folder = _write(tmp_path / "bad", cases[tensors], **config)
     with pytest.raises(LoRAAdapterError, match=message):
         read_adapter(folder, TARGETS, max_rank=4)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
+def test_inits_that_leave_the_base_alone_are_served(tmp_path, init):
+    rng = np.random.default_rng(4)
+    folder = _write(tmp_path / "a", _ab(rng, f"{LAYER}.self_attn.q_proj", 2, 8, 6),
+                    init_lora_weights=init)  # fmt: skip
+    assert set(read_adapter(folder, TARGETS, max_rank=4)) == {f"{LAYER}.self_attn.q_proj"}
+
+
+def test_a_path_without_an_adapter_is_not_found_in_vllms_words(tmp_path):
+    """No folder, or a folder without adapter_config.json: vLLM's NotFoundError (its
+    server answers 404); a folder with a config but no weights stays a bad adapter."""
+    store = AdapterStore(TARGETS, max_rank=2, max_loras=1, max_cpu_loras=1)
+    (tmp_path / "empty").mkdir()
+    for name in ("nowhere", "empty"):
+        lora = LoRARequest(name, 1, str(tmp_path / name))
+        with pytest.raises(LoRAAdapterNotFoundError) as info:
+            store.add(lora)
+        want = f"Loading lora {name} failed: No adapter found for {tmp_path / name}"
+        assert str(info.value) == want
+    folder = _write(tmp_path / "no_weights", {})
+    (folder / "adapter_model.safetensors").unlink()
+    with pytest.raises(LoRAAdapterError, match="no adapter_model.safetensors") as info:
+        store.add(LoRARequest("w", 2, str(folder)))
+    assert not isinstance(info.value, LoRAAdapterNotFoundError)
 
 
 def test_store_keeps_resident_slots_and_evicts_the_least_recent(tmp_path):
@@ -145,3 +184,70 @@ def test_scheduler_admits_at_most_max_loras_adapters():
     stats = sched.get_stats()
     assert stats.running_lora_adapters == {"l1": 2, "l2": 1}
     assert stats.waiting_lora_adapters == {"l3": 1} and stats.max_lora == 2
+
+
+def _loras(tmp_path, ids):
+    rng = np.random.default_rng(5)
+    return [
+        LoRARequest(f"l{i}", i, str(_write(tmp_path / f"l{i}",
+                                           _ab(rng, f"{LAYER}.self_attn.q_proj", 2, 8, 6))))
+        for i in ids
+    ]  # fmt: skip
+
+
+def test_pinned_adapters_stay_on_the_host(tmp_path):
+    """A pinned adapter outlives the LRU, its folder and `remove`: the step that
+    writes it into a slot reads nothing from disk. The last unpin drops it."""
+    l1, l2 = _loras(tmp_path, (1, 2))
+    store = AdapterStore(TARGETS, max_rank=2, max_loras=1, max_cpu_loras=1)
+    store.add(l1)
+    store.pin(l1)
+    store.add(l2)  # one adapter fits the host: l2 is dropped, not the pinned l1
+    assert list(store._host) == [1]
+    shutil.rmtree(l1.lora_path)
+    assert store.remove(1) is True
+    slots, writes = store.assign([l1])
+    assert slots == [1] and [s for s, _ in writes] == [1]
+    store.unpin(1)
+    assert not store._host and not store._pins
+    with pytest.raises(LoRAAdapterNotFoundError, match="Loading lora l1 failed"):
+        store.pin(l1)
+    assert not store._pins
+
+
+class FakePins:
+    """`AdapterPins` whose adapters in ``gone`` cannot be read."""
+
+    def __init__(self, gone: set[int]) -> None:
+        self.gone, self.pins = gone, {}
+
+    def pin_lora(self, lora) -> None:
+        if lora.lora_int_id in self.gone:
+            raise LoRAAdapterNotFoundError(f"No adapter found for {lora.lora_path}")
+        self.pins[lora.lora_int_id] = self.pins.get(lora.lora_int_id, 0) + 1
+
+    def unpin_lora(self, lora_id: int) -> None:
+        self.pins[lora_id] -= 1
+
+
+def test_scheduler_fails_alone_a_request_whose_adapter_is_gone():
+    """The adapter is pinned at admission; one that cannot be read finishes only
+    its request (aborted with the error, at the next update); the others run, and
+    every pin is given back when its request finishes."""
+    pins = FakePins(gone={2})
+    sched = Scheduler(make_limits(max_loras=2), adapters=pins)
+    loras = [LoRARequest(f"l{i}", i, f"/x/l{i}") for i in (1, 2)]
+    for rid, lora in (("base", None), ("gone", loras[1]), ("ok", loras[0])):
+        sched.add_request(make_req(rid, 4, max_tokens=2, lora_request=lora))
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"base", "ok"} and pins.pins == {1: 1}
+    outputs = []
+    while sched.has_unfinished_requests():
+        ids = list(out.num_scheduled_tokens)
+        outputs += sched.update(out, RunnerOutput(ids, [[7] for _ in ids]))
+        out = sched.schedule()
+    (failed,) = [o for o in outputs if o.request_id == "gone"]
+    assert failed.finish_reason == "abort" and failed.stop_reason == "No adapter found for /x/l2"
+    done = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
+    assert done == {"gone": "abort", "base": "length", "ok": "length"}
+    assert pins.pins == {1: 0}

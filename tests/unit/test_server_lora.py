@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.core.sched_output import SchedulerStats
-from jaxengine.lora import LoRAAdapterError
+from jaxengine.lora import LoRAAdapterError, LoRAAdapterNotFoundError
 from jaxengine.metrics.loggers import PrometheusStatLogger, render_metrics
 from server.args import add_server_args, check_server_args
 from server.errors import APIError
@@ -100,9 +100,17 @@ def test_runtime_updating_env(environ, allowed):
 # ---------------------------------------------------------------------- a fake engine
 
 
+def not_found(lora) -> LoRAAdapterNotFoundError:
+    return LoRAAdapterNotFoundError(
+        f"Loading lora {lora.lora_name} failed: No adapter found for {lora.lora_path}"
+    )
+
+
 class FakeEngine:
     """What `ServingModels` and `build_app` read of an engine; an adapter folder
-    named "bad" is refused as the engine would refuse it."""
+    named "bad" is refused as the engine would refuse it, one named "missing" is not
+    found, and one named "gone" is found when loaded but not when a request reads it
+    again."""
 
     def __init__(self) -> None:
         self.loaded: dict[int, str] = {}
@@ -124,6 +132,8 @@ class FakeEngine:
     async def add_lora(self, lora) -> bool:
         if Path(lora.lora_path).name == "bad":
             raise LoRAAdapterError(f"{lora.lora_path}: rank 16 > --max-lora-rank 8")
+        if Path(lora.lora_path).name == "missing":
+            raise not_found(lora)
         self.loaded[lora.lora_int_id] = lora.lora_name
         return True
 
@@ -134,6 +144,8 @@ class FakeEngine:
     def prepare(self, prompt, params, lora_request=None):
         """Records the adapter, then refuses the prompt (nothing is generated)."""
         self.prepared.append(lora_request)
+        if lora_request is not None and Path(lora_request.lora_path).name == "gone":
+            raise not_found(lora_request)
         raise ValueError("prepared")
 
 
@@ -258,6 +270,29 @@ def test_routes_over_a_fake_engine(monkeypatch):
     reply = client.post("/v1/completions", json={"model": "a1", "prompt": [1, 2]})
     assert reply.status_code == 404
     assert reply.json()["error"]["message"] == "The model `a1` does not exist."
+
+
+def test_an_adapter_that_is_not_there_is_404(monkeypatch):
+    """vLLM's NotFoundError (the openai client raises NotFoundError): loading a path
+    with no adapter, and a request whose adapter's folder is gone (the engine reads
+    it again for the request). A bad adapter stays a 400."""
+    client, _ = fake_app(monkeypatch, "1")
+    body = {"lora_name": "m", "lora_path": "/l/missing"}
+    reply = client.post("/v1/load_lora_adapter", json=body)
+    assert reply.status_code == 404
+    assert reply.json()["error"] == {
+        "message": "Loading lora m failed: No adapter found for /l/missing",
+        "type": "NotFoundError",
+        "param": None,
+        "code": 404,
+    }
+    body = {"lora_name": "g", "lora_path": "/l/gone"}
+    assert client.post("/v1/load_lora_adapter", json=body).status_code == 200
+    reply = client.post("/v1/completions", json={"model": "g", "prompt": [1, 2]})
+    assert reply.status_code == 404
+    assert reply.json()["error"]["message"] == "Loading lora g failed: No adapter found for /l/gone"
+    body = {"lora_name": "b", "lora_path": "/l/bad"}
+    assert client.post("/v1/load_lora_adapter", json=body).status_code == 400
 
 
 @pytest.mark.parametrize("allow, enable_lora", [("0", True), ("1", False)])
