@@ -42,6 +42,7 @@ from jaxengine.config.arg_utils import (
 )
 from jaxengine.config.attention import AttentionBackendName
 from jaxengine.config.cache import BlockSize, CacheDType, PrefixCachingHashAlgo
+from jaxengine.config.guided_decoding import add_guided_decoding_flags, with_guided_decoding
 from jaxengine.config.load import LoadFormat
 from jaxengine.config.lora import LoRADType
 from jaxengine.config.model import (
@@ -167,6 +168,8 @@ class EngineArgs:
     # SchedulerConfig
     max_num_seqs: int | None = _default("max_num_seqs")
     max_num_batched_tokens: int | None = _default("max_num_batched_tokens")
+    max_num_queued_reqs: int | None = _default("max_num_queued_reqs")
+    max_num_queued_tokens: int | None = _default("max_num_queued_tokens")
     enable_chunked_prefill: bool | None = _default("enable_chunked_prefill")
     max_num_partial_prefills: int = _default("max_num_partial_prefills")
     max_long_partial_prefills: int = _default("max_long_partial_prefills")
@@ -206,13 +209,19 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """EngineArgs from a parsed namespace; attributes it lacks keep their defaults."""
+        """EngineArgs from a parsed namespace; attributes it lacks keep their defaults.
+        vLLM's deprecated ``--guided-decoding-*`` values join structured_outputs_config."""
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+        values = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        if "structured_outputs_config" in values:
+            options = values["structured_outputs_config"]
+            values["structured_outputs_config"] = with_guided_decoding(options, args)
+        return cls(**values)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Adds one flag per field, grouped by config class, plus `--config`.
+        """Adds one flag per field, grouped by config class, plus `--config` and vLLM's
+        deprecated ``--guided-decoding-*`` aliases (`config/guided_decoding.py`).
 
         With a FlexibleArgumentParser, cross-field errors (e.g. max_long_partial_prefills
         > max_num_partial_prefills) are also reported at parse time.
@@ -230,6 +239,8 @@ class EngineArgs:
             for f in dataclasses.fields(cls):
                 flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
                 group.add_argument(*flags, **_flag_kwargs(cls, f.name))
+            if cls is StructuredOutputsConfig:
+                add_guided_decoding_flags(group)
         if isinstance(parser, FlexibleArgumentParser):
             parser.add_post_parse_check(_check_namespace)
         return parser

@@ -26,13 +26,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxengine.engine.rollout import EngineSleepingError
+from jaxengine.entrypoints.admission import AdmissionRejectedError
 from jaxengine.entrypoints.client import EngineClient, EngineDeadError
 from jaxengine.version import __version__
 from server import envs
 from server.anthropic_errors import anthropic_error_response, is_messages_path
 from server.dev_routes import add_dev_routes
-from server.errors import APIError, error_response, validation_message
+from server.errors import APIError, error_response, log_error_stacks, validation_message
 from server.extra_routes import add_extra_routes, respond
+from server.http_limits import HeaderCountLimitMiddleware
 from server.lora import add_lora_routes, runtime_updating_allowed
 from server.protocol import (
     ChatCompletionRequest,
@@ -52,6 +54,7 @@ from server.serving_embedding import EmbeddingHandler
 from server.serving_messages import add_messages_routes
 from server.serving_responses import add_responses_routes
 from server.serving_score import ScoreHandler
+from server.tracing import RequestTracer, TraceHeadersMiddleware, request_tracer
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -69,7 +72,10 @@ def server_options(args: Any, engine: EngineClient) -> ServerOptions:
         enable_force_include_usage=args.enable_force_include_usage,
         enable_per_request_metrics=getattr(args, "enable_per_request_metrics", False),
         enable_log_requests=args.enable_log_requests,
+        enable_log_outputs=getattr(args, "enable_log_outputs", False),
         max_log_len=args.max_log_len,
+        log_error_stack=getattr(args, "log_error_stack", False),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         exclude_tools_when_tool_choice_none=getattr(
@@ -92,7 +98,9 @@ def build_app(
     ``stats_logs``: `LoggingStatLogger`s (one per data-parallel replica) to log from
     every ``--log-stats-interval``.
     """
-    ctx = ServingContext(engine, server_options(args, engine))
+    options = server_options(args, engine)
+    tracer = request_tracer(args, options.served_model_names[0])  # --otlp-traces-endpoint
+    ctx = ServingContext(engine, options, tracer=tracer)
     docs = not args.disable_fastapi_docs
     app = FastAPI(
         title="jaxengine OpenAI-compatible API",
@@ -101,18 +109,20 @@ def build_app(
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
-        lifespan=_lifespan(stats_logs, args),
+        lifespan=_lifespan(stats_logs, args, tracer),
     )
     app.state.ctx = ctx
     app.state.metrics = metrics  # also read for the ORCA load header (server/extra_routes.py)
     app.state.server_load = 0
     _add_exception_handlers(app)
+    if args.log_error_stack:
+        log_error_stacks(app)
     _add_middleware(app, args)
     _add_routes(app, ctx, metrics, args)
     return app
 
 
-def _lifespan(stats_logs: Sequence[Any], args: Any):
+def _lifespan(stats_logs: Sequence[Any], args: Any, tracer: RequestTracer | None):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = None
@@ -123,6 +133,8 @@ def _lifespan(stats_logs: Sequence[Any], args: Any):
         finally:
             if task is not None:
                 task.cancel()
+            if tracer is not None:  # the spans still queued go out before the exit
+                await asyncio.to_thread(tracer.shutdown)
 
     return lifespan
 
@@ -313,6 +325,10 @@ def _add_exception_handlers(app: FastAPI) -> None:
     async def engine_sleeping(_: Request, exc: EngineSleepingError):
         return error_response(str(exc), 503)
 
+    @app.exception_handler(AdmissionRejectedError)  # over --max-num-queued-reqs/-tokens
+    async def admission_rejected(_: Request, exc: AdmissionRejectedError):
+        return error_response(str(exc), 503)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         if is_messages_path(_path(request.scope)):  # e.g. a GET: Anthropic's shape there
@@ -347,6 +363,10 @@ def _add_middleware(app: FastAPI, args: Any) -> None:
         app.add_middleware(LoadTrackingMiddleware, state=app.state)
     for path in args.middleware or []:
         _add_user_middleware(app, path)
+    if getattr(args, "otlp_traces_endpoint", None):
+        app.add_middleware(TraceHeadersMiddleware)  # each request's traceparent, for spans
+    # outermost: checked before anything else runs
+    app.add_middleware(HeaderCountLimitMiddleware, max_count=args.h11_max_header_count)
 
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")

@@ -7,15 +7,21 @@ The engine flags (`EngineArgs.add_cli_args`) already include ``--chat-template``
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from jaxengine.config.arg_utils import parse_json
 from jaxengine.engine_args import EngineArgs
 from server import envs
 from server.lora import check_lora_modules, parse_lora_module
+from server.tracing import add_tracing_args, check_tracing_args
 
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 CONTENT_FORMATS = ("auto", "string", "openai")
+H11_MAX_INCOMPLETE_EVENT_SIZE = 4194304  # vLLM's default (h11's own is 16 KiB)
+H11_MAX_HEADER_COUNT = 256
+
+logger = logging.getLogger("jaxengine.server")
 
 
 def _json_list(text: str) -> list[str]:
@@ -38,10 +44,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g = parser.add_argument_group("Frontend", "the OpenAI-compatible HTTP server")
     _add_http_args(g.add_argument)
+    _add_tls_and_limit_args(g.add_argument)
     _add_api_args(g.add_argument)
     _add_tool_args(g.add_argument)
     add_lora_args(g.add_argument)
     _add_logging_args(g.add_argument)
+    add_tracing_args(parser)  # --otlp-traces-endpoint, --collect-detailed-traces
     EngineArgs.add_cli_args(parser)
     # seconds between the stats lines: $JAXENGINE_LOG_STATS_INTERVAL or $VLLM_LOG_STATS_INTERVAL
     parser.set_defaults(log_stats_interval=envs.log_stats_interval(), background_compile=True)
@@ -49,7 +57,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _add_http_args(add: Any) -> None:
-    """Binding, CORS, TLS, auth and middleware."""
+    """Binding, CORS, auth and middleware."""
     add("--host", default=None, help="host name to bind (default: all interfaces)")
     add("--port", type=int, default=8000, help="port to bind (default: 8000)")
     add("--uds", default=None, help="Unix domain socket path; if set, host and port are ignored")
@@ -82,10 +90,14 @@ def _add_http_args(add: Any) -> None:
         help="message content as a string, or as OpenAI's list of parts; auto detects "
         "it from the template",
     )
-    add("--ssl-keyfile", default=None, help="TLS key file")
-    add("--ssl-certfile", default=None, help="TLS certificate file")
-    add("--ssl-ca-certs", default=None, help="CA certificates file")
-    add("--ssl-cert-reqs", type=int, default=0, help="whether client certificates are required")
+    add(
+        "--trust-request-chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="use a chat template sent in a request (chat_template, or chat_template in "
+        "chat_template_kwargs); without it such a request is refused and the server "
+        "always renders with --chat-template or the tokenizer's template",
+    )
     add("--root-path", default=None, help="FastAPI root_path behind a path-based proxy")
     add(
         "--middleware",
@@ -95,6 +107,35 @@ def _add_http_args(add: Any) -> None:
         "function); may be repeated",
     )
     add("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
+
+
+def _add_tls_and_limit_args(add: Any) -> None:
+    """TLS (uvicorn's settings, and refreshing them) and the h11 request limits."""
+    add("--ssl-keyfile", default=None, help="TLS key file")
+    add("--ssl-certfile", default=None, help="TLS certificate file")
+    add("--ssl-ca-certs", default=None, help="CA certificates file")
+    add("--ssl-cert-reqs", type=int, default=0, help="whether client certificates are required")
+    add(
+        "--enable-ssl-refresh",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="reload the TLS certificate chain (and --ssl-ca-certs) when its files change, "
+        "for new connections (needs --ssl-keyfile and --ssl-certfile)",
+    )
+    add(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=H11_MAX_INCOMPLETE_EVENT_SIZE,
+        help="maximum size (bytes) of an incomplete HTTP event (header or body) for the h11 "
+        "parser: a request still incomplete past it gets 400 (default: 4194304, 4 MB)",
+    )
+    add(
+        "--h11-max-header-count",
+        type=int,
+        default=H11_MAX_HEADER_COUNT,
+        help="maximum number of HTTP headers in a request; a request with more gets 431 "
+        "(default: 256)",
+    )
 
 
 def _add_api_args(add: Any) -> None:
@@ -168,6 +209,12 @@ def _add_tool_args(add: Any) -> None:
         action="store_true",
         help='leave the tools out of the prompt of a request with tool_choice "none"',
     )
+    add(
+        "--tool-server",
+        default=None,
+        help="vLLM's built-in tools (demo) or MCP tool servers (host:port,...) for "
+        "/v1/responses: not supported yet (refused at start-up)",
+    )
 
 
 def add_lora_args(add: Any) -> None:
@@ -189,7 +236,39 @@ def _add_logging_args(add: Any) -> None:
     """Logs, stats and headless nodes."""
     add("--max-log-len", type=int, default=None, help="characters of prompt text to log")
     add("--disable-log-stats", action="store_true", help="no periodic stats lines")
-    add("--enable-log-requests", action="store_true", help="log each request's prompt and params")
+    add(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request's prompt and params",
+    )
+    add(
+        "--disable-log-requests",
+        "--no-disable-log-requests",
+        action=DeprecatedNegation,
+        dest="enable_log_requests",
+        help="[DEPRECATED] the opposite of --enable-log-requests (request logging is off "
+        "by default)",
+    )
+    add(
+        "--enable-log-outputs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also log each generated sequence (text, token ids, finish reason; each "
+        "delta of a stream too); needs --enable-log-requests",
+    )
+    add(
+        "--log-error-stack",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log the stack trace of every error returned to a client",
+    )
+    add(
+        "--log-config-file",
+        default=envs.logging_config_path(),
+        help="a JSON logging configuration (logging.config.dictConfig) for the jaxengine "
+        "and uvicorn loggers, applied at start-up (default: $VLLM_LOGGING_CONFIG_PATH)",
+    )
     add(
         "--headless",
         action="store_true",
@@ -206,7 +285,7 @@ def check_server_args(args: argparse.Namespace) -> None:
     several API server processes, auto tool choice without a parser, an unknown parser
     name, a broken plugin, ``--lora-modules`` without ``--enable-lora`` or with a name
     twice, ``--enable-per-request-metrics`` with ``--disable-log-stats`` (as vLLM), a
-    negative ``--max-stored-responses``."""
+    negative ``--max-stored-responses``, and `check_http_and_logging_args`'s."""
     from server.serving import tool_parser_class
 
     if getattr(args, "api_server_count", 1) != 1:
@@ -225,6 +304,49 @@ def check_server_args(args: argparse.Namespace) -> None:
             "--enable-per-request-metrics requires engine statistics logging; remove "
             "--disable-log-stats to enable per-request metrics."
         )
+    check_http_and_logging_args(args)
+    check_tracing_args(args)
+
+
+def check_http_and_logging_args(args: argparse.Namespace) -> None:
+    """ValueError for ``--tool-server`` (no built-in or MCP tools yet),
+    ``--enable-log-outputs`` without ``--enable-log-requests`` (as vLLM),
+    ``--enable-ssl-refresh`` without a key and certificate to reload, and an h11 limit
+    below 1."""
+    if getattr(args, "tool_server", None):
+        raise ValueError(
+            f"--tool-server {args.tool_server} is not supported yet: jaxengine has no "
+            "built-in tools (demo) and no MCP tool servers; /v1/responses serves function "
+            "tools, which the client runs"
+        )
+    if getattr(args, "enable_log_outputs", False) and not args.enable_log_requests:
+        raise ValueError("--enable-log-outputs requires --enable-log-requests")
+    if getattr(args, "enable_ssl_refresh", False) and not (args.ssl_keyfile and args.ssl_certfile):
+        raise ValueError(
+            "--enable-ssl-refresh requires --ssl-keyfile and --ssl-certfile: it reloads "
+            "those files when they change"
+        )
+    for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+        value = getattr(args, name, 1)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+class DeprecatedNegation(argparse.Action):
+    """A deprecated flag meaning the opposite of ``dest``'s own flag (vLLM's
+    ``--disable-log-requests`` for ``--enable-log-requests``): ``--X`` sets ``dest``
+    False, ``--no-X`` True, each with a deprecation warning; of several flags on one
+    command line, the last wins, as for any flag and its ``--no-`` form."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        value = option_string.startswith("--no-")
+        flag = "--" + self.dest.replace("_", "-")
+        instead = flag if value else f"--no-{flag[2:]} (the default)"
+        logger.warning("%s is deprecated, as in vLLM: use %s instead", option_string, instead)
+        setattr(namespace, self.dest, value)
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

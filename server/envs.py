@@ -12,6 +12,8 @@ and have no counterpart):
 - ``VLLM_LOGGING_LEVEL``: the level of the ``jaxengine`` loggers (default: INFO, or
   DEBUG with ``--uvicorn-log-level debug``/``trace``).
 - ``VLLM_LOGGING_PREFIX``: text put before every ``jaxengine`` log line ("").
+- ``VLLM_LOGGING_CONFIG_PATH``: the default of ``--log-config-file``, a JSON
+  ``logging.config.dictConfig`` file for the ``jaxengine`` and uvicorn loggers.
 - ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds an idle HTTP connection stays open (5).
 
 - ``VLLM_SERVER_DEV_MODE``: 1 turns on the development routes (`server/dev_routes.py`).
@@ -67,6 +69,11 @@ def logging_level(uvicorn_level: str, environ: Mapping[str, str] = os.environ) -
 def logging_prefix(environ: Mapping[str, str] = os.environ) -> str:
     """Text put before every log line (``$VLLM_LOGGING_PREFIX``)."""
     return environ.get("VLLM_LOGGING_PREFIX", "")
+
+
+def logging_config_path(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The JSON logging configuration file (``$VLLM_LOGGING_CONFIG_PATH``), or None."""
+    return environ.get("VLLM_LOGGING_CONFIG_PATH") or None
 
 
 def http_timeout_keep_alive(environ: Mapping[str, str] = os.environ) -> int:

@@ -2,14 +2,20 @@
 
 Handlers raise `APIError` (or let a `ValueError` from validation escape); the app's
 exception handlers turn both, and FastAPI's request validation errors, into this
-body with the right status. Nothing is queued for a request that fails here.
+body with the right status. Nothing is queued for a request that fails here. With
+``--log-error-stack`` (`log_error_stacks`), each of those answers also logs the stack
+trace of the exception behind it.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+logger = logging.getLogger("jaxengine.server")
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -69,3 +75,29 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 def _public(err: dict[str, Any]) -> dict[str, Any]:
     """The error without the documentation URL pydantic may add."""
     return {k: v for k, v in err.items() if k != "url"}
+
+
+def log_error_stacks(app: Any) -> None:
+    """``--log-error-stack``: every exception handler of ``app`` (but the one for any
+    `Exception`, which logs its stack already) also logs the stack trace of the error
+    it answers with. Called after the handlers are registered, before serving."""
+    handlers = app.exception_handlers
+    for key, handler in list(handlers.items()):
+        if key is not Exception:
+            handlers[key] = _logging_stack(handler)
+
+
+def _logging_stack(handler: Any) -> Any:
+    async def handle(request: Any, exc: Exception) -> Any:
+        response = handler(request, exc)
+        if inspect.isawaitable(response):
+            response = await response
+        log_error_stack(exc, response.status_code, f"{request.method} {request.url.path}")
+        return response
+
+    return handle
+
+
+def log_error_stack(exc: BaseException, status: int, where: str) -> None:
+    """Logs ``exc`` with its stack trace as the cause of a ``status`` error answer."""
+    logger.error("error response %d to %s: %s", status, where, exc, exc_info=exc)

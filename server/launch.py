@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import logging.config
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -18,14 +20,23 @@ from server import envs
 
 if TYPE_CHECKING:
     from jaxengine.entrypoints.client import EngineClient
+    from server.ssl_refresh import SSLCertRefresher
 
 logger = logging.getLogger("jaxengine.server")
 
 
-def setup_logging(level: str = "info", environ: Mapping[str, str] = os.environ) -> None:
+def setup_logging(
+    level: str = "info",
+    environ: Mapping[str, str] = os.environ,
+    config: dict[str, Any] | None = None,
+) -> None:
     """One handler for the ``jaxengine`` loggers (uvicorn configures its own), at
     ``$VLLM_LOGGING_LEVEL`` or INFO (DEBUG for a ``debug`` uvicorn level), each line
-    after ``$VLLM_LOGGING_PREFIX``; nothing with ``$VLLM_CONFIGURE_LOGGING=0``."""
+    after ``$VLLM_LOGGING_PREFIX``; nothing with ``$VLLM_CONFIGURE_LOGGING=0``. A
+    ``--log-config-file`` ``config`` (`load_log_config`) replaces all of that."""
+    if config is not None:
+        logging.config.dictConfig(config)
+        return
     if not envs.configure_logging(environ):
         return
     root = logging.getLogger("jaxengine")
@@ -37,6 +48,36 @@ def setup_logging(level: str = "info", environ: Mapping[str, str] = os.environ) 
         root.addHandler(handler)
     root.setLevel(envs.logging_level(level, environ))
     root.propagate = False
+
+
+def load_log_config(
+    path: str | None, environ: Mapping[str, str] = os.environ
+) -> dict[str, Any] | None:
+    """The ``--log-config-file`` (or ``$VLLM_LOGGING_CONFIG_PATH``) JSON dictConfig, or
+    None without one. ValueError, before anything starts, for a file that cannot be
+    read or is not a JSON object, or with ``$VLLM_CONFIGURE_LOGGING=0`` (vLLM's rule:
+    the file implies configuring the loggers)."""
+    if not path:
+        return None
+    if not envs.configure_logging(environ):
+        raise ValueError(
+            "VLLM_CONFIGURE_LOGGING evaluated to false, but a logging config file was "
+            f"given ({path}). A logging config file implies VLLM_CONFIGURE_LOGGING. Please "
+            "enable VLLM_CONFIGURE_LOGGING or leave out --log-config-file and "
+            "VLLM_LOGGING_CONFIG_PATH."
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ValueError(f"Could not load logging config from {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"Invalid logging config in {path}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"Invalid logging config in {path}. Expected dict, got {type(config).__name__}."
+        )
+    return config
 
 
 def build_engine(args: argparse.Namespace) -> tuple[EngineClient, Any, list[Any]]:
@@ -74,11 +115,19 @@ def run_headless(args: argparse.Namespace) -> int:
     )
 
 
-def uvicorn_config(app, args: argparse.Namespace):
+def uvicorn_config(app, args: argparse.Namespace, log_config: dict[str, Any] | None = None):
+    """uvicorn's settings from the flags. HTTP/1.1 is parsed by h11 whatever else is
+    installed, so ``--h11-max-incomplete-event-size`` always applies;
+    ``--h11-max-header-count`` is the app's (`server/http_limits.py`): h11 has no such
+    setting. ``log_config`` (``--log-config-file``) replaces uvicorn's own logging setup."""
     import uvicorn
 
+    logging_setup = {} if log_config is None else {"log_config": log_config}
     return uvicorn.Config(
         app,
+        http="h11",
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        **logging_setup,
         host=args.host or "0.0.0.0",
         port=args.port,
         uds=args.uds,
@@ -93,12 +142,36 @@ def uvicorn_config(app, args: argparse.Namespace):
     )
 
 
-async def _serve(server: Any, models: Any, lora_modules: Sequence[Any], where: str) -> None:
+async def _serve(
+    server: Any,
+    models: Any,
+    lora_modules: Sequence[Any],
+    where: str,
+    refresher: SSLCertRefresher | None = None,
+) -> None:
     """Adds the ``--lora-modules`` adapters (a bad one raises: no socket was opened),
-    then serves until interrupted."""
+    then serves until interrupted, with ``refresher`` (``--enable-ssl-refresh``)
+    watching the certificate files meanwhile."""
     await models.add_static(lora_modules)
     logger.info("serving %s at %s", [card["id"] for card in models.cards()], where)
-    await server.serve()
+    watch = None if refresher is None else asyncio.create_task(refresher.run())
+    try:
+        await server.serve()
+    finally:
+        if watch is not None:
+            watch.cancel()
+
+
+def ssl_refresher(config: Any, args: argparse.Namespace) -> SSLCertRefresher | None:
+    """``--enable-ssl-refresh``: a refresher of the SSL context uvicorn serves with
+    (loading ``config`` builds it), else None."""
+    if not args.enable_ssl_refresh:
+        return None
+    from server.ssl_refresh import SSLCertRefresher
+
+    if not config.loaded:
+        config.load()
+    return SSLCertRefresher(config.ssl, args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -108,17 +181,21 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import build_app
     from server.args import check_server_args
 
-    setup_logging(args.uvicorn_log_level)
+    log_config = load_log_config(args.log_config_file)
+    setup_logging(args.uvicorn_log_level, config=log_config)
     if getattr(args, "headless", False):  # no API server
         return run_headless(args)
     check_server_args(args)
     engine, metrics, stats_logs = build_engine(args)
     try:
         app = build_app(engine, args, metrics=metrics, stats_logs=stats_logs)
-        server = uvicorn.Server(uvicorn_config(app, args))
-        where = args.uds or f"http://{args.host or '0.0.0.0'}:{args.port}"
+        config = uvicorn_config(app, args, log_config)
+        refresher = ssl_refresher(config, args)
+        scheme = "https" if args.ssl_certfile else "http"
+        where = args.uds or f"{scheme}://{args.host or '0.0.0.0'}:{args.port}"
         modules = getattr(args, "lora_modules", [])
-        asyncio.run(_serve(server, app.state.ctx.models, modules, where))
+        server = uvicorn.Server(config)
+        asyncio.run(_serve(server, app.state.ctx.models, modules, where, refresher))
     finally:
         engine.shutdown()
     return 0

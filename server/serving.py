@@ -3,7 +3,9 @@ merging several requests' streams, and aborting when the client goes away.
 
 A request with several prompts (or ``n`` > 1) becomes one engine request per prompt,
 ``{request_id}-{i}``; every prompt is prepared (tokenized, validated) before any is
-queued, so a bad one fails the whole request with nothing left running.
+queued, so a bad one fails the whole request with nothing left running. Admission
+control (``--max-num-queued-reqs/-tokens``) is checked for the whole request before its
+response starts, so a refused request is an HTTP 503, streamed or not.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from jaxengine.entrypoints.admission import AdmissionRejectedError, num_seqs
 from jaxengine.entrypoints.client import EngineClient
 from jaxengine.inputs import PreparedPrompt
-from jaxengine.lora import LoRARequest
+from jaxengine.lora import LoRAAdapterNotFoundError, LoRARequest
 from jaxengine.outputs import RequestOutput
-from jaxengine.sampling_params import SamplingParams
-from server.errors import APIError, error_body
+from jaxengine.sampling_params import RequestOutputKind, SamplingParams
+from server.errors import APIError, error_body, log_error_stack
 from server.lora import ServingModels
+from server.output_log import logged_outputs
 from server.protocol import GENERATION_CONFIG_DEFAULTS
 from server.responses import per_request_metrics
+from server.tracing import RequestTracer
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -46,7 +51,13 @@ class ServerOptions:
     enable_per_request_metrics: bool = False
     """Add vLLM's per-request timing ``metrics`` to completions and chat responses."""
     enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    """Log each generated sequence (`server/output_log.py`); with enable_log_requests."""
     max_log_len: int | None = None
+    log_error_stack: bool = False
+    """Log the stack trace of every error answered (in a stream's error event too)."""
+    trust_request_chat_template: bool = False
+    """Render with a request's own chat template; refused otherwise (vLLM)."""
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
@@ -61,10 +72,16 @@ class ServingContext:
     handler, and the model names (served names and LoRA adapters) requests address."""
 
     def __init__(
-        self, engine: EngineClient, options: ServerOptions, models: ServingModels | None = None
+        self,
+        engine: EngineClient,
+        options: ServerOptions,
+        models: ServingModels | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.engine = engine
         self.options = options
+        self.tracer = tracer
+        """Spans each finished engine request (--otlp-traces-endpoint); None: off."""
         self.models = models or ServingModels(engine, options.served_model_names)
         self.tokenizer = engine.tokenizer
         gen = engine.generation_config or {}
@@ -135,8 +152,12 @@ class ServingContext:
         lora_request: LoRARequest | None = None,
     ) -> list[PreparedPrompt]:
         """Validates every prompt (ValueError -> 400) before any is queued; the
-        prepared prompts carry ``lora_request`` (None: the base model)."""
-        return [self.engine.prepare(p, params, lora_request=lora_request) for p in prompts]
+        prepared prompts carry ``lora_request`` (None: the base model). An adapter
+        whose folder is gone is vLLM's 404 (`LoRAAdapterNotFoundError`)."""
+        try:
+            return [self.engine.prepare(p, params, lora_request=lora_request) for p in prompts]
+        except LoRAAdapterNotFoundError as e:
+            raise APIError(str(e), 404) from e
 
     def log_request(self, request_id: str, prepared: Sequence[PreparedPrompt]) -> None:
         if not self.options.enable_log_requests:
@@ -154,14 +175,37 @@ class ServingContext:
                 ids,
             )
 
+    def log_outputs(
+        self,
+        request_id: str,
+        prepared: Sequence[PreparedPrompt],
+        streams: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``streams`` as they are, or with ``--enable-log-outputs`` logging each
+        generated sequence (`server/output_log.py`)."""
+        if not self.options.enable_log_outputs:
+            return streams
+        streaming = prepared[0].params.output_kind == RequestOutputKind.DELTA
+        return logged_outputs(streams, request_id, streaming, self.options.max_log_len)
+
+    def check_admission(self, prepared: Sequence[PreparedPrompt]) -> None:
+        """Raises `AdmissionRejectedError` (503) when the request, its prompts'
+        sequences together, would go over an admission cap now, before a response
+        starts (vLLM's preflight); each engine request is checked again as it arrives."""
+        self.engine.check_admission(sum(num_seqs(p.params) for p in prepared))
+
     def streams(
         self, request_id: str, prepared: Sequence[PreparedPrompt], priority: int
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The outputs of every prompt's engine request, merged as they come."""
+        """The outputs of every prompt's engine request, merged as they come (after
+        `check_admission`)."""
+        self.check_admission(prepared)
         iterators = [
             self.engine.generate(p, p.params, f"{request_id}-{i}", priority=priority)
             for i, p in enumerate(prepared)
         ]
+        if self.tracer is not None:
+            iterators = self.tracer.watch(iterators, prepared)
         return merge_async_iterators(iterators)
 
 
@@ -280,17 +324,24 @@ def add_stream_metrics(chunk: dict[str, Any], metrics: dict[str, Any] | None) ->
         chunk["metrics"] = {k: v for k, v in metrics.items() if v is not None}
 
 
-async def sse(payloads: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def sse(
+    payloads: AsyncIterator[dict[str, Any]], log_stack: bool = False
+) -> AsyncIterator[str]:
     """Server-sent events: ``data: {...}`` per payload, then ``data: [DONE]``.
 
     The status line has been sent when a stream fails, so an error travels in-band
-    as one more event in OpenAI's error shape.
+    as one more event in OpenAI's error shape; ``log_stack`` (``--log-error-stack``)
+    logs its stack trace (an unexpected error's is logged always).
     """
     try:
         async for payload in payloads:
             yield _event(payload)
     except APIError as e:
+        if log_stack:
+            log_error_stack(e, e.status, "a stream")
         yield _event(error_body(e.message, e.status, e.param))
+    except AdmissionRejectedError as e:  # refused as it arrived, past the check before
+        yield _event(error_body(str(e), 503))
     except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
         logger.exception("stream failed")
         yield _event(error_body(str(e), 500))

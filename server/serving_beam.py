@@ -57,11 +57,21 @@ def streams(
     ctx: ServingContext, request: Any, request_id: str, prepared: Sequence[PreparedPrompt]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The request's outputs by prompt index: its engine requests' streams, or with
-    ``use_beam_search`` each prompt's final beam-search output (its ``n`` beams).
-    Raises `APIError` / ValueError (nothing queued) for what beam search refuses."""
+    ``use_beam_search`` each prompt's final beam-search output (its ``n`` beams);
+    logged with ``--enable-log-outputs``. Raises `APIError` / ValueError (nothing
+    queued) for what beam search refuses."""
     if not getattr(request, "use_beam_search", False):
-        return ctx.streams(request_id, prepared, request.priority)
+        merged = ctx.streams(request_id, prepared, request.priority)
+    else:
+        merged = _beam_streams(ctx, request, request_id, prepared)
+    return ctx.log_outputs(request_id, prepared, merged)
+
+
+def _beam_streams(
+    ctx: ServingContext, request: Any, request_id: str, prepared: Sequence[PreparedPrompt]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     check_beam_request(request, prepared)
+    ctx.check_admission(prepared)  # each step's requests are checked again as they arrive
     iterators = [
         ctx.engine.beam_search(
             p,

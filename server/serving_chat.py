@@ -58,14 +58,14 @@ class ChatHandler:
         """
         ctx = self.ctx
         tokenizer = ctx.need_tokenizer()
-        template = request.chat_template or ctx.options.chat_template
+        kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
+        template = request_template(request, kwargs, ctx.options) or ctx.options.chat_template
         try:
             template_text = resolve_chat_template(tokenizer, template)
         except ValueError as e:
             raise APIError(str(e), param="chat_template") from None
         fmt = content_format(ctx.options.chat_template_content_format, template_text)
         messages = [normalize_message(m, fmt) for m in request.messages]
-        kwargs = dict(request.chat_template_kwargs or {})
         for name in ("tools", "documents", "reasoning_effort"):
             if getattr(request, name, None):
                 kwargs.setdefault(name, getattr(request, name))
@@ -94,7 +94,7 @@ class ChatHandler:
     async def create(self, request: ChatCompletionRequest, raw_request=None):
         view, streams = self.start(request)
         if request.stream:
-            return sse(view.stream(streams))
+            return sse(view.stream(streams), self.ctx.options.log_error_stack)
         return await until_disconnected(raw_request, view.collect(streams))
 
     def start(self, request: ChatCompletionRequest) -> tuple[_ChatView, AsyncIterator]:
@@ -146,6 +146,22 @@ def _tool_call_id() -> str:
     from server.tool_parsers import make_tool_call_id
 
     return make_tool_call_id()
+
+
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+def request_template(request: Any, kwargs: dict[str, Any], options: Any) -> str | None:
+    """The chat template a request brings, or None: ``chat_template_kwargs``'s
+    ``chat_template`` (taken out of ``kwargs``), else ``chat_template``. As vLLM, a
+    request that brings one is refused (400) unless --trust-request-chat-template."""
+    given = kwargs.pop("chat_template", None) or getattr(request, "chat_template", None)
+    if given is not None and not options.trust_request_chat_template:
+        raise APIError(UNTRUSTED_TEMPLATE)
+    return given
 
 
 def content_format(option: str, template: str | None) -> str:

@@ -57,7 +57,7 @@ class CompletionHandler:
         streams = serving_beam.streams(ctx, request, request_id, prepared)
         view = _View(ctx, request, model, request_id, len(prepared))
         if request.stream:
-            return sse(view.stream(streams))
+            return sse(view.stream(streams), ctx.options.log_error_stack)
         return await until_disconnected(raw_request, view.collect(streams))
 
 

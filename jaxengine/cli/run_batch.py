@@ -27,6 +27,12 @@ def register(subparsers) -> None:
     add("-o", "--output-file", required=True, help="batch output (JSONL), or - for stdout")
     add("--response-role", default="assistant", help="the role of chat replies")
     add("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto")
+    add(
+        "--trust-request-chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="render a line's own chat_template (refused without this flag)",
+    )
     add("--return-tokens-as-token-ids", action="store_true")
     add("--enable-prompt-tokens-details", action="store_true")
     add("--max-log-len", type=int, default=None)

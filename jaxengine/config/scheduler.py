@@ -1,4 +1,4 @@
-"""SchedulerConfig: the per-step token budget, request cap and scheduling policy."""
+"""SchedulerConfig: the per-step token budget, request caps and scheduling policy."""
 
 from __future__ import annotations
 
@@ -35,6 +35,26 @@ class SchedulerConfig:
     static default: if unspecified, EngineArgs.create_engine_config sets it (8192
     with chunked prefill, else max(max_model_len, 2048) once the model length is
     known). The flag accepts human-readable k/m/g/K/M/G: 1k -> 1000, 1K -> 1024."""
+    max_num_queued_reqs: int | None = spec(None, ge=0)
+    """Maximum number of requests in flight (waiting or running) at once, a request
+    with n > 1 counting as n; None (the default) for no limit. A request that would
+    go over it is refused with HTTP 503, so that a load balancer can retry it on
+    another instance; the server goes on serving. Checked by the API server's async
+    engine front when a request arrives (as vLLM's AsyncLLM); the offline LLM does
+    not apply it. With data parallelism it caps the whole server, all replicas
+    together (unlike max_num_seqs, which is per replica): size it as about
+    data_parallel_size * max_num_seqs plus the queue depth wanted."""
+    max_num_queued_tokens: int | None = spec(None, ge=0, human_readable=True)
+    """Maximum total prompt tokens of the requests in the prefill phase (queued or
+    prefilling: no output token yet), a request with n > 1 counting its prompt n
+    times; None (the default) for no limit. While that backlog is at or over it, a
+    new request is refused with HTTP 503 (checked after max_num_queued_reqs). Set
+    it to about target_TTFT * prefill_throughput. The count is conservative: a
+    request counts its whole prompt (prefix-cache hits and chunks already computed
+    included) until its first token. Checked by the API server's async engine front
+    when a request arrives; the offline LLM does not apply it. With data
+    parallelism it caps the whole server's backlog, all replicas together. The flag
+    accepts human-readable k/m/g/K/M/G."""
     enable_chunked_prefill: bool | None = None
     """If True, prefill requests can be chunked based on the remaining
     max_num_batched_tokens. Unset (None) means enabled."""

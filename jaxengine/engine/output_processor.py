@@ -158,6 +158,8 @@ class OutputProcessor:
             if out.pooling_output is not None:
                 state.pooled = out.pooling_output
             if out.new_token_ids:
+                if not seq.token_ids:  # this sequence's first token
+                    self.stats.prefilled_request_ids.append(state.request_id)
                 self._record_tokens(state, len(out.new_token_ids), now)
                 stop = self._add_tokens(seq, out.new_token_ids, out.new_logprobs, out.finished)
                 if stop is not None:

@@ -21,6 +21,13 @@ loggers (`jaxengine.metrics`), which are thread-safe.
 Each request's stream lives in a `StreamTable` (`entrypoints.streams`), owned by this
 engine's ``rank``. With ``--data-parallel-size N`` the server runs one `AsyncLLM` per
 replica behind a `DPAsyncLLM` (`entrypoints.dp_async_llm`), all sharing its table.
+
+Admission control (``--max-num-queued-reqs``, ``--max-num-queued-tokens``:
+`entrypoints.admission`) is the table owner's: an `AsyncLLM` with a table of its own
+checks each request in `generate` before it is queued; one sharing a table (a
+data-parallel replica, a headless node's rank) leaves it to the front that owns it.
+After each step the thread tells the table which sequences got their first token
+(they leave the prefill backlog).
 `dp_async_llm.async_engine` builds whichever of the two a config needs.
 """
 
@@ -39,6 +46,7 @@ from typing import Any
 from jaxengine.config import EngineConfig
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.rollout import RPC_METHODS
+from jaxengine.entrypoints.admission import AdmissionControl, num_seqs
 from jaxengine.entrypoints.client import EngineDeadError, EngineFront, StatLogger
 from jaxengine.entrypoints.pausing import PAUSE_MODES, PauseState
 from jaxengine.entrypoints.streams import StreamTable
@@ -57,7 +65,8 @@ class AsyncLLM(EngineFront):
 
     Implements `EngineClient`, and `ReplicaClient` as data-parallel rank ``rank``:
     its streams are ``streams``'s with owner ``rank`` (a table of its own unless
-    given one to share, as `DPAsyncLLM` and a headless node do).
+    given one to share, as `DPAsyncLLM` and a headless node do). With a table of its
+    own it checks the config's admission caps; a shared table's owner checks them.
     """
 
     def __init__(
@@ -74,7 +83,9 @@ class AsyncLLM(EngineFront):
         self.config = self.engine.config
         self.stat_loggers = list(stat_loggers)
         self.rank = rank
-        self.streams = streams if streams is not None else StreamTable()
+        own_table = streams is None  # its owner checks admission for all who share it
+        self.streams = StreamTable() if streams is None else streams
+        self.admission = AdmissionControl.of(self.config.scheduler_config) if own_table else None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._dead: BaseException | None = None
         self._pause = PauseState()
@@ -117,14 +128,19 @@ class AsyncLLM(EngineFront):
         """Streams the request's outputs (by its ``output_kind``) until it finishes.
 
         ``prompt`` is a text, token ids, a dict, or a `PreparedPrompt` already
-        validated by `prepare`. Raises ValueError for bad input (before queueing) and
-        `EngineDeadError` when the engine fails. Closing the iterator early aborts.
+        validated by `prepare`. Raises ValueError for bad input (before queueing),
+        `AdmissionRejectedError` over an admission cap, and `EngineDeadError` when the
+        engine fails. Closing the iterator early aborts.
         """
         self.engine.rollout.check_awake()
         prepared = prompt if isinstance(prompt, PreparedPrompt) else None
         if prepared is None:
             prepared = self.prepare(prompt, sampling_params, lora_request)
-        stream = self.streams.open(request_id, self.rank)
+        seqs = num_seqs(prepared.params)
+        self.check_admission(seqs)
+        stream = self.streams.open(
+            request_id, self.rank, seqs=seqs, prompt_tokens=len(prepared.token_ids)
+        )
         self._commands.put(_Add(request_id, prepared, priority, time.time()))
         try:
             while not stream.finished:
@@ -263,6 +279,7 @@ class AsyncLLM(EngineFront):
             self.streams.deliver([(add.request_id, e)], self.rank)
 
     def _record(self, iteration_stats: IterationStats) -> None:
+        self.streams.prefilled(iteration_stats.prefilled_request_ids, self.rank)
         if not self.stat_loggers:
             return
         stats = self.engine.get_stats()

@@ -8,9 +8,9 @@ replica: an `AsyncLLM` on this node or a `RemoteReplica` on another
 (`entrypoints.dp_remote`).
 
 `EngineFront` holds what both async fronts do the same way (prompt preparation,
-LoRA adapters). `dp_async_llm.async_engine` (and `async_engine_from_args`) build
-the right client for a config. This module imports no implementation, so every one of them can
-import it.
+LoRA adapters, admission control: `entrypoints.admission`).
+`dp_async_llm.async_engine` (and `async_engine_from_args`) build the right client for
+a config. This module imports no implementation, so every one of them can import it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from jaxengine.config import EngineConfig
     from jaxengine.core.sched_output import SchedulerStats
     from jaxengine.engine.protocol import Engine
+    from jaxengine.entrypoints.admission import AdmissionControl
+    from jaxengine.entrypoints.streams import StreamTable
     from jaxengine.inputs import PreparedPrompt
     from jaxengine.metrics.stats import IterationStats
     from jaxengine.outputs import RequestOutput
@@ -40,9 +42,26 @@ class EngineDeadError(RuntimeError):
 class EngineFront:
     """What both async fronts (`AsyncLLM`, `DPAsyncLLM`) ask of their ``engine`` (an
     `LLMEngine` or `DataParallelEngine`) outside its thread: the model's limits,
-    preparing prompts and LoRA adapters."""
+    preparing prompts and LoRA adapters; and admission control over its ``streams``."""
 
     engine: Engine
+    streams: StreamTable
+    admission: AdmissionControl | None
+    """The caps this front checks when a request arrives (None: a replica behind a
+    front that checks them for all its replicas)."""
+
+    def check_admission(self, seqs: int = 1) -> None:
+        """Raises `AdmissionRejectedError` (and counts it) when a request of ``seqs``
+        sequences would go over ``--max-num-queued-reqs`` or ``--max-num-queued-tokens``
+        now (vLLM's ``AsyncLLM.check_admission``). `generate` checks each request as
+        it arrives; the server also checks before it starts a response, so that a
+        refused stream is a 503 rather than an error event."""
+        if self.admission is not None:
+            self.admission.check(self.streams.load(), seqs)
+
+    def admission_rejections(self) -> dict[str, int]:
+        """Requests refused by admission control, by reason (empty for a replica)."""
+        return {} if self.admission is None else self.admission.rejections()
 
     @property
     def tokenizer(self) -> Any:
@@ -233,6 +252,16 @@ class EngineClient(Protocol):
         """Raises `EngineDeadError` when the engine cannot serve."""
         ...
 
+    def check_admission(self, seqs: int = 1) -> None:
+        """Raises `AdmissionRejectedError` when a request of ``seqs`` sequences would
+        go over an admission cap now (`entrypoints.admission`); counts it."""
+        ...
+
+    def admission_rejections(self) -> dict[str, int]:
+        """Requests refused by admission control so far, by reason (each at 0 from
+        the start): vLLM's ``admission_rejections_total``."""
+        ...
+
     def prepare(
         self, prompt: Any, params: SamplingParams, lora_request: Any = None
     ) -> PreparedPrompt:
@@ -256,7 +285,8 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; ``prompt`` may be a `PreparedPrompt`."""
+        """Streams the request's outputs; ``prompt`` may be a `PreparedPrompt`. Raises
+        `AdmissionRejectedError` as it arrives when it goes over an admission cap."""
         ...
 
     async def abort(self, request_id: str | Sequence[str]) -> None:

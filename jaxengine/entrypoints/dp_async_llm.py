@@ -21,6 +21,13 @@ Every replica, local or remote, is a `ReplicaClient` whose streams live in ONE
 loads are the table's counts per owner, and `abort` finds a request's replica as the
 table's ``owner_of``.
 
+Admission control (``--max-num-queued-reqs``, ``--max-num-queued-tokens``:
+`entrypoints.admission`) is this front's: each request is checked once, before the
+balancer routes it, against the whole table (every replica's requests together), as
+vLLM's API server counts its in-flight requests before a rank is chosen. The
+replicas, sharing the table, check nothing themselves; a remote replica's
+first-token reports reach the table with its stats.
+
 `entrypoints.factory.async_engine` builds the server's `EngineClient`: an
 `AsyncLLM`, or a `DPAsyncLLM` when ``data_parallel_size`` > 1.
 """
@@ -33,6 +40,7 @@ from typing import Any
 from jaxengine.config import EngineConfig
 from jaxengine.core.dp_balancer import DPBalancer
 from jaxengine.engine.data_parallel import DataParallelEngine
+from jaxengine.entrypoints.admission import AdmissionControl, num_seqs
 from jaxengine.entrypoints.async_llm import AsyncLLM
 from jaxengine.entrypoints.client import EngineFront, ReplicaClient, StatLogger
 from jaxengine.entrypoints.dp_remote import RemoteReplica
@@ -61,6 +69,7 @@ class DPAsyncLLM(EngineFront):
         if stat_loggers and len(stat_loggers) != size:
             raise ValueError(f"{len(stat_loggers)} stat logger lists for {size} replicas")
         self.streams = _shared_table(remote)
+        self.admission = AdmissionControl.of(self.config.scheduler_config)
         local = self.engine.replicas
         _check_remote_ranks(len(local), size, remote)
         self.replicas: list[ReplicaClient] = [
@@ -120,10 +129,12 @@ class DPAsyncLLM(EngineFront):
         priority: int = 0,
         lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        """`AsyncLLM.generate` on the replica the balancer picks for this prompt."""
+        """`AsyncLLM.generate` on the replica the balancer picks for this prompt, once
+        admission control (over every replica's requests) lets it in."""
         prepared = prompt if isinstance(prompt, PreparedPrompt) else None
         if prepared is None:
             prepared = self.prepare(prompt, sampling_params, lora_request)
+        self.check_admission(num_seqs(prepared.params))
         if self.streams.owner_of(request_id) is not None:
             raise ValueError(f"duplicate request id {request_id!r}")
         rank = self.balancer.choose(prepared.token_ids, self._routing_loads())

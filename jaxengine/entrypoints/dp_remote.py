@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from jaxengine.core.sched_output import SchedulerStats
+from jaxengine.entrypoints.admission import num_seqs
 from jaxengine.entrypoints.client import EngineDeadError, StatLogger
 from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.inputs import PreparedPrompt
@@ -142,7 +143,12 @@ class RemoteReplica:
         """
         if not isinstance(prompt, PreparedPrompt):
             raise TypeError("a remote replica takes prompts prepared on the head")
-        stream = self.streams.open(request_id, self.rank)
+        stream = self.streams.open(
+            request_id,
+            self.rank,
+            seqs=num_seqs(prompt.params),
+            prompt_tokens=len(prompt.token_ids),
+        )
         try:
             self.node.send(AddRequest(self.rank, request_id, prompt, priority))
             while not stream.finished:
@@ -168,6 +174,9 @@ class RemoteReplica:
     # ------------------------------------------------------------------ reader thread
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        """A step's stats from the node: its first tokens to the table (admission
+        control's prefill backlog), then the stat loggers."""
+        self.streams.prefilled(iteration_stats.prefilled_request_ids, self.rank)
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(scheduler_stats, iteration_stats)

@@ -134,6 +134,7 @@ def served_engine(
     logs = log_stat_loggers(num_replicas, log_stats_interval) if log_stats else []
     loggers = [[metrics.for_engine(i), *logs[i : i + 1]] for i in range(num_replicas)]
     client = async_engine(engine.config, engine=engine, stat_loggers=loggers, remote=remote)
+    metrics.watch_admission(client.admission_rejections)
     return client, metrics, logs
 
 

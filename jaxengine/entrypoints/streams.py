@@ -13,6 +13,12 @@ front and all its replicas, local and remote, so the balancer's loads
 (`count` per owner) and the replica that must abort a request (`owner_of`) come
 from the same place as the streams themselves.
 
+The table also knows the load admission control weighs (`Load`,
+`entrypoints.admission`): each stream's sequences (its ``n``) and prompt length, and
+how many of its sequences are still in the prefill phase (no output token yet). The
+engine side reports the sequences that got their first token (`prefilled`, from
+`IterationStats.prefilled_request_ids`), whatever the request's output kind.
+
 Invariants (all under one lock, so a producer and a caller never race):
 - a request id is open at most once: `open` raises ValueError for a duplicate;
 - an error (an exception delivered, or `fail_all`) ends its stream: the stream
@@ -22,12 +28,15 @@ Invariants (all under one lock, so a producer and a caller never race):
   either gets a stream that will be failed, or the error, never a stream that
   hangs;
 - a delivery for a request that is not open (closed, aborted, or reopened by
-  another owner) is dropped.
+  another owner) is dropped;
+- `load` is the sum over the open streams: their sequences, and the prompt tokens of
+  their sequences still prefilling; a stream that leaves the table takes its share.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterable
@@ -39,12 +48,29 @@ Item = RequestOutput | BaseException
 """What a stream carries: an output, or the error that ends the request."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What the open streams hold, as admission control weighs it."""
+
+    num_seqs: int = 0
+    """Sequences in flight (waiting or running): a request with ``n`` counts n."""
+    num_prefill_tokens: int = 0
+    """Prompt tokens of the sequences with no output token yet (queued or
+    prefilling), a request's prompt once per such sequence."""
+
+
 class Stream:
     """One request's outputs, read on the caller's event loop (`next`)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, owner: int) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, owner: int, seqs: int = 1, prompt_tokens: int = 0
+    ) -> None:
         self.loop = loop
         self.owner = owner
+        self.seqs = seqs
+        self.prompt_tokens = prompt_tokens
+        self.prefilling = seqs
+        """Its sequences with no output token yet (`StreamTable.prefilled`)."""
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.finished = False
         """Whether `next` has returned the request's finished output."""
@@ -65,9 +91,14 @@ class StreamTable:
         self._lock = threading.Lock()
         self._streams: dict[str, Stream] = {}
         self._failed: dict[int | None, BaseException] = {}  # owner (None: all) -> error
+        self._seqs = 0  # `Load`'s totals over the open streams
+        self._prefill_tokens = 0
 
-    def open(self, request_id: str, owner: int = 0) -> Stream:
-        """A new stream for ``request_id`` on the running event loop, run by ``owner``.
+    def open(
+        self, request_id: str, owner: int = 0, *, seqs: int = 1, prompt_tokens: int = 0
+    ) -> Stream:
+        """A new stream for ``request_id`` on the running event loop, run by ``owner``:
+        a request of ``seqs`` sequences (its ``n``) on a prompt of ``prompt_tokens``.
 
         Raises ValueError for an id already open, and the owner's error after
         `fail_all`.
@@ -79,13 +110,41 @@ class StreamTable:
                 raise error.with_traceback(None)
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            stream = self._streams[request_id] = Stream(loop, owner)
+            stream = self._streams[request_id] = Stream(loop, owner, seqs, prompt_tokens)
+            self._seqs += seqs
+            self._prefill_tokens += seqs * prompt_tokens
         return stream
 
     def close(self, request_id: str) -> None:
         """Forgets the stream (idempotent); later deliveries to it are dropped."""
         with self._lock:
-            self._streams.pop(request_id, None)
+            self._pop(request_id)
+
+    def _pop(self, request_id: str) -> Stream | None:
+        """Removes a stream and its share of the load (the caller holds the lock)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._seqs -= stream.seqs
+            self._prefill_tokens -= stream.prefilling * stream.prompt_tokens
+        return stream
+
+    def prefilled(self, request_ids: Iterable[str], owner: int | None = None) -> None:
+        """One sequence of each listed request (of ``owner``; any, for None) got its
+        first token: it leaves the prefill phase. An id appears once per sequence;
+        ids not open (or past their sequences) are ignored."""
+        with self._lock:
+            for request_id in request_ids:
+                stream = self._streams.get(request_id)
+                if stream is None or stream.prefilling == 0:
+                    continue
+                if owner is None or stream.owner == owner:
+                    stream.prefilling -= 1
+                    self._prefill_tokens -= stream.prompt_tokens
+
+    def load(self) -> Load:
+        """The open streams' `Load` (all owners)."""
+        with self._lock:
+            return Load(self._seqs, self._prefill_tokens)
 
     def deliver(self, items: Iterable[tuple[str, Item]], owner: int | None = None) -> None:
         """Queues each ``(request_id, output or error)`` on its stream, one callback per
@@ -98,7 +157,7 @@ class StreamTable:
                 if stream is None or (owner is not None and stream.owner != owner):
                     continue
                 if isinstance(item, BaseException):
-                    del self._streams[request_id]
+                    self._pop(request_id)
                 targets.append((stream, item))
         _send(targets)
 
@@ -108,7 +167,7 @@ class StreamTable:
         with self._lock:
             self._failed[owner] = error
             ids = [rid for rid, s in self._streams.items() if owner in (None, s.owner)]
-            targets = [(self._streams.pop(rid), error) for rid in ids]
+            targets = [(self._pop(rid), error) for rid in ids]
         _send(targets)
 
     def count(self, owner: int | None = None) -> int:

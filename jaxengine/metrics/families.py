@@ -18,18 +18,20 @@ Series that then coincide (data-parallel engines with the same adapters) are mer
 the largest value kept: the family's value is a timestamp, so that is the newest,
 which is what vLLM's one shared gauge holds.
 
-`cache_config_info` gives the labels of vLLM's ``cache_config_info`` gauge. Host
-side, no jax.
+`cache_config_info` gives the labels of vLLM's ``cache_config_info`` gauge.
+`AdmissionRejections` exposes the API server's admission-control refusals (vLLM's
+``admission_rejections_total``), which belong to the engine front, not to an engine:
+labelled ``model_name`` and ``reason``, no ``engine``. Host side, no jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 PREFIXES = ("vllm:", "jaxengine:")
@@ -196,6 +198,28 @@ def renamed(family: Metric, prefix: str, keep: Sequence[str] | None = None) -> M
             merged[key] = s._replace(name=prefix + s.name, labels=labels)
     out.samples = list(merged.values())
     return out
+
+
+class AdmissionRejections(Collector):
+    """vLLM's ``admission_rejections_total``: requests the engine front refused at a
+    cap (``--max-num-queued-reqs``/``--max-num-queued-tokens``), one series per
+    ``reason`` (the cap's name), read from the front's counts at each scrape, so every
+    reason shows from the start, at 0. No ``engine`` label: with data parallelism one
+    front checks for every replica."""
+
+    def __init__(self, model_name: str, read: Callable[[], Mapping[str, int]]) -> None:
+        self.model_name = model_name
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "admission_rejections",
+            "Requests refused by admission control (HTTP 503), by the cap that fired.",
+            labels=("model_name", "reason"),
+        )
+        for reason, count in sorted(self.read().items()):
+            family.add_metric((self.model_name, reason), count)
+        yield family
 
 
 def cache_config_info(cache_config: Any, num_gpu_blocks: int, num_cpu_blocks: int) -> dict:

@@ -32,8 +32,9 @@ has: scheduler state (``num_requests_running``, ``num_requests_waiting``,
 (``prompt_tokens``, ``prompt_tokens_by_source``, ``prompt_tokens_cached``,
 ``generation_tokens``), ``request_success`` by finish reason, ``iteration_tokens_total``,
 TTFT and inter-token latency, one histogram per finished request for each of its
-latencies and sizes, ``cache_config_info`` (when the engine's cache is given), and
-LoRA's and speculative decoding's families below. docs/architecture.md lists vLLM's
+latencies and sizes, ``cache_config_info`` (when the engine's cache is given),
+``admission_rejections_total`` (the server's admission control, `watch_admission`),
+and LoRA's and speculative decoding's families below. docs/architecture.md lists vLLM's
 series that are left out because their feature is not here.
 
 With LoRA on (``SchedulerStats.max_lora`` > 0) there is also vLLM's
@@ -81,6 +82,7 @@ from jaxengine.metrics.families import (
     SLEEP_STATES,
     SPEC_COUNTERS,
     STEP_METRICS,
+    AdmissionRejections,
     PrefixedCollector,
     bucket_sets,
 )
@@ -205,6 +207,11 @@ class PrometheusStatLogger:
                 extra="position",
             )
         return self._spec
+
+    def watch_admission(self, read: Callable[[], Mapping[str, int]]) -> None:
+        """Exposes the engine front's admission rejections by reason (``read``, e.g.
+        `EngineClient.admission_rejections`) as ``admission_rejections_total``."""
+        self.families.register(AdmissionRejections(self.model_name, read))
 
     def for_engine(self, engine_idx: int) -> _EngineStatLogger:
         """A stat logger that records into this one as engine ``engine_idx``."""

@@ -65,3 +65,7 @@ class IterationStats:
     inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
     num_aborted: int = 0
+    prefilled_request_ids: list[str] = dataclasses.field(default_factory=list)
+    """Requests whose sequence got its first token in this step, once per sequence (a
+    request with n sequences appears up to n times): they leave the prefill backlog
+    that admission control weighs (`entrypoints.streams.StreamTable.prefilled`)."""

@@ -200,21 +200,24 @@ request before it is queued (`DataParallelEngine.prepare` is its first replica's
 
 
 SECOND_API_KEY = "second-test-key"
+MAX_NUM_QUEUED_REQS = 8
+"""`vllm_extras_server`'s admission cap: above any other test's n, under its traffic."""
 VLLM_EXTRAS_FLAGS = [
     "--enable-force-include-usage",
     "--max-logprobs", "-1",
     "--enable-per-request-metrics",
     "--api-key", API_KEY, SECOND_API_KEY,
+    "--max-num-queued-reqs", str(MAX_NUM_QUEUED_REQS),
 ]  # fmt: skip
 """The flags of `vllm_extras_server` on top of SERVER_FLAGS (its --api-key wins)."""
 
 
 @pytest.fixture(scope="session")
 def vllm_extras_server(tiny_smollm2, tmp_path_factory) -> Server:
-    """One extra server (dp1, the tiny model) for vLLM's opt-in response flags, shared by
-    test_vllm_fields.py and test_per_request_metrics.py: SERVER_FLAGS plus
-    VLLM_EXTRAS_FLAGS (usage on every chunk, logprobs over the whole vocabulary,
-    per-request timing metrics)."""
+    """One extra server (dp1, the tiny model) for vLLM's opt-in flags, shared by
+    test_vllm_fields.py, test_per_request_metrics.py and test_admission.py:
+    SERVER_FLAGS plus VLLM_EXTRAS_FLAGS (usage on every chunk, logprobs over the whole
+    vocabulary, per-request timing metrics, an admission cap)."""
     log_path = tmp_path_factory.mktemp("server-vllm-extras") / "server.log"
     flags = [str(tiny_smollm2[0]), *SERVER_FLAGS, *VLLM_EXTRAS_FLAGS]
     running = start_server(log_path, flags)

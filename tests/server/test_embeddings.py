@@ -23,7 +23,8 @@ SENTENCES = [
 ]
 FLAGS = ["--api-key", "test-key", "--served-model-name", "minilm", "--max-num-seqs", "8",
          "--max-num-batched-tokens", "512", "--compile-token-buckets", "32", "512",
-         "--disable-uvicorn-access-log"]  # fmt: skip
+         "--disable-uvicorn-access-log",
+         "--trust-request-chat-template"]  # test_chat_style_messages sends one  # fmt: skip
 
 
 @pytest.fixture(scope="module")

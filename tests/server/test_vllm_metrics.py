@@ -80,6 +80,12 @@ LABEL_VALUES = {
 }
 
 
+# vLLM's admission-control counter (--max-num-queued-reqs/-tokens): the API server's,
+# not an engine's, so labelled by model and the cap that fired (vLLM's field name), no
+# engine label; every reason exposed from the start, at 0 (no cap is set here).
+ADMISSION = ("vllm:admission_rejections", {"max_num_queued_reqs", "max_num_queued_tokens"})
+
+
 def families(server) -> dict:
     return {f.name: f for f in text_string_to_metric_families(server.get("/metrics").text)}
 
@@ -126,6 +132,17 @@ def test_vllm_series_names_types_and_labels(server):
         assert sample.labels["block_size"] == "16"
         assert sample.labels["enable_prefix_caching"] == "True"
         assert int(sample.labels["num_gpu_blocks"]) > 0
+
+
+def test_admission_rejections_from_the_start(server):
+    name, reasons = ADMISSION
+    family = families(server)[name]
+    assert family.type == "counter"
+    assert {s.labels["reason"]: s.value for s in family.samples} == dict.fromkeys(reasons, 0)
+    for sample in family.samples:  # one series per reason, whatever the replica count
+        assert sample.name == f"{name}_total"
+        assert set(sample.labels) == {"model_name", "reason"}
+        assert sample.labels["model_name"] == MODEL
 
 
 def test_both_prefixes_expose_the_same_samples(server):

@@ -26,6 +26,7 @@ HEAVY = ("jax", "jaxlib", "flax", "torch")
         "jaxengine.speculative.verify",
         "jaxengine.speculative.ngram",
         "jaxengine.metrics.loggers",
+        "jaxengine.entrypoints.admission",
     ],
 )
 def test_import_leaves_jax_out(module):

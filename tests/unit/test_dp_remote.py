@@ -22,9 +22,10 @@ from jaxengine.entrypoints.client import EngineDeadError
 from jaxengine.entrypoints.dp_head import DPHead, DPRegistrationError
 from jaxengine.entrypoints.dp_node import NodeServer, Outbox, connect_to_head, register
 from jaxengine.entrypoints.dp_remote import authkey, recv, send
-from jaxengine.entrypoints.streams import StreamTable
+from jaxengine.entrypoints.streams import Load, StreamTable
 from jaxengine.inputs import PreparedPrompt
 from jaxengine.messages import PROTOCOL_VERSION, NodeInfo, Refused, Register
+from jaxengine.metrics.stats import IterationStats
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.sampling_params import SamplingParams
 
@@ -70,7 +71,10 @@ class FakeReplica:
             done = i == len(prepared.token_ids) - 1
             reason = "length" if done else None
             seq = CompletionOutput(0, "", [token + self.rank], None, None, reason)
-            self.stat_logger.record(f"sched-{self.rank}", f"iter-{self.rank}")
+            first = [request_id] if i == 0 else []  # its sequence's first token
+            self.stat_logger.record(
+                f"sched-{self.rank}", IterationStats(prefilled_request_ids=first)
+            )
             yield RequestOutput(request_id, None, prepared.token_ids, None, [seq], done)
 
 
@@ -141,6 +145,7 @@ def test_requests_errors_stats_and_close():
         stream = one.generate(prepared(1, HANG), None, "hang")
         await anext(stream)
         assert one.num_requests() == 1 and two.num_requests() == 0
+        assert table.load() == Load(1, 0)  # its first token, reported with the stats
         assert table.owner_of("hang") == 1 and table.counts() == {1: 1}
         await stream.aclose()  # aborts it on the node
         assert one.num_requests() == 0 and table.count() == 0
@@ -151,8 +156,10 @@ def test_requests_errors_stats_and_close():
         assert node.replicas[1].cancelled == ["hang"]
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))
-    assert recorders[0].records[0] == ("sched-1", "iter-1")
-    assert recorders[1].records[0] == ("sched-2", "iter-2")
+    (sched, first), *_ = recorders[0].records
+    assert (sched, first.prefilled_request_ids) == ("sched-1", ["a"])
+    (sched, first), *_ = recorders[1].records
+    assert (sched, first.prefilled_request_ids) == ("sched-2", ["b"])
     replicas[0].shutdown()  # closes the node, once for both replicas
     node.thread.join(10)
     assert not node.thread.is_alive()

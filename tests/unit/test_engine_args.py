@@ -102,6 +102,8 @@ VALID_FLAGS = [
     (["--model-impl", "transformers"], "model_impl", "transformers"),
     (["--max-num-seqs", "8"], "max_num_seqs", 8),
     (["--max-num-batched-tokens", "1k"], "max_num_batched_tokens", 1000),
+    (["--max-num-queued-reqs", "64"], "max_num_queued_reqs", 64),
+    (["--max-num-queued-tokens", "32K"], "max_num_queued_tokens", 32768),
     (["--no-enable-chunked-prefill"], "enable_chunked_prefill", False),
     (["--max-num-partial-prefills", "2"], "max_num_partial_prefills", 2),
     (["--max-long-partial-prefills", "1"], "max_long_partial_prefills", 1),
