@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxengine.models.layers.basic import Linear
 from jaxengine.models.vision import siglip
-from jaxengine.models.vision.params import abstract_params, params_from_tensors
+from jaxengine.models.vision.params import load_module_params
 from jaxengine.models.vision.siglip import SiglipVisionConfig, SiglipVisionTransformer
 
 
@@ -197,8 +197,7 @@ def load_params(
     model's: the decoder's tensors are skipped). Raises `CheckpointError` on a missing,
     extra, repeated or misshapen encoder tensor."""
     module = Idefics3VisionEncoder(config)
-    abstract = abstract_params(module, *example_inputs(config))
-    return params_from_tensors(module.hf_param_path, abstract, tensors, source)
+    return load_module_params(module, example_inputs(config), tensors, source)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -72,6 +72,16 @@ def params_from_tensors(
     return out
 
 
+def load_module_params(
+    module: nn.Module, example_inputs: tuple, tensors: Iterable[tuple[str, Any]], source: str
+) -> dict:
+    """``module``'s parameters from a checkpoint's ``(name, array)`` pairs (the whole
+    model's: the names its ``hf_param_path`` maps to None are skipped). Raises
+    `CheckpointError` on a missing, extra, repeated or misshapen tensor."""
+    abstract = abstract_params(module, *example_inputs)
+    return params_from_tensors(module.hf_param_path, abstract, tensors, source)
+
+
 def _to_numpy(array: Any) -> np.ndarray:
     if hasattr(array, "detach"):  # a torch tensor (a state_dict)
         return array.detach().cpu().float().numpy()

@@ -44,7 +44,7 @@ import numpy as np
 from jaxengine.models.layers.basic import Linear, RMSNorm, activation
 from jaxengine.models.layers.config import RopeSpec
 from jaxengine.models.layers.rope import inv_freq_and_scale
-from jaxengine.models.vision.params import abstract_params, params_from_tensors
+from jaxengine.models.vision.params import load_module_params
 from jaxengine.models.vision.qwen2_5_vl_inputs import (
     Qwen2_5_VisionConfig,
     VisionLayout,
@@ -240,5 +240,4 @@ def load_params(
     model's: the decoder's tensors are skipped). Raises `CheckpointError` on a missing,
     extra, repeated or misshapen tower tensor."""
     module = Qwen2_5_VisionTransformer(config)
-    abstract = abstract_params(module, *example_inputs(config))
-    return params_from_tensors(module.hf_param_path, abstract, tensors, source)
+    return load_module_params(module, example_inputs(config), tensors, source)
