@@ -29,7 +29,6 @@ _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _watching = threading.local()  # .guard: the CompileGuard this thread compiles for
 _counts = threading.local()  # .compiles, .hits: backend compilations, cache hits
 _install_lock = threading.Lock()
-_installed = False
 
 
 def _on_event(event: str, duration: float, **kwargs: object) -> None:
@@ -47,12 +46,23 @@ def _on_cache_hit(event: str, **kwargs: object) -> None:
 
 
 def _install_listener() -> None:
-    global _installed
+    """(Re-)registers this module's two listeners. Other code may clear every
+    listener of the process (`jax.monitoring.clear_event_listeners`, which Tunix's
+    metrics logger calls on close), so each call removes ours if present and adds
+    them again rather than trusting an earlier registration."""
+    pairs = (
+        (jax.monitoring.unregister_event_duration_listener,
+         jax.monitoring.register_event_duration_secs_listener, _on_event),
+        (jax.monitoring.unregister_event_listener,
+         jax.monitoring.register_event_listener, _on_cache_hit),
+    )  # fmt: skip
     with _install_lock:
-        if not _installed:
-            jax.monitoring.register_event_duration_secs_listener(_on_event)
-            jax.monitoring.register_event_listener(_on_cache_hit)
-            _installed = True
+        for unregister, register, listener in pairs:
+            try:
+                unregister(listener)
+            except (AssertionError, ValueError):  # not registered (any more)
+                pass
+            register(listener)
 
 
 def compile_counts() -> tuple[int, int]:
@@ -77,7 +87,9 @@ class CompileGuard:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Attributes this thread's compilations to this guard until the block ends."""
+        """Attributes this thread's compilations to this guard until the block ends
+        (its listeners registered again first: something may have cleared them)."""
+        _install_listener()
         previous = getattr(_watching, "guard", None)
         _watching.guard = self
         try:

@@ -86,3 +86,17 @@ def test_store_saves_nothing_it_did_not_compile(tmp_path):
     compiled = ExecutableStore(store_dir, "program").compile("fn", 6, lambda: fn.lower(x))
     assert not store_dir.exists() or not any(store_dir.iterdir())
     assert int(compiled(x)) == 5
+
+
+def test_listeners_survive_another_library_clearing_them(tmp_path):
+    """Tunix's metrics logger clears every jax.monitoring listener when it closes: the
+    store must still see its fresh compilations, and a compile guard still count."""
+    from jaxengine.runner.compile_guard import CompileGuard
+
+    guard = CompileGuard()
+    jax.monitoring.clear_event_listeners()
+    fn = jax.jit(lambda v: jnp.cos(v) * OFFSET - 1.0)
+    x = jnp.linspace(0.0, 1.0, 7)
+    with guard.watching():
+        ExecutableStore(tmp_path, "program").compile("fn", 7, lambda: fn.lower(x))
+    assert guard.total == 1 and len(list(tmp_path.iterdir())) == 1
