@@ -49,6 +49,7 @@ from server.protocol import (
 )
 from server.serving import ServerOptions, ServingContext
 from server.serving_chat import ChatHandler
+from server.serving_cohere import CohereEmbedHandler, CohereEmbedRequest
 from server.serving_completion import CompletionHandler
 from server.serving_embedding import EmbeddingHandler
 from server.serving_messages import add_messages_routes
@@ -201,8 +202,9 @@ def _check_awake(ctx: ServingContext) -> None:
 
 
 def _add_pooling_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) -> None:
-    """A pooling model's endpoints (``--runner pooling``): /v1/embeddings, /pooling, and a
-    classification model's /score, /rerank (with /v1/ aliases) and /classify."""
+    """A pooling model's endpoints (``--runner pooling``): /v1/embeddings, /pooling,
+    Cohere's /v2/embed, and a classification model's /score, /rerank (with /v1/
+    aliases) and /classify."""
     embeddings = EmbeddingHandler(ctx, chat)
 
     @app.post("/v1/embeddings")
@@ -212,6 +214,12 @@ def _add_pooling_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler) ->
     @app.post("/pooling")
     async def create_pooling(request: PoolingRequest, raw_request: Request):
         return _respond(await embeddings.pooling(request, raw_request))
+
+    cohere = CohereEmbedHandler(ctx)
+
+    @app.post("/v2/embed")  # Cohere's
+    async def create_cohere_embedding(request: CohereEmbedRequest, raw_request: Request):
+        return _respond(await cohere.create(request, raw_request))
 
     scores = ScoreHandler(ctx)
 

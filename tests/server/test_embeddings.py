@@ -7,6 +7,8 @@ transformers' `BertModel` output mean-pooled over the tokens and L2-normalized
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,44 @@ def test_pooling_endpoint(embed_server, reference, minilm_dir):
     reward = embed_server.post("/pooling", {**body, "task": "token_classify"})
     message = reward.json()["error"]["message"]
     assert reward.status_code == 400 and "token_classify task is not one of" in message
+
+
+def test_cohere_v2_embed(embed_server, reference, minilm_dir):
+    """Cohere's /v2/embed: float vectors equal /v1/embeddings' (and sentence-
+    transformers'), base64 and the sign-bit packings encode them, billed tokens are
+    the prompts'; truncate END/START cut the text as the tokenizer does from that side
+    (its special tokens kept), NONE refuses; int8 and images are 400s."""
+    body = {"model": "minilm", "texts": SENTENCES[:2], "input_type": "search_document",
+            "embedding_types": ["float", "base64", "ubinary", "binary"]}  # fmt: skip
+    got = embed_server.post("/v2/embed", body).json()
+    assert got["response_type"] == "embeddings_by_type" and got["texts"] == SENTENCES[:2]
+    floats = np.asarray(got["embeddings"]["float"])
+    assert min(_cosines(floats, [reference(s) for s in SENTENCES[:2]])) >= 0.9999
+    v1 = embed_server.post("/v1/embeddings", {"model": "minilm", "input": SENTENCES[:2]}).json()
+    np.testing.assert_allclose(floats, [d["embedding"] for d in v1["data"]], atol=1e-6)
+    assert got["meta"]["billed_units"]["input_tokens"] == v1["usage"]["prompt_tokens"]
+    decoded = [np.frombuffer(base64.b64decode(b), "<f4") for b in got["embeddings"]["base64"]]
+    np.testing.assert_array_equal(decoded, floats.astype(np.float32))
+    packed = np.packbits(floats > 0, axis=-1)
+    assert got["embeddings"]["ubinary"] == packed.tolist()
+    assert got["embeddings"]["binary"] == (packed.astype(int) - 128).tolist()
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    text = SENTENCES[1]
+    for side, truncate in (("right", "END"), ("left", "START")):
+        tokenizer.truncation_side = side
+        ids = tokenizer(text, truncation=True, max_length=8)["input_ids"]
+        want = embed_server.post("/v1/embeddings", {"model": "minilm", "input": ids}).json()
+        body = {"model": "minilm", "texts": [text], "max_tokens": 8, "truncate": truncate}
+        cut = embed_server.post("/v2/embed", body).json()
+        assert cut["meta"]["billed_units"]["input_tokens"] == 8
+        np.testing.assert_allclose(
+            cut["embeddings"]["float"][0], want["data"][0]["embedding"], atol=1e-6
+        )
+    for change, needle in (
+        ({"truncate": "NONE", "max_tokens": 8}, "more than 8"),
+        ({"embedding_types": ["int8"]}, "int8"),
+        ({"images": ["data:image/png;base64,AAAA"]}, "images"),
+    ):
+        bad = embed_server.post("/v2/embed", {"model": "minilm", "texts": [text], **change})
+        assert bad.status_code == 400 and needle in bad.json()["error"]["message"], bad.text
