@@ -130,6 +130,18 @@ def test_chat_with_an_adapter(server, expected):
     assert reply.model == "a2"
     got = [int(t.token.removeprefix("token_id:")) for t in reply.choices[0].logprobs.content]
     assert got == expected("a2", ids)
+    # the APIs over chat take the adapter from ``model`` too: the same greedy text
+    chat = server.client(max_retries=0, timeout=120).chat.completions.create(
+        model="a2", messages=messages, max_tokens=NEW_TOKENS, temperature=0
+    )
+    text = chat.choices[0].message.content
+    body = {"model": "a2", "input": messages, "max_output_tokens": NEW_TOKENS, "temperature": 0}
+    response = server.post("/v1/responses", body).json()
+    assert response["model"] == "a2"
+    assert response["output"][-1]["content"][0]["text"] == text
+    body = {"model": "a2", "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0}
+    message = server.post("/v1/messages", body).json()
+    assert message["model"] == "a2" and message["content"][0]["text"] == text
 
 
 def test_mixed_load_over_more_adapters_than_slots(server, expected):
