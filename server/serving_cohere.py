@@ -25,7 +25,7 @@ from jaxengine.pooling_params import PoolingParams
 from server.errors import APIError
 from server.protocol import OpenAIModel
 from server.serving import ServingContext
-from server.serving_embedding import run_pooled
+from server.serving_embedding import require_pooler, run_pooled
 from server.unsupported_fields import Refusal, RefusingModel
 
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary", "base64")
@@ -97,12 +97,7 @@ class CohereEmbedHandler:
     async def create(self, request: CohereEmbedRequest, raw_request=None) -> dict[str, Any]:
         ctx = self.ctx
         _, lora = ctx.resolve_model(request.model)
-        if ctx.engine.pooler is None:
-            raise APIError(
-                "this model generates text and serves no embeddings: start the server "
-                "with --runner pooling (--convert embed for a generative model)",
-                param="model",
-            )
+        require_pooler(ctx)
         refused = [t for t in request.embedding_types if t in UNCALIBRATED]
         if refused:
             raise APIError(

@@ -38,12 +38,7 @@ class EmbeddingHandler:
     async def _respond(self, request: Any, task: str, kind: str, raw) -> dict[str, Any]:
         ctx = self.ctx
         model, lora = ctx.resolve_model(request.model)
-        if ctx.engine.pooler is None:
-            raise APIError(
-                "this model generates text and serves no embeddings: start the server "
-                "with --runner pooling (--convert embed for a generative model)",
-                param="model",
-            )
+        require_pooler(ctx)
         params = PoolingParams(
             truncate_prompt_tokens=request.truncate_prompt_tokens,
             dimensions=request.dimensions,
@@ -68,6 +63,16 @@ class EmbeddingHandler:
         if request.messages is not None:
             return [{"prompt_token_ids": self.chat.render(request)}]
         return [self.ctx.tokenize(p, request.add_special_tokens) for p in request.prompts()]
+
+
+def require_pooler(ctx: ServingContext) -> None:
+    """A 400 unless the server runs a pooling model (the embedding endpoints)."""
+    if ctx.engine.pooler is None:
+        raise APIError(
+            "this model generates text and serves no embeddings: start the server "
+            "with --runner pooling (--convert embed for a generative model)",
+            param="model",
+        )
 
 
 async def run_pooled(ctx: ServingContext, request: Any, prompts: list[dict], run: tuple,
