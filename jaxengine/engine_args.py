@@ -27,6 +27,7 @@ from jaxengine.config import (
     LoadConfig,
     LoRAConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -79,6 +80,7 @@ CONFIG_CLASSES: dict[str, type] = {
     "structured_outputs_config": StructuredOutputsConfig,
     "lora_config": LoRAConfig,
     "speculative_config": SpeculativeConfig,
+    "multimodal_config": MultiModalConfig,
 }
 
 
@@ -197,6 +199,11 @@ class EngineArgs:
     fully_sharded_loras: bool = _default("fully_sharded_loras")
     # SpeculativeConfig
     speculative_config: dict | None = _default("speculative_config")
+    # MultiModalConfig
+    limit_mm_per_prompt: dict = _default("limit_mm_per_prompt")
+    mm_processor_kwargs: dict | None = _default("mm_processor_kwargs")
+    allowed_local_media_path: str = _default("allowed_local_media_path")
+    allowed_media_domains: list[str] | None = _default("allowed_media_domains")
 
     def __post_init__(self) -> None:
         """Validates every value against its config field, then cross-field rules."""

@@ -20,3 +20,4 @@ class PreparedPrompt(NamedTuple):
     token_ids: list[int]
     params: SamplingParams
     lora_request: Any = None  # a `LoRARequest`, None for the base model
+    mm_items: tuple = ()  # its images (`multimodal.items.ImageItem`), in prompt order

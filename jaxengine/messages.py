@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from jaxengine.outputs import RequestOutput
 
-PROTOCOL_VERSION = 4  # 4: PreparedPrompt pickles as jaxengine.inputs.PreparedPrompt
+PROTOCOL_VERSION = 5  # 5: PreparedPrompt carries its images (mm_items)
 """The wire format's version; both ends of a connection must agree on it."""
 
 

@@ -146,6 +146,16 @@ def tiny_smollm2(smollm2_tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_smolvlm(smollm2_tokenizer, tmp_path_factory):
+    """(folder, transformers model) of a random SmolVLM with SmolLM2's tokenizer and
+    the image tokens (`tests.tiny_models.save_tiny_smolvlm`)."""
+    from tests.tiny_models import save_tiny_smolvlm
+
+    path = tmp_path_factory.mktemp("tiny_smolvlm")
+    return path, save_tiny_smolvlm(path, smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def reference_cache_dir(tmp_path_factory) -> Path:
     """Where this run keeps transformers references for every worker."""
     return _run_dir(tmp_path_factory) / "references"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -71,4 +72,55 @@ def save_tiny_smollm2(folder: Path, tokenizer) -> transformers.PreTrainedModel:
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return model
+
+
+IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
+# ChatML, as SmolLM2's, with list content: an image part renders as <image>
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def save_tiny_smolvlm(folder: Path, tokenizer) -> transformers.PreTrainedModel:
+    """A random SmolVLM (`Idefics3ForConditionalGeneration`): a 2-layer SigLIP tower of
+    32-pixel tiles (4 x 4 patches, 4 tokens a tile after the pixel shuffle), a 2-layer
+    Llama decoder, SmolLM2's tokenizer with the image tokens added, and an
+    `Idefics3Processor` that splits an image of up to 64 pixels into at most 2 x 2
+    crops plus the global tile; saved in ``folder``. Every weight is drawn at
+    std 0.2 (DESIGN §4: at 0.02 different images often give the same tokens)."""
+    tokenizer = copy.deepcopy(tokenizer)
+    rows = [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)]
+    tokenizer.add_special_tokens({"additional_special_tokens": [*IMAGE_TOKENS, *rows]})
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8)  # fmt: skip
+    text = dict(tiny_llama_config(len(tokenizer), max_position_embeddings=512).to_dict())
+    config = transformers.Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(folder)
+    images = transformers.Idefics3ImageProcessorPil(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+    )
+    processor = transformers.Idefics3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_len=4,
+        chat_template=VISION_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(folder)
     return model

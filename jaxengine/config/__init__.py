@@ -12,6 +12,7 @@ from jaxengine.config.engine import EngineConfig
 from jaxengine.config.load import LoadConfig
 from jaxengine.config.lora import LoRAConfig
 from jaxengine.config.model import ModelConfig
+from jaxengine.config.multimodal import MultiModalConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import SchedulerConfig
 from jaxengine.config.speculative import SpeculativeConfig
@@ -27,6 +28,7 @@ __all__ = [
     "LoRAConfig",
     "SpeculativeConfig",
     "ModelConfig",
+    "MultiModalConfig",
     "ParallelConfig",
     "SchedulerConfig",
     "StructuredOutputsConfig",

@@ -11,6 +11,7 @@ from jaxengine.config.compilation import CompilationConfig
 from jaxengine.config.load import LoadConfig
 from jaxengine.config.lora import LoRAConfig
 from jaxengine.config.model import ModelConfig
+from jaxengine.config.multimodal import MultiModalConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import MIN_UNCHUNKED_BATCHED_TOKENS, SchedulerConfig
 from jaxengine.config.speculative import SpeculativeConfig
@@ -48,6 +49,8 @@ class EngineConfig:
     """LoRA adapters (`--enable-lora`)."""
     speculative_config: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     """Speculative decoding (`--speculative-config`)."""
+    multimodal_config: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
+    """Images in (`--limit-mm-per-prompt`, `--mm-processor-kwargs`, media paths)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -165,4 +168,5 @@ _CLASSES = {
     "structured_outputs_config": StructuredOutputsConfig,
     "lora_config": LoRAConfig,
     "speculative_config": SpeculativeConfig,
+    "multimodal_config": MultiModalConfig,
 }

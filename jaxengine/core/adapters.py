@@ -13,6 +13,7 @@ The implementation is the engine's executor (`pin_lora`, `unpin_lora`, over
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 
@@ -25,3 +26,12 @@ class AdapterPins(Protocol):
     def unpin_lora(self, lora_id: int) -> None:
         """Takes back one `pin_lora` of adapter ``lora_id``."""
         ...
+
+
+def lora_counts(requests: Iterable[Any]) -> dict[str, int]:
+    """Requests per adapter name (requests of the base model left out)."""
+    counts: dict[str, int] = {}
+    for req in requests:
+        if req.lora_request is not None:
+            counts[req.lora_name] = counts.get(req.lora_name, 0) + 1
+    return counts

@@ -55,6 +55,9 @@ class SchedulerLimits:
     num_lookahead_tokens: int = 0
     """KV slots allocated beyond each request's scheduled tokens (a draft model writes
     its proposals' KV there before the next step verifies them)."""
+    encoder_cache_rows: int = 0
+    """Images: image embeddings the device keeps (``encoder_cache_size``); also the
+    embeddings encoded per step (``max_num_encoder_input_tokens``). 0: text only."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

@@ -82,6 +82,7 @@ class Request:
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
         lora_request: Any = None,
+        mm_items: Sequence[Any] = (),
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
@@ -99,6 +100,8 @@ class Request:
         """Optional salt mixed into the first block's hash: prefix-cache isolation."""
         self.lora_request = lora_request
         """The `LoRARequest` it runs with (None: the base model)."""
+        self.mm_items: tuple[Any, ...] = tuple(mm_items)
+        """Its images (`multimodal.items.ImageItem`), in prompt order."""
 
         sp = sampling_params
         self.max_tokens: int | None = getattr(sp, "max_tokens", None)
@@ -141,6 +144,11 @@ class Request:
             return self.cache_salt
         lora = self.lora_request
         return (self.cache_salt, "lora", lora.lora_int_id, lora.lora_name, lora.lora_path)
+
+    def image_keys(self, start: int, end: int) -> tuple[str, ...]:
+        """The keys of the images that fill any of positions ``[start, end)``: what a
+        block of those positions hashes besides its tokens (`kv_cache.hashing`)."""
+        return tuple(i.key for i in self.mm_items if i.start < end and i.end > start)
 
     # ---- sizes -------------------------------------------------------------------
     @property

@@ -29,6 +29,9 @@ One step, as the runner sees it (`SchedulerOutput`):
    among its known tokens). Sample after its last known token and after each draft
    (each with the outputs before it), accept the drafts while each equals the token
    sampled before it, and return the accepted drafts plus the next sampled token.
+   Images (a vision-language model): first run `encoder_inputs` in order, each
+   image's embeddings into its rows; a new request's `images` then say which prompt
+   positions take which key's rows as their input embeddings.
 5. Return a `RunnerOutput` with one entry per scheduled request, and (speculative
    decoding) each request's proposals for its next step.
 """
@@ -53,6 +56,21 @@ class NewRequestData:
     eos_token_id: int | None = None
     lora_request: Any = None
     """The `LoRARequest` it runs with (None: the base model)."""
+    images: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Its images (a vision-language model): ``(key, prompt positions)`` each; the
+    positions take the rows of that key's latest `EncoderInput` as embeddings."""
+
+
+@dataclass(frozen=True)
+class EncoderInput:
+    """One image to encode before a step's forward, into ``rows`` of the runner's
+    image embeddings (one row per embedding, in order)."""
+
+    key: str
+    inputs: dict
+    """The processor's arrays for this image (`multimodal.items.ImageItem.inputs`)."""
+    units: int
+    rows: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,10 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Speculative decoding: the proposed ids each request verifies this step (their
     positions are the last ones of its `num_scheduled_tokens`)."""
+    encoder_inputs: tuple[EncoderInput, ...] = ()
+    """Images to encode before the forward, in order. Every image position a step
+    computes has its key encoded in this step or an earlier one, and its rows are
+    not reassigned before the step runs (`core.encoder_cache`)."""
 
     @property
     def is_empty(self) -> bool:
@@ -187,6 +209,10 @@ class SchedulerStats:
     sleep_level: int = 0
     """0 awake; the sleep level (1 weights in host memory, 2 dropped) while asleep.
     Set by the engine (`LLMEngine.get_stats`), not the scheduler."""
+    mm_cache_queries: int = 0
+    """Images requests needed (once per request and image; `core.encoder_cache`)."""
+    mm_cache_hits: int = 0
+    """Of those, the images found encoded already."""
     num_deferred: int = 0
     """Of ``num_waiting``, the requests the last admission pass skipped (vLLM's
     "deferred": LoRA budget, grammar still compiling, a token in flight, the

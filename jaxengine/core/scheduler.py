@@ -52,7 +52,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from jaxengine.core.adapters import AdapterPins
+from jaxengine.core.adapters import AdapterPins, lora_counts
+from jaxengine.core.encoder_cache import EncoderCache, EncoderScheduler
 from jaxengine.core.grammar import GrammarTracker
 from jaxengine.core.kv_cache.manager import KVCacheManager
 from jaxengine.core.limits import SchedulerLimits
@@ -65,6 +66,7 @@ from jaxengine.core.sched_output import (
     SchedulerStats,
     SpecDecodingStats,
 )
+from jaxengine.core.spec_tokens import take_back_rejected
 from jaxengine.core.step_plan import StepPlan, Verdict, step_output
 
 _RS = RequestStatus
@@ -107,6 +109,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_deferred = 0  # waiting requests the last admission pass skipped
         self.spec_stats = SpecDecodingStats()
+        rows = limits.encoder_cache_rows  # images: `core.encoder_cache`
+        self.encoder = EncoderScheduler(EncoderCache(rows), rows) if rows else None
 
     # ---- requests in and out -----------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -154,6 +158,7 @@ class Scheduler:
         self.running = [r for r in self.running if r.request_id not in ids]
         for req in done:
             self.kv.free(req)
+            self._drop_images(req)
             if self.grammars is not None:
                 self.grammars.free(req.request_id)
             if req.request_id in self._pinned:
@@ -162,6 +167,10 @@ class Scheduler:
             del self.requests[req.request_id]
             if req.num_cached_tokens >= 0:  # the runner has seen it
                 self._finished_ids.add(req.request_id)
+
+    def _drop_images(self, req: Request) -> None:
+        if self.encoder is not None and req.mm_items:
+            self.encoder.cache.release_all(req.request_id, [i.key for i in req.mm_items])
 
     # ---- queries -----------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -190,11 +199,12 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
-            running_lora_adapters=_lora_counts(self.running),
-            waiting_lora_adapters=_lora_counts(self.waiting),
+            running_lora_adapters=lora_counts(self.running),
+            waiting_lora_adapters=lora_counts(self.waiting),
             max_lora=self.limits.max_loras,
             spec_decoding=self.spec_stats if self.limits.num_speculative_tokens else None,
             num_deferred=min(self.num_deferred, len(self.waiting)),
+            **(self.encoder.stats() if self.encoder is not None else {}),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -209,7 +219,8 @@ class Scheduler:
         if not step.preempted:
             self._schedule_waiting(step)
         finished, self._finished_ids = frozenset(self._finished_ids), set()
-        return step_output(step, self.requests, finished, self.grammars)
+        images = self.encoder.finish_step() if self.encoder is not None else ()
+        return step_output(step, self.requests, finished, self.grammars, images)
 
     def _cap(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
@@ -229,6 +240,7 @@ class Scheduler:
             remaining = req.num_tokens_with_placeholders - req.num_computed_tokens
             drafts = self._drafts(req, remaining, step.budget)
             n = remaining + len(drafts) if drafts else self._cap(remaining, step.budget)
+            n = self._images(req, req.num_computed_tokens, n)
             if n <= 0 or (n < remaining and not self.limits.enable_chunked_prefill):
                 continue
             extra = self._lookahead(req, req.num_computed_tokens + n)
@@ -241,6 +253,12 @@ class Scheduler:
                 step.add(req, n, block_ids)
                 if drafts:
                     step.spec[req.request_id] = drafts
+
+    def _images(self, req: Request, start: int, n: int) -> int:
+        """``n``, or fewer: up to the first image that cannot be encoded this step."""
+        if self.encoder is None or not req.mm_items:
+            return n
+        return self.encoder.plan(req, start, n)
 
     def _lookahead(self, req: Request, end: int) -> int:
         """KV slots to allocate past position ``end`` (a draft model writes its
@@ -280,6 +298,7 @@ class Scheduler:
         self.running.remove(victim)
         step.drop(victim)
         victim.spec_token_ids = []
+        self._drop_images(victim)
         if self.kv.can_swap_out(victim):
             step.swap_out.extend(self.kv.swap_out(victim))
             victim.status = _RS.SWAPPED
@@ -327,6 +346,9 @@ class Scheduler:
         verdict, n = self._admission_chunk(remaining, step, whole=req.pooling)
         if verdict is not Verdict.ADMIT:
             return verdict
+        n = self._images(req, start, n)
+        if n <= 0 or (n < remaining and not self.limits.enable_chunked_prefill):
+            return Verdict.STOP
         extra = self._lookahead(req, start + n)
         if swapped:
             if not self.kv.can_swap_in(req, n + extra):
@@ -412,7 +434,9 @@ class Scheduler:
         max_model_len) and free finished requests. Returns one output per request that
         got tokens, prompt logprobs, or finished. Requests aborted meanwhile are skipped."""
         partial = scheduler_output.partial_req_ids
-        self._take_back_rejected(scheduler_output, runner_output)
+        self.spec_stats = take_back_rejected(
+            self.requests, scheduler_output, runner_output, self.spec_stats
+        )
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None:
@@ -470,28 +494,3 @@ class Scheduler:
                 done.append(req)
                 break
         return new_ids
-
-    def _take_back_rejected(self, out: SchedulerOutput, ro: RunnerOutput) -> None:
-        """Speculative decoding: moves each request's computed count back over its
-        rejected proposals (the runner returned the accepted ones and one more), and
-        counts the proposals and acceptances."""
-        if not out.scheduled_spec_decode_tokens:
-            return
-        sampled = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
-        for rid, drafts in out.scheduled_spec_decode_tokens.items():
-            req = self.requests.get(rid)
-            if req is None:  # finished or aborted since it was scheduled
-                continue
-            accepted = max(len(sampled.get(rid, ())) - 1, 0)
-            req.num_computed_tokens -= len(drafts) - accepted
-            req.spec_token_ids = []
-            self.spec_stats = self.spec_stats.observe(len(drafts), accepted)
-
-
-def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:
-    """Requests per adapter name (requests of the base model left out)."""
-    counts: dict[str, int] = {}
-    for req in requests:
-        if req.lora_request is not None:
-            counts[req.lora_name] = counts.get(req.lora_name, 0) + 1
-    return counts

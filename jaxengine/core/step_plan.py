@@ -50,6 +50,7 @@ def step_output(
     requests: Mapping[str, Request],
     finished: frozenset[str],
     grammars: GrammarTracker | None,
+    encoder_inputs: tuple = (),
 ) -> SchedulerOutput:
     """The contract message of ``step``; ``finished``: the requests finished since the
     last one. Advances each scheduled request's computed count (and, for one that
@@ -69,6 +70,7 @@ def step_output(
                     start,
                     req.eos_token_id,
                     req.lora_request,
+                    tuple(item.placement() for item in req.mm_items),
                 )
             )
         else:
@@ -97,4 +99,5 @@ def step_output(
         structured_output_req_ids=masked,
         grammar_bitmask=bitmask,
         scheduled_spec_decode_tokens=dict(step.spec),
+        encoder_inputs=encoder_inputs,
     )

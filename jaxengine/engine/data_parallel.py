@@ -53,6 +53,7 @@ class DataParallelEngine:
         self.generation_config = first.generation_config
         self.max_model_len = first.max_model_len
         self.pooler = first.pooler
+        self.images = first.images
         self.vocab_size = first.vocab_size
         self.eos_token_id = first.eos_token_id
         self.balancer = DPBalancer(

@@ -30,6 +30,7 @@ from jaxengine.engine.rollout import RolloutControl
 from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.abstract import StepResult
 from jaxengine.inputs import PreparedPrompt
+from jaxengine.multimodal.processor import prompt_images
 from jaxengine.outputs import RequestOutput
 from jaxengine.pooling_params import PoolingParams, plain_token_ids
 from jaxengine.sampling_params import SamplingParams
@@ -64,6 +65,8 @@ class LLMEngine:
         self.eos_token_id = host.eos_token_id
         self.kv_cache_size = host.kv_size
         self.pooler = host.pooler
+        self.images = host.images
+        """A vision-language model's image processor (`multimodal.processor`), else None."""
         """A pooling model's pooler (`--runner pooling`), None for a generating one."""
         self.structured_outputs = None  # (a pooling model samples nothing to constrain)
         if self.pooler is None:
@@ -112,7 +115,11 @@ class LLMEngine:
     ) -> PreparedPrompt:
         """Tokenizes, truncates and validates a prompt, and reads its LoRA adapter
         (`add_lora`); raises ValueError if either is bad."""
-        text, ids = self.tokenize(prompt)
+        items = ()
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            text, ids, items = self._prompt_images(prompt, params)
+        else:
+            text, ids = self.tokenize(prompt)
         if isinstance(params, PoolingParams) or self.pooler is not None:
             params, ids = self._prepare_pooling(params, ids)
             return PreparedPrompt(text, ids, params, lora_request)
@@ -122,7 +129,25 @@ class LLMEngine:
         self._check_prompt(ids, params)
         if lora_request is not None:
             self.add_lora(lora_request)
-        return PreparedPrompt(text, ids, params, lora_request)
+        return PreparedPrompt(text, ids, params, lora_request, tuple(items))
+
+    def _prompt_images(self, prompt: dict, params: Any) -> tuple[str, list[int], list]:
+        """A prompt with ``multi_modal_data`` through the model's processor."""
+        if isinstance(params, PoolingParams) or self.pooler is not None:
+            raise ValueError("images are not supported by pooling models yet")
+        if getattr(params, "truncate_prompt_tokens", None):
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+        limit = self.config.multimodal_config.limit("image")
+        rows = self.scheduler.limits.encoder_cache_rows
+        text, ids, items = prompt_images(prompt, self.images, limit, rows)
+        if not self.config.scheduler_config.enable_chunked_prefill:
+            if sum(i.num_embeds for i in items) > rows:
+                raise ValueError(
+                    f"the prompt's images take {sum(i.num_embeds for i in items)} "
+                    f"embeddings, more than the {rows} one step encodes: enable "
+                    "chunked prefill or raise --max-num-batched-tokens"
+                )
+        return text, ids, items
 
     def _prepare_pooling(self, params: Any, ids: list[int]) -> tuple[PoolingParams, list[int]]:
         """A pooling request's checked parameters and (truncated) prompt."""
@@ -230,7 +255,7 @@ class LLMEngine:
         self.rollout.check_awake()
         if request_id in self.outputs.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        text, ids, params, lora = prepared
+        text, ids, params, lora = prepared[:4]
         arrival = time.time() if arrival_time is None else arrival_time
         child_ids = self.outputs.add(request_id, text, ids, params, arrival, lora)
         for index, child in enumerate(child_ids):
@@ -248,6 +273,7 @@ class LLMEngine:
                     priority=priority,
                     eos_token_id=self.eos_token_id,
                     lora_request=lora,
+                    mm_items=prepared.mm_items,
                 )
             )
 

@@ -28,6 +28,7 @@ class Engine(Protocol):
     vocab_size: int
     eos_token_id: int | None
     pooler: Any  # a pooling model's `PoolerSettings`, None for a generating one
+    images: Any  # a vision-language model's `multimodal.processor.ImageProcessor`, or None
 
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids)."""

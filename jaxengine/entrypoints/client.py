@@ -83,6 +83,11 @@ class EngineFront:
     def generation_config(self) -> dict[str, Any] | None:
         return self.engine.generation_config
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model takes images (a vision-language model)."""
+        return getattr(self.engine, "images", None) is not None
+
     def prepare(
         self, prompt: Any, params: SamplingParams, lora_request: Any = None
     ) -> PreparedPrompt:

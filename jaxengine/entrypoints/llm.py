@@ -301,31 +301,40 @@ class LLM:
 
         ``tools`` (OpenAI's function definitions) are given to the chat template, as
         in vLLM; the reply is text (parse tool calls from it, or constrain it with
-        `SamplingParams(structured_outputs=...)`).
+        `SamplingParams(structured_outputs=...)`). Images come as ``image_url`` parts
+        (data:, file:// under ``allowed_local_media_path``, http) or vLLM's
+        ``{"type": "image_pil", "image_pil": image}`` (`multimodal.chat`).
         """
-        from jaxengine.tokenizer import apply_chat_template
-
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        template = chat_template or self.engine.config.model_config.chat_template
         template_kwargs = dict(chat_template_kwargs or {})
         if tools is not None:
             template_kwargs["tools"] = tools
-        prompts = [
-            {
-                "prompt_token_ids": apply_chat_template(
-                    self.engine.tokenizer,
-                    conversation,
-                    chat_template=template,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    **template_kwargs,
-                )
-            }
-            for conversation in conversations
-        ]
+        template_kwargs.update(
+            chat_template=chat_template or self.engine.config.model_config.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        prompts = [self._chat_prompt(c, template_kwargs) for c in conversations]
         params = self._params_list(sampling_params, len(prompts))
         loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
         return self._run(prompts, params, use_tqdm, None, loras)
+
+    def _chat_prompt(self, conversation: list[dict], template_kwargs: dict) -> dict:
+        """A conversation's engine prompt: its token ids, or with images its text
+        (special tokens already rendered) and its images."""
+        from jaxengine.multimodal.chat import conversation_images, has_images
+        from jaxengine.tokenizer import apply_chat_template
+
+        tokenizer = self.engine.tokenizer
+        if not has_images(conversation):
+            ids = apply_chat_template(tokenizer, conversation, **template_kwargs)
+            return {"prompt_token_ids": ids}
+        from jaxengine.multimodal.media import media_settings
+
+        settings = media_settings(self.engine.config.multimodal_config)
+        messages, images = conversation_images(conversation, settings)
+        text = apply_chat_template(tokenizer, messages, tokenize=False, **template_kwargs)
+        return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
 
     def beam_search(
         self,

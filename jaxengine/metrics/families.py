@@ -128,6 +128,8 @@ CUMULATIVE_COUNTERS = (  # (metric name, SchedulerStats field, help)
     ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
     ("prefix_cache_queries", "prefix_cache_queries", "Prefix-cache queries, in tokens."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
+    ("mm_cache_queries", "mm_cache_queries", "Multi-modal cache queries, in images."),
+    ("mm_cache_hits", "mm_cache_hits", "Multi-modal cache hits, in images (not encoded again)."),
 )
 
 

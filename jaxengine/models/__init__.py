@@ -25,6 +25,7 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
+    "Idefics3ForConditionalGeneration": "idefics3",
     "BertModel": "bert",
     "BertForSequenceClassification": "bert",
 }
@@ -38,6 +39,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "bert": "BertModel",
+    "idefics3": "Idefics3ForConditionalGeneration",
 }
 
 
@@ -94,6 +96,13 @@ def get_model(hf_config: Any, dtype: Any, attention_kwargs: dict | None = None):
         config = dataclasses.replace(config, num_labels=hf_config.num_labels)
     layer_cls = getattr(family, causal).layer_cls
     return SequenceClassifier(config, layer_cls, attention_kwargs=attention_kwargs), config
+
+
+def image_encoder(hf_config: Any, dtype: Any) -> Any:
+    """The image encoder of a vision-language checkpoint (its family's
+    ``image_encoder``: the runner's encoder step), None for a text-only one."""
+    factory = getattr(_family(hf_config)[1], "image_encoder", None)
+    return None if factory is None else factory(hf_config, dtype)
 
 
 def family_config(hf_config: Any, dtype: Any):

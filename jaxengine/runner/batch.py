@@ -27,6 +27,7 @@ class SeqChunk:
     page_ids: Sequence[int]
     lora_slot: int = 0  # its adapter's slot (`models.layers.lora`; 0: the base model)
     num_logits: int = 1  # logits rows: its last tokens' (1 + proposals when speculating)
+    image_rows: Sequence[int] | None = None  # per token: its image embedding row, or -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +44,13 @@ class PackedBatch:
     logits_indices: np.ndarray  # [L] int32: each request's last `num_logits` new tokens
     feed_rows: np.ndarray  # [T] int32: row of the previous step's sampled ids, or -1
     lora_slots: np.ndarray  # [T] int32: each token's adapter slot (0: none, and padding)
+    image_rows: np.ndarray | None = None  # [T] int32: image embedding row or -1 (images)
 
     def metadata_fields(self) -> dict[str, np.ndarray]:
-        """The fields of `AttentionMetadata`, by name."""
+        """The fields of `AttentionMetadata`, by name (``image_rows`` only in a
+        vision-language model's batches)."""
         names = ("seq_lens", "query_start_loc", "page_table", "slot_mapping", "num_seqs")
-        names += ("lora_slots",)
+        names += ("lora_slots",) + (("image_rows",) if self.image_rows is not None else ())
         return {name: getattr(self, name) for name in names}
 
 
@@ -61,6 +64,16 @@ def _check_fits(chunks: Sequence[SeqChunk], num_tokens: int, num_reqs: int, num_
         )
 
 
+def _pages(chunk: SeqChunk, r: int, seq_len: int, page_size: int, pages_per_req: int):
+    pages = np.asarray(chunk.page_ids, np.int32)
+    if len(pages) * page_size < seq_len or len(pages) > pages_per_req:
+        raise ValueError(
+            f"request {r}: {len(pages)} pages of {page_size} cannot hold {seq_len} "
+            f"tokens (at most {pages_per_req} pages per request)"
+        )
+    return pages
+
+
 def pack_batch(
     chunks: Sequence[SeqChunk],
     *,
@@ -69,13 +82,13 @@ def pack_batch(
     num_reqs: int,
     pages_per_req: int,
     num_logits: int | None = None,
+    images: bool = False,
 ) -> PackedBatch:
     """Flattens ``chunks`` into arrays padded to ``num_tokens`` and ``num_reqs``;
-    the logits rows (``num_logits``, default ``num_reqs``) follow the chunks' order.
-
-    Raises ValueError when the chunks do not fit the bucket or a request's pages do not
-    cover its tokens.
-    """
+    the logits rows (``num_logits``, default ``num_reqs``) follow the chunks' order;
+    ``images``: with ``image_rows`` (every batch of a vision-language model). Raises
+    ValueError when the chunks do not fit the bucket or a request's pages do not
+    cover its tokens."""
     num_logits = num_reqs if num_logits is None else num_logits
     _check_fits(chunks, num_tokens, num_reqs, num_logits)
     token_ids, positions, lora_slots = np.zeros((3, num_tokens), np.int32)
@@ -84,23 +97,21 @@ def pack_batch(
     query_start_loc = np.zeros(num_reqs + 1, np.int32)
     page_table = np.full((num_reqs, pages_per_req), NULL_PAGE, np.int32)
     logits_indices = np.zeros(num_logits, np.int32)
+    image_rows = np.full(num_tokens, -1, np.int32) if images else None
     start = row = 0
     for r, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
         end = start + n
         seq_len = chunk.num_computed + n
-        pages = np.asarray(chunk.page_ids, np.int32)
-        if len(pages) * page_size < seq_len or len(pages) > pages_per_req:
-            raise ValueError(
-                f"request {r}: {len(pages)} pages of {page_size} cannot hold {seq_len} "
-                f"tokens (at most {pages_per_req} pages per request)"
-            )
+        pages = _pages(chunk, r, seq_len, page_size, pages_per_req)
         pos = np.arange(chunk.num_computed, seq_len, dtype=np.int32)
         token_ids[start:end] = chunk.token_ids
         positions[start:end] = pos
         slot_mapping[start:end] = pages[pos // page_size] * page_size + pos % page_size
         seq_lens[r] = seq_len
         lora_slots[start:end] = chunk.lora_slot
+        if chunk.image_rows is not None:
+            image_rows[start:end] = chunk.image_rows
         page_table[r, : len(pages)] = pages
         c = chunk.num_logits
         logits_indices[row : row + c] = np.maximum(np.arange(end - c, end), 0)
@@ -119,4 +130,5 @@ def pack_batch(
         logits_indices=logits_indices,
         feed_rows=np.full(num_tokens, -1, np.int32),
         lora_slots=lora_slots,
+        image_rows=image_rows,
     )

@@ -58,7 +58,9 @@ class GreedyLoop:
             )
             buffers, spec = step_inputs(batch)
             no_feed = np.zeros(num_reqs, np.int32)
-            logits, _, kv_caches = self._step(self.params, kv_caches, buffers, no_feed, spec=spec)
+            logits, _, kv_caches = self._step(
+                self.params, kv_caches, buffers, no_feed, None, spec=spec
+            )
             logits = np.asarray(logits)
             if return_logits:
                 all_logits.append(logits)

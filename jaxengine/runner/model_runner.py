@@ -41,6 +41,7 @@ from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
 from jaxengine.runner.batch import PackedBatch, SeqChunk, pack_batch
 from jaxengine.runner.buckets import Bucket, BucketSet
 from jaxengine.runner.compile_guard import CompileGuard
+from jaxengine.runner.encoder import EncoderRunner
 from jaxengine.runner.kv_scales import with_kv_scales
 from jaxengine.runner.logprobs import prompt_logprobs
 from jaxengine.runner.lora_slots import LoRASlots
@@ -58,9 +59,9 @@ from jaxengine.runner.request_table import RequestState, RequestTable
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import (
     SamplingBatch,
-    SamplingRow,
     apply_logits_processors,
     pick_variant,
+    step_sampling_rows,
 )
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
@@ -116,12 +117,15 @@ class ModelRunner:
         proposer: Proposer | None = None,
         classifier: Callable[[Params, np.ndarray], jax.Array] | None = None,
         weights: WeightLayout | None = None,
+        encoder: EncoderRunner | None = None,
     ) -> None:
         """``lora``: the adapter slots (``--enable-lora``), None without LoRA.
         ``proposer``: speculative decoding's (``--speculative-config``), or None.
         ``classifier``: a classification model's head (`step.make_classifier`).
         ``weights``: how checkpoint names map onto ``params`` (`update_weights`;
-        None: the model takes no updates, the transformers fallback)."""
+        None: the model takes no updates, the transformers fallback).
+        ``encoder``: a vision-language model's image encoder step (`runner.encoder`)."""
+        self.encoder = encoder
         self.classifier = classifier
         self.weights = weights
         self.program = program
@@ -195,6 +199,8 @@ class ModelRunner:
             jobs.append((("lora_write",), lambda: self.lora.precompile(self.params)))
         if self.proposer is not None:
             jobs += self.proposer.compile_jobs()
+        if self.encoder is not None:
+            jobs += self.encoder.compile_jobs()
         if self.classifier is not None:
             jobs.append((("classify",), lambda: self._classify(np.zeros((1, 1), np.float32))))
         if self.calibrate_kv:
@@ -228,7 +234,15 @@ class ModelRunner:
 
     def _warm_bucket(self, bucket: Bucket, caches: Caches) -> None:
         batch = self._pack([], bucket)
-        self.program.precompile(self.params, caches, batch, abstract_like(self.no_feed))
+        fed_ids = abstract_like(self.no_feed)
+        self.program.precompile(self.params, caches, batch, fed_ids, **self._images(True))
+
+    def _images(self, abstract: bool = False) -> dict:
+        """The step's ``images`` argument (a vision-language model's), else none."""
+        if self.encoder is None:
+            return {}
+        images = self.encoder.images
+        return {"images": abstract_like(images) if abstract else images}
 
     def _warm_swap(self) -> None:
         self.kv_caches = self.swap.warm(self.program, self.kv_caches)
@@ -246,6 +260,8 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.forget(_restarted(out))
             self._swap(out)
+            if out.encoder_inputs:
+                self.encoder.run(out.encoder_inputs, self.compiles.ensure)
             order = list(out.num_scheduled_tokens)
             if not order:
                 return PendingStep(self, out, [], [], [], [], [], None, self._pools)
@@ -256,7 +272,7 @@ class ModelRunner:
             sampling = (  # a pooling model's requests sample nothing
                 [None] * len(order)
                 if self.settings.pooler is not None
-                else self._sampling_rows(out, order, states, fed)
+                else step_sampling_rows(out, order, states, fed)
             )
             groups = self.program.micro_batches([len(c.token_ids) for c in chunks])
             if len(groups) > 1 and any(f is not None for f in fed):
@@ -293,6 +309,9 @@ class ModelRunner:
             chunk = self.table.chunk(state, n)
             if slot:
                 chunk = dataclasses.replace(chunk, lora_slot=slot)
+            if state.images:
+                rows = self.encoder.image_rows(state.images, chunk.num_computed, n)
+                chunk = dataclasses.replace(chunk, image_rows=rows)
             row = None
             if drafts and len(chunk.token_ids) == n:
                 ids = [*chunk.token_ids, *drafts]
@@ -375,24 +394,6 @@ class ModelRunner:
         features = StepFeatures(step.launched[0].hidden, self.params) if single else None
         return self.proposer.propose(inputs, features, self.compiles.ensure)
 
-    @staticmethod
-    def _sampling_rows(out: SchedulerOutput, order: list[str], states: list, fed: list) -> list:
-        """Each scheduled request's `SamplingRow`s (with its grammar bitmask row, if
-        any): one, or one more per proposal it verifies (with the proposals before
-        it among its outputs), or None for a request mid-prefill (it samples
-        nothing). A fed request's row counts its token in flight."""
-        spec = out.scheduled_spec_decode_tokens
-        masks, row = {}, 0
-        for r in out.structured_output_req_ids:  # 1 + proposals rows each
-            n = 1 + len(spec.get(r, ()))
-            masks[r], row = out.grammar_bitmask[row : row + n], row + n
-        return [
-            None
-            if r in out.partial_req_ids
-            else _rows(s, spec.get(r, ()), f is not None, masks.get(r))
-            for r, s, f in zip(order, states, fed, strict=True)
-        ]
-
     def _pack(self, chunks: list[SeqChunk], bucket: Bucket) -> PackedBatch:
         return pack_batch(
             chunks,
@@ -401,6 +402,7 @@ class ModelRunner:
             num_reqs=bucket.num_reqs,
             pages_per_req=self.pages_per_req,
             num_logits=bucket.num_logits,
+            images=self.encoder is not None,
         )
 
     def _launch(self, group: list[int], chunks: list[SeqChunk], sampling: list, fed: list, fed_ids):
@@ -416,7 +418,7 @@ class ModelRunner:
             self._calibrate_kv_scales(mine)
         self.compiles.ensure(("step", bucket))
         logits, hidden, self.kv_caches = self.program.step(
-            self.params, self.kv_caches, batch, fed_ids
+            self.params, self.kv_caches, batch, fed_ids, **self._images()
         )
         rows = []
         for c, i in zip(mine, group, strict=True):
@@ -473,22 +475,3 @@ def _restarted(out: SchedulerOutput) -> list[str]:
     """Requests whose proposer state no longer holds: finished, preempted, resumed."""
     resumed = [c.req_id for c in out.scheduled_cached_reqs if c.resumed_from_preemption]
     return [*out.finished_req_ids, *out.preempted_req_ids, *resumed]
-
-
-def _rows(state: RequestState, drafts: tuple[int, ...], fed: bool, masks) -> list[SamplingRow]:
-    """A request's sampling rows: after its last token, then after each proposal (with
-    its grammar's mask at that point, if any)."""
-    step = len(state.token_ids) - state.num_prompt + fed
-    prompt = state.token_ids[: state.num_prompt]
-    outputs = state.output_ids
-    return [
-        SamplingRow(
-            state.params,
-            [*outputs, *drafts[:j]],
-            prompt,
-            state.seed,
-            step + j,
-            None if masks is None else masks[j],
-        )
-        for j in range(1 + len(drafts))
-    ]

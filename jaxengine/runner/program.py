@@ -52,16 +52,19 @@ class StageProgram(Protocol):
     def allocate_caches(self, shape: tuple, dtype: Any) -> Caches: ...
 
     def step(
-        self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any
+        self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any, images: Any = None
     ) -> tuple[Any, Any, Caches]:
         """``(logits[R, V], hidden[T, H], caches)`` of a packed batch. ``fed_ids``
         (``[max_num_seqs]`` int32 on device): the previous step's sampled ids, which
-        the batch's ``feed_rows`` point into (async scheduling)."""
+        the batch's ``feed_rows`` point into (async scheduling). ``images``: the image
+        embeddings the batch's ``image_rows`` point into (`runner.encoder`), or None."""
         ...
 
     def prompt_logprobs(self, params: Params, hidden: Any, targets: np.ndarray) -> Any: ...
 
-    def precompile(self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any) -> None:
+    def precompile(
+        self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any, images: Any = None
+    ) -> None:
         """Compiles the step and prompt-logprobs functions for ``batch``'s shapes without
         running them (later calls with those shapes reuse the executables)."""
         ...
@@ -165,22 +168,26 @@ class SingleStage:
         return zero_caches(shape, dtype, self.num_layers, sharding)
 
     def step(
-        self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any
+        self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any, images: Any = None
     ) -> tuple[Any, Any, Caches]:
         buffers, spec = step_inputs(batch)
         compiled = self._steps.get(spec)
         if compiled is not None:
-            return compiled(params, caches, buffers, fed_ids)
-        return self._step(params, caches, buffers, fed_ids, spec=spec)
+            return compiled(params, caches, buffers, fed_ids, images)
+        return self._step(params, caches, buffers, fed_ids, images, spec=spec)
 
     def prompt_logprobs(self, params: Params, hidden: Any, targets: np.ndarray) -> Any:
         compiled = self._prompt_lps.get(targets.shape[0])
         return (compiled or self._prompt_lp)(params, hidden, targets)
 
-    def precompile(self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any) -> None:
+    def precompile(
+        self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any, images: Any = None
+    ) -> None:
         buffers, spec = step_inputs(batch)
         compiled = self._compile(
-            "step", spec, lambda: self._step.lower(params, caches, buffers, fed_ids, spec=spec)
+            "step",
+            spec,
+            lambda: self._step.lower(params, caches, buffers, fed_ids, images, spec=spec),
         )
         self._steps[spec] = compiled
         if self.pooling:

@@ -33,6 +33,7 @@ class RequestState:
     num_pages: int = 0
     num_computed: int = 0
     lora_request: Any = None  # its `LoRARequest`, None for the base model
+    images: tuple = ()  # its images' ``(key, prompt positions)`` (`runner.encoder`)
 
     @property
     def output_ids(self) -> list[int]:
@@ -68,6 +69,7 @@ class RequestTable:
                 row=self._take_row(),
                 num_computed=new.num_computed_tokens,
                 lora_request=new.lora_request,
+                images=new.images,
             )
             self._set_pages(state, new.block_ids, append=False)
             self.requests[new.req_id] = state

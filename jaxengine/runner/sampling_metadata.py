@@ -49,7 +49,7 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -423,3 +423,40 @@ def _num_positional_args(fn: object) -> int:
         return 2
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return sum(p.kind in kinds for p in params)
+
+
+def step_sampling_rows(out: Any, order: list[str], states: list, fed: list) -> list:
+    """Each scheduled request's `SamplingRow`s (with its grammar bitmask row, if
+    any): one, or one more per proposal it verifies (with the proposals before
+    it among its outputs), or None for a request mid-prefill (it samples
+    nothing). A fed request's row counts its token in flight."""
+    spec = out.scheduled_spec_decode_tokens
+    masks, row = {}, 0
+    for r in out.structured_output_req_ids:  # 1 + proposals rows each
+        n = 1 + len(spec.get(r, ()))
+        masks[r], row = out.grammar_bitmask[row : row + n], row + n
+    return [
+        None
+        if r in out.partial_req_ids
+        else request_rows(s, spec.get(r, ()), f is not None, masks.get(r))
+        for r, s, f in zip(order, states, fed, strict=True)
+    ]
+
+
+def request_rows(state: Any, drafts: tuple[int, ...], fed: bool, masks) -> list[SamplingRow]:
+    """A request's sampling rows: after its last token, then after each proposal (with
+    its grammar's mask at that point, if any)."""
+    step = len(state.token_ids) - state.num_prompt + fed
+    prompt = state.token_ids[: state.num_prompt]
+    outputs = state.output_ids
+    return [
+        SamplingRow(
+            state.params,
+            [*outputs, *drafts[:j]],
+            prompt,
+            state.seed,
+            step + j,
+            None if masks is None else masks[j],
+        )
+        for j in range(1 + len(drafts))
+    ]

@@ -36,7 +36,7 @@ def fed_token_ids(token_ids: jax.Array, feed_rows: jax.Array, fed_ids: jax.Array
 
 
 def make_step(module: Any, logits_sharding: Any = None, with_logits: bool = True):
-    """``step(params, kv_caches, buffers, fed_ids, spec)`` -> ``(logits[R, V],
+    """``step(params, kv_caches, buffers, fed_ids, images, spec)`` -> ``(logits[R, V],
     hidden[T, H], kv)``; without ``with_logits`` (a pooling model, which may have no
     LM head) the logits are None.
 
@@ -44,13 +44,18 @@ def make_step(module: Any, logits_sharding: Any = None, with_logits: bool = True
     feed_rows[T])``; ``fed_ids[max_num_seqs]`` are the previous step's sampled ids
     (async scheduling: `fed_token_ids`). ``logits_sharding`` pins where the logits
     land (replicated over a tensor group, so the sampler's input layout never varies
-    and every device can read the result).
+    and every device can read the result). ``images`` (a vision-language model's,
+    else None): the encoder's output rows (`runner.encoder`), which the batch's
+    ``md.image_rows`` point into.
     """
 
-    def step(params, kv_caches, buffers, fed_ids, spec):
+    def step(params, kv_caches, buffers, fed_ids, images, spec):
         token_ids, positions, md, logits_indices, feed_rows = unpack_tree(buffers, spec)
         token_ids = fed_token_ids(token_ids, feed_rows, fed_ids)
-        hidden, kv_caches = module.apply({"params": params}, token_ids, positions, kv_caches, md)
+        args = (token_ids, positions, kv_caches, md)
+        if images is not None:
+            args += ((images[jnp.maximum(md.image_rows, 0)], md.image_rows >= 0),)
+        hidden, kv_caches = module.apply({"params": params}, *args)
         if not with_logits:
             return None, hidden, kv_caches
         logits = module.apply({"params": params}, hidden[logits_indices], method="compute_logits")

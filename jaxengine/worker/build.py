@@ -44,6 +44,7 @@ from jaxengine.speculative.device.build import (
     num_speculative_tokens,
 )
 from jaxengine.speculative.device.loading import load_draft
+from jaxengine.worker.images import encoder_runner, load_images
 from jaxengine.worker.loading import load_replica, stage_program
 from jaxengine.worker.pooling import resolve_pooler
 from sharding.placement import Placement
@@ -68,6 +69,7 @@ class HostParts:
     kv_size: KVCacheSize
     limits: SchedulerLimits
     pooler: PoolerSettings | None = None  # a pooling model's (`--runner pooling`)
+    images: Any = None  # a vision-language model's `multimodal.processor.ImageProcessor`
 
     @property
     def vocab_size(self) -> int:
@@ -75,11 +77,13 @@ class HostParts:
 
 
 def model_max_len(hf_config: Any) -> int:
-    """The longest context the checkpoint supports."""
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(hf_config, name, None)
-        if value:
-            return int(value)
+    """The longest context the checkpoint supports (a vision-language checkpoint's
+    decoder's: its ``text_config``)."""
+    for config in (hf_config, getattr(hf_config, "text_config", None)):
+        for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+            value = getattr(config, name, None)
+            if value:
+                return int(value)
     return 2048
 
 
@@ -212,7 +216,7 @@ def token_buckets(config: EngineConfig) -> tuple[int, ...]:
 
 
 def executable_store(
-    config: EngineConfig, loaded: LoadedModel, backend: AttentionBackend
+    config: EngineConfig, loaded: LoadedModel, backend: AttentionBackend, encoder: Any = None
 ) -> ExecutableStore | None:
     """Where compiled steps persist across restarts: beside the compilation cache,
     keyed by everything that shapes the program (None when the cache is off, and
@@ -229,7 +233,7 @@ def executable_store(
     )
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     del fields["compilation_config"]  # where and when to compile, not what
-    program = repr((fields, loaded.config))
+    program = repr((fields, loaded.config, encoder))  # (encoder: an image encoder's config)
     program += f"\n{backend.name}\n{shapes}"
     directory = os.path.join(os.path.expanduser(comp.compilation_cache_dir), "executables")
     return ExecutableStore(directory, program)
@@ -269,13 +273,14 @@ def build_worker(
     eos = _eos(generation_config, tokenizer, loaded.hf_config)
     model, mc = loaded.config, config.model_config
     pooler = resolve_pooler(config, loaded)
+    images = load_images(config, loaded)
     draft = load_draft(config, devices, loaded, load_replica)
     extra = draft_bytes_per_block(config, draft)
     kv_size, limits, dtype = _size_cache(config, placement, model, extra)
     heads = placement.plans[0].kv_cache_heads
     settings = _runner_settings(config, model, kv_size, limits, dtype, heads, eos, pooler)
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
-    store = executable_store(config, loaded, backend)
+    store = executable_store(config, loaded, backend, images and images.encoder.config)
     program = stage_program(loaded, placement, backend, k, store, pooling=pooler is not None)
     sampler = SamplerFunctions(
         model.vocab_size,
@@ -287,6 +292,9 @@ def build_worker(
         store=store,
     )
     proposer = make_proposer(config, draft, settings, loaded)
+    encoder = None
+    if images is not None:
+        encoder = encoder_runner(config, loaded, images, placement.plans[0], store)
     runner = ModelRunner(
         program,
         loaded.params,
@@ -296,14 +304,17 @@ def build_worker(
         proposer,
         make_classifier(loaded.module) if pooler and pooler.num_labels else None,
         None if is_torch(loaded) else WeightLayout.of(loaded),
+        encoder,
     )
     limits = dataclasses.replace(
         limits,
         max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0,
         num_speculative_tokens=num_speculative_tokens(config),
         num_lookahead_tokens=lookahead_tokens(config),
+        encoder_cache_rows=0 if encoder is None else encoder.num_rows,
     )
     host = HostParts(
-        config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits, pooler
-    )
+        config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits,
+        pooler, None if images is None else images.processor,
+    )  # fmt: skip
     return runner, host

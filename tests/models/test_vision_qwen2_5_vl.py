@@ -26,10 +26,15 @@ from transformers import vision_utils
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf_qwen
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from jaxengine.loader.encoder_params import load_module_params
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.models.layers.config import RopeSpec
 from jaxengine.models.vision import qwen2_5_vl_inputs as host
-from jaxengine.models.vision.qwen2_5_vl import Qwen2_5_VisionTransformer, apply_mrope, load_params
+from jaxengine.models.vision.qwen2_5_vl import (
+    Qwen2_5_VisionTransformer,
+    apply_mrope,
+    example_inputs,
+)
 from tests.models.hf_reference import reference_threads
 
 VISION = dict(
@@ -95,7 +100,7 @@ def images():
 def tower(hf_model):
     """``(config, params, jitted apply)`` loaded from transformers' state dict."""
     config = host.Qwen2_5_VisionConfig.from_hf(hf_model.config.vision_config)
-    params = load_params(config, hf_model.state_dict().items(), "transformers state dict")
+    params = _load(config, hf_model.state_dict().items(), "transformers state dict")
     module = Qwen2_5_VisionTransformer(config)
     return config, params, jax.jit(lambda p, x, layout: module.apply({"params": p}, x, layout))
 
@@ -224,7 +229,7 @@ def test_param_names(hf_model, tower):
     config = tower[0]
     tensors = [(n, t) for n, t in hf_model.state_dict().items() if "blocks.2.norm1" not in n]
     with pytest.raises(CheckpointError, match="blocks_2/norm1/weight"):
-        load_params(config, tensors, "incomplete")
+        _load(config, tensors, "incomplete")
 
 
 def test_config_validation():
@@ -243,3 +248,8 @@ def test_host_module_does_not_import_jax():
         "assert 'jax' not in sys.modules, 'jax imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _load(config, tensors, source: str) -> dict:
+    module = Qwen2_5_VisionTransformer(config)
+    return load_module_params(module, example_inputs(config), tensors, source)

@@ -19,6 +19,7 @@ import torch
 import transformers
 from PIL import Image
 
+from jaxengine.loader.encoder_params import load_module_params
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.loader.safetensors_io import iter_safetensors
 from jaxengine.models.vision import gemma3, idefics3
@@ -71,7 +72,8 @@ def tiny_idefics3(tmp_path_factory):
     folder = tmp_path_factory.mktemp("idefics3")
     hf.save_pretrained(folder)
     ours = idefics3.from_hf(config, jnp.float32)
-    return hf, ours, idefics3.load_params(ours, iter_safetensors(folder), str(folder))
+    module, inputs = idefics3.Idefics3VisionEncoder(ours), idefics3.example_inputs(ours)
+    return hf, ours, load_module_params(module, inputs, iter_safetensors(folder), str(folder))
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +163,8 @@ def tiny_gemma3():
 
 
 def _gemma3_params(config, tensors):
-    return gemma3.load_params(config, tensors, "tiny")
+    module = gemma3.Gemma3VisionEncoder(config)
+    return load_module_params(module, gemma3.example_inputs(config), tensors, "tiny")
 
 
 def test_gemma3_images_match_transformers(tiny_gemma3):

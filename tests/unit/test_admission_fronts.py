@@ -52,9 +52,9 @@ class FakeEngine:
         return PreparedPrompt(None, list(prompt), params.clone(), None)
 
     def add_prepared(self, request_id, prepared, *, arrival_time=None, priority=0) -> None:
-        text, ids, params, lora = prepared
+        p = prepared
         with self._lock:
-            self.outputs.add(request_id, text, ids, params, arrival_time or 0.0, lora)
+            self.outputs.add(request_id, p.text, p.token_ids, p.params, arrival_time or 0.0, None)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:

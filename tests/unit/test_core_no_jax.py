@@ -27,6 +27,11 @@ HEAVY = ("jax", "jaxlib", "flax", "torch")
         "jaxengine.speculative.ngram",
         "jaxengine.metrics.loggers",
         "jaxengine.entrypoints.admission",
+        "jaxengine.core.encoder_cache",
+        "jaxengine.core.spec_tokens",
+        "jaxengine.multimodal.processor",
+        "jaxengine.multimodal.media",
+        "jaxengine.multimodal.chat",
     ],
 )
 def test_import_leaves_jax_out(module):

@@ -131,6 +131,13 @@ VALID_FLAGS = [
      "speculative_config", {"method": "ngram", "num_speculative_tokens": 3}),
     (["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens",
       "2"], "speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
+    (["--limit-mm-per-prompt", '{"image": 4}'], "limit_mm_per_prompt", {"image": 4}),
+    (["--limit-mm-per-prompt.image", "0"], "limit_mm_per_prompt", {"image": 0}),
+    (["--mm-processor-kwargs", '{"do_image_splitting": false}'], "mm_processor_kwargs",
+     {"do_image_splitting": False}),
+    (["--allowed-local-media-path", "/data/images"], "allowed_local_media_path", "/data/images"),
+    (["--allowed-media-domains", "example.com", "cdn.example.com"], "allowed_media_domains",
+     ["example.com", "cdn.example.com"]),
 ]  # fmt: skip
 
 
@@ -281,6 +288,10 @@ def test_python_kwargs_are_validated():
         EngineArgs(async_scheduling=True, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling: is not supported across hosts"):
         EngineArgs(async_scheduling=True, nnodes=2)
+    with pytest.raises(ValueError, match="modality 'video' is not supported"):
+        EngineArgs(limit_mm_per_prompt={"video": 1}).create_engine_config()
+    with pytest.raises(ValueError, match="must be a non-negative integer"):
+        EngineArgs(limit_mm_per_prompt={"image": -1}).create_engine_config()
     assert EngineArgs(model="m", max_model_len=128).create_engine_config().model_config.model == "m"
 
 

@@ -73,16 +73,21 @@ def extend_block_hashes(
     block_size: int,
     hash_fn: HashFn,
     cache_salt: Any = None,
+    image_keys: Callable[[int, int], tuple] | None = None,
 ) -> list[BlockHash]:
     """Append the hashes of the full blocks in `token_ids[:num_tokens]` not yet hashed.
 
     `block_hashes` is a request's list (mutated in place and returned); it always holds
-    the hashes of blocks 0..len-1, since tokens are append-only.
+    the hashes of blocks 0..len-1, since tokens are append-only. ``image_keys(start,
+    end)``: the content keys of the images at those positions (their placeholder
+    tokens are the same for every image), hashed into each block they touch.
     """
     num_full = num_tokens // block_size
     for i in range(len(block_hashes), num_full):
         parent = block_hashes[i - 1] if i else root_hash(hash_fn)
         extra = (cache_salt,) if (i == 0 and cache_salt is not None) else ()
+        if image_keys is not None:
+            extra += image_keys(i * block_size, (i + 1) * block_size)
         chunk = token_ids[i * block_size : (i + 1) * block_size]
         block_hashes.append(hash_block_tokens(hash_fn, parent, chunk, extra))
     return block_hashes

@@ -42,6 +42,9 @@ class Request(Protocol):
     num_computed_tokens: int
     block_hashes: list[Any]  # extended here, as the request's tokens fill blocks
     skip_prefix_cache: bool
+    mm_items: tuple[Any, ...]  # its images: their keys enter the blocks they fill
+
+    def image_keys(self, start: int, end: int) -> tuple[str, ...]: ...
 
     @property
     def num_tokens(self) -> int: ...
@@ -107,6 +110,7 @@ class KVCacheManager:
             self.block_size,
             self.hash_fn,
             request.prefix_salt,
+            request.image_keys if request.mm_items else None,
         )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

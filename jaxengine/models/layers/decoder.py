@@ -62,19 +62,25 @@ class DecoderModel(nn.Module):
         ]
         self.norm = RMSNorm(cfg.rms_norm_eps, cfg.norm_offset, cfg.dtype)
 
-    def __call__(self, token_ids, positions, kv_caches, md):
-        return self.stage(token_ids, positions, kv_caches, md, 0, len(self.layers), True, True)
+    def __call__(self, token_ids, positions, kv_caches, md, image_embeds=None):
+        n = len(self.layers)
+        return self.stage(token_ids, positions, kv_caches, md, 0, n, True, True, image_embeds)
 
     @float32_dots
-    def stage(self, inputs, positions, kv_caches, md, start, stop, first, last):
+    def stage(self, inputs, positions, kv_caches, md, start, stop, first, last, image_embeds=None):
         """Layers ``start:stop`` (a pipeline stage): from token ids when ``first`` (else
-        from the previous stage's hidden states), through the final norm when ``last``."""
+        from the previous stage's hidden states), through the final norm when ``last``.
+        ``image_embeds`` (a vision-language model): ``(embeds[T, H], mask[T])``, the
+        input embedding of each token where ``mask`` is set."""
         cfg = self.config
         x = inputs
         if first:
             x = self.embed_tokens(inputs)  # [T, H]
             if cfg.embed_scale is not None:
                 x = x * jnp.asarray(cfg.embed_scale, dtype=cfg.dtype)
+            if image_embeds is not None:
+                embeds, mask = image_embeds
+                x = jnp.where(mask[:, None], embeds.astype(x.dtype), x)
         new_caches = []
         for layer, kv_cache in zip(self.layers[start:stop], kv_caches, strict=True):
             x, kv_cache = layer(x, positions, kv_cache, md)
@@ -105,8 +111,9 @@ class CausalLM(nn.Module):
         positions: jax.Array,  # [T] int32
         kv_caches: tuple[jax.Array, ...],  # per layer [P, S, 2*Hkv, D]
         md: AttentionMetadata,
+        image_embeds: tuple[jax.Array, jax.Array] | None = None,  # `DecoderModel.stage`
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        return self.model(token_ids, positions, kv_caches, md)
+        return self.model(token_ids, positions, kv_caches, md, image_embeds)
 
     def stage(self, inputs, positions, kv_caches, md, start, stop, first, last):
         """One pipeline stage's part of the forward (`DecoderModel.stage`)."""

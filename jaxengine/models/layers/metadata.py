@@ -30,3 +30,6 @@ class AttentionMetadata:
     slot_mapping: jax.Array  # [T] int32: page * page_size + offset for each token
     num_seqs: jax.Array  # [] int32: number of real requests
     lora_slots: jax.Array | None = None  # [T] int32: each token's adapter slot (0: none)
+    image_rows: jax.Array | None = None
+    """[T] int32: the row of the step's image embeddings that is each token's input
+    embedding (`runner.encoder`), -1 for a text token; None in a text-only model."""

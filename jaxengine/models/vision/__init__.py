@@ -3,7 +3,7 @@ prompt's image placeholder tokens in the decoder's input.
 
 Pure Flax modules, applied as functions of their parameter trees, with parameter
 names that follow the checkpoints (each encoder's static ``hf_param_path``, filled
-by `params.params_from_tensors`) and configs as frozen dataclasses (``from_hf``):
+by `loader.encoder_params`) and configs as frozen dataclasses (``from_hf``):
 
 - `siglip`: the SigLIP vision transformer (patch embedding, learned positions,
   pre-LN encoder, post-LayerNorm) shared by the encoders below.
@@ -11,7 +11,6 @@ by `params.params_from_tensors`) and configs as frozen dataclasses (``from_hf``)
   pixel shuffle, ``modality_projection``).
 - `gemma3`: Gemma 3 (average pooling to ``mm_tokens_per_image``, soft-embedding
   RMSNorm, ``mm_input_projection_weight``).
-- `params`: a vision encoder's parameter tree from checkpoint tensors.
 
 Other towers (Qwen2.5-VL) live beside them, one file per family. Nothing here
 imports the engine; the engine's image path calls these modules.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
 from typing import Any
 
 import flax.linen as nn
@@ -29,7 +28,6 @@ import jax.numpy as jnp
 
 from jaxengine.models.layers.basic import RMSNorm
 from jaxengine.models.vision import siglip
-from jaxengine.models.vision.params import load_module_params
 from jaxengine.models.vision.siglip import SiglipVisionConfig, SiglipVisionTransformer
 
 
@@ -152,16 +150,6 @@ def example_inputs(config: Gemma3VisionConfig) -> tuple[jax.Array]:
     """One image of zeros (for init and shapes)."""
     v = config.vision
     return (jnp.zeros((1, v.num_channels, v.image_size, v.image_size), v.dtype),)
-
-
-def load_params(
-    config: Gemma3VisionConfig, tensors: Iterable[tuple[str, Any]], source: str
-) -> dict:
-    """The encoder's parameters from a checkpoint's ``(name, array)`` pairs (the whole
-    model's: the decoder's tensors are skipped). Raises `CheckpointError` on a missing,
-    extra, repeated or misshapen encoder tensor."""
-    module = Gemma3VisionEncoder(config)
-    return load_module_params(module, example_inputs(config), tensors, source)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
 from typing import Any
 
 import flax.linen as nn
@@ -28,7 +27,6 @@ import numpy as np
 
 from jaxengine.models.layers.basic import Linear
 from jaxengine.models.vision import siglip
-from jaxengine.models.vision.params import load_module_params
 from jaxengine.models.vision.siglip import SiglipVisionConfig, SiglipVisionTransformer
 
 
@@ -188,16 +186,6 @@ def example_inputs(config: Idefics3VisionConfig) -> tuple[jax.Array, jax.Array]:
     v = config.vision
     pixels = jnp.zeros((1, v.num_channels, v.image_size, v.image_size), v.dtype)
     return pixels, jnp.ones((1, v.patches_per_side, v.patches_per_side), bool)
-
-
-def load_params(
-    config: Idefics3VisionConfig, tensors: Iterable[tuple[str, Any]], source: str
-) -> dict:
-    """The encoder's parameters from a checkpoint's ``(name, array)`` pairs (the whole
-    model's: the decoder's tensors are skipped). Raises `CheckpointError` on a missing,
-    extra, repeated or misshapen encoder tensor."""
-    module = Idefics3VisionEncoder(config)
-    return load_module_params(module, example_inputs(config), tensors, source)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -33,8 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterable
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -44,7 +42,6 @@ import numpy as np
 from jaxengine.models.layers.basic import Linear, RMSNorm, activation
 from jaxengine.models.layers.config import RopeSpec
 from jaxengine.models.layers.rope import inv_freq_and_scale
-from jaxengine.models.vision.params import load_module_params
 from jaxengine.models.vision.qwen2_5_vl_inputs import (
     Qwen2_5_VisionConfig,
     VisionLayout,
@@ -231,13 +228,3 @@ def example_inputs(config: Qwen2_5_VisionConfig) -> tuple[jax.Array, VisionLayou
     m = config.spatial_merge_size
     layout = vision_layout([[1, m, m]], config)
     return jnp.zeros((config.merge_unit, config.patch_dim), config.dtype), layout
-
-
-def load_params(
-    config: Qwen2_5_VisionConfig, tensors: Iterable[tuple[str, Any]], source: str
-) -> dict:
-    """The tower's parameters from a checkpoint's ``(name, array)`` pairs (the whole
-    model's: the decoder's tensors are skipped). Raises `CheckpointError` on a missing,
-    extra, repeated or misshapen tower tensor."""
-    module = Qwen2_5_VisionTransformer(config)
-    return load_module_params(module, example_inputs(config), tensors, source)

@@ -1,7 +1,8 @@
-"""A vision encoder's parameter tree from checkpoint tensors.
+"""A vision encoder's parameter tree from checkpoint tensors (or random ones).
 
-The encoders here (`idefics3.Idefics3VisionEncoder`, `gemma3.Gemma3VisionEncoder`)
-each map checkpoint names to parameter paths with a static ``hf_param_path`` (the
+The image encoders (`models.vision`: `idefics3.Idefics3VisionEncoder`,
+`gemma3.Gemma3VisionEncoder`, `qwen2_5_vl.Qwen2_5_VisionTransformer`) each map
+checkpoint names to parameter paths with a static ``hf_param_path`` (the
 `loader.params.NameMapper` contract). `params_from_tensors` streams a whole
 vision-language checkpoint's ``(name, array)`` pairs (`loader.safetensors_io.
 iter_safetensors`, or a transformers model's ``state_dict()``), keeps the encoder's
@@ -94,3 +95,15 @@ def _leaves(tree: dict, prefix: tuple[str, ...] = ()):
             yield from _leaves(value, (*prefix, key))
         else:
             yield (*prefix, key), value
+
+
+def dummy_module_params(module: nn.Module, example_inputs: tuple, seed: int) -> dict:
+    """Random parameters of ``module`` (``--load-format dummy``): normal(0, 0.02)."""
+    shapes = abstract_params(module, *example_inputs)
+    leaves, tree = jax.tree_util.tree_flatten(shapes)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    drawn = [
+        (0.02 * jax.random.normal(k, s.shape, jax.numpy.float32)).astype(s.dtype)
+        for k, s in zip(keys, leaves, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(tree, drawn)

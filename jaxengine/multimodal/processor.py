@@ -1,0 +1,139 @@
+"""A vision-language model's processor: prompt text and images -> ids and `ImageItem`s.
+
+`ImageProcessor` loads transformers' ``AutoProcessor`` from the model folder (its
+``processor_config.json``, ``preprocessor_config.json`` and tokenizer) and calls it
+on the prompt and its images, so resizing, tiling, normalisation and the expansion of
+each image's placeholder are the model's own. Each family's module here splits the
+processor's batch-of-one output per image (`idefics3.split`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+from jaxengine.multimodal.items import ImageItem, image_key, to_pil
+
+_FAMILIES = {"Idefics3ForConditionalGeneration": "idefics3"}
+"""Vision-language architectures -> their host module in this package."""
+
+
+def is_multimodal(hf_config: Any) -> bool:
+    """Whether the checkpoint's architecture takes images here."""
+    return any(a in _FAMILIES for a in getattr(hf_config, "architectures", None) or ())
+
+
+def _family(hf_config: Any):
+    arch = next(a for a in hf_config.architectures if a in _FAMILIES)
+    return importlib.import_module(f"jaxengine.multimodal.{_FAMILIES[arch]}")
+
+
+class ImageProcessor:
+    """The model's processor and its family's split (see module doc)."""
+
+    def __init__(self, processor: Any, hf_config: Any, defaults: dict | None = None) -> None:
+        """``defaults``: ``--mm-processor-kwargs`` (a request's own go over them)."""
+        self.processor = processor
+        self.family = _family(hf_config)
+        self.image_token_id = int(hf_config.image_token_id)
+        self.defaults = dict(defaults or {})
+
+    @classmethod
+    def from_folder(cls, folder: str, hf_config: Any, defaults: dict | None = None):
+        import transformers
+
+        try:
+            processor = transformers.AutoProcessor.from_pretrained(str(folder))
+        except Exception as e:  # noqa: BLE001 - any failure means no usable processor
+            raise ValueError(f"{folder}: cannot load the model's image processor: {e}") from e
+        return cls(processor, hf_config, defaults)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def embeds_per_unit(self) -> int:
+        return self.family.tokens_per_tile(self.processor)
+
+    @property
+    def max_units(self) -> int:
+        """The most encoder units (tiles) one image can take."""
+        return self.family.max_tiles(self.processor)
+
+    @property
+    def max_embeds_per_image(self) -> int:
+        return self.max_units * self.embeds_per_unit
+
+    def process(
+        self,
+        text: str,
+        images: Sequence[Any],
+        kwargs: dict | None = None,
+        add_special_tokens: bool = True,
+    ) -> tuple[list[int], list[ImageItem]]:
+        """The prompt's token ids (placeholders expanded) and one item per image, in
+        the prompt's order; ``add_special_tokens`` False for a rendered chat (its
+        special tokens are in the text). ValueError when the processor refuses the
+        pair (e.g. the number of placeholders and images differ)."""
+        pil = [to_pil(image) for image in images]
+        merged = {**self.defaults, **(kwargs or {})}
+        try:
+            out = self.processor(
+                text=[text],
+                images=[pil] if pil else None,
+                return_tensors="np",
+                add_special_tokens=add_special_tokens,
+                **merged,
+            )
+        except Exception as e:  # noqa: BLE001 - the processor's errors are the input's
+            raise ValueError(f"the image processor refused the prompt: {e}") from e
+        ids = [int(t) for t in out["input_ids"][0]]
+        if not pil:
+            return ids, []
+        parts = self.family.split(ids, out, self.processor, self.image_token_id)
+        if len(parts) != len(pil):
+            raise ValueError(
+                f"the prompt has {len(parts)} image placeholders but {len(pil)} images were given"
+            )
+        items = [
+            ImageItem(image_key(image, merged), **part)
+            for image, part in zip(pil, parts, strict=True)
+        ]
+        return ids, items
+
+
+def prompt_images(
+    prompt: dict, processor: ImageProcessor | None, limit: int, max_embeds: int
+) -> tuple[str, list[int], list[ImageItem]]:
+    """``(text, token ids, images)`` of a prompt dict with ``multi_modal_data``
+    (vLLM's ``{"prompt", "multi_modal_data": {"image": ...}, "mm_processor_kwargs"}``;
+    ``"add_special_tokens": False`` for a rendered chat, as `LLM.chat` and the server
+    send it).
+    ValueError names what cannot be served: a text-only model, another modality, more
+    images than ``limit`` (``--limit-mm-per-prompt``), a prompt given only as token
+    ids, or an image larger than the device's ``max_embeds`` image embeddings."""
+    data = prompt["multi_modal_data"]
+    if processor is None:
+        raise ValueError("this model is not a multimodal model: it takes no images")
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        kinds = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"multi_modal_data {kinds}: only 'image' is supported")
+    images = data.get("image", [])
+    images = list(images) if isinstance(images, list | tuple) else [images]
+    if len(images) > limit:
+        raise ValueError(f"At most {limit} image(s) may be provided in one prompt.")
+    text = prompt.get("prompt")
+    if not isinstance(text, str):
+        raise ValueError("a prompt with images needs its text ('prompt'): token ids alone "
+                         "cannot place the images")  # fmt: skip
+    special = bool(prompt.get("add_special_tokens", True))
+    ids, items = processor.process(text, images, prompt.get("mm_processor_kwargs"), special)
+    for item in items:
+        if item.num_embeds > max_embeds:
+            raise ValueError(
+                f"an image of {item.num_embeds} embeddings exceeds the encoder cache of "
+                f"{max_embeds} (--max-num-batched-tokens sizes it)"
+            )
+    return text, ids, items

@@ -1,0 +1,124 @@
+"""The image encoder's compiled step, and the device rows its outputs live in.
+
+A vision-language model's runner holds one ``[rows, hidden]`` array of image
+embeddings (``images``, the encoder cache's device side). The scheduler
+(`core.encoder_cache`) assigns each image its rows; a step's `EncoderInput`s run here
+before its forward (one compiled call per image, its inputs padded to the smallest
+unit bucket: Idefics3 tiles 1, 2, 4, ...), each writing its rows in place (the array
+is donated; a padded unit's rows point past the end and are dropped). The model step
+then reads ``images[md.image_rows]`` at the image tokens (`runner.step.make_step`).
+
+The encoder's parameters are replicated on every device of the tensor group (a
+SigLIP tower is small next to the decoder), and so are the rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.runner.buckets import default_token_buckets
+from jaxengine.runner.executables import ExecutableStore, compile_ahead
+from jaxengine.runner.program import abstract_like
+
+
+class EncoderRunner:
+    """Encodes scheduled images into their rows of ``images`` (see module doc)."""
+
+    def __init__(
+        self,
+        encoder: Any,
+        params: Any,
+        num_rows: int,
+        max_units: int,
+        dtype: Any,
+        sharding: Any = None,
+        store: ExecutableStore | None = None,
+    ) -> None:
+        """``encoder``: the family's image encoder (`models.idefics3.Idefics3ImageEncoder`);
+        ``num_rows``: the encoder cache's size in embeddings; ``max_units``: the most
+        units (tiles) one image takes; ``sharding``: where params and rows live
+        (replicated over the tensor group; None: the default device)."""
+        self.encoder = encoder
+        self.num_rows = num_rows
+        self.store = store
+        self.unit_buckets = default_token_buckets(max_units)
+        self.params = params if sharding is None else jax.device_put(params, sharding)
+        zeros = jax.jit(lambda: jnp.zeros((num_rows, encoder.hidden_size), dtype),
+                        out_shardings=sharding)  # fmt: skip
+        self.images = zeros()
+        self._write = jax.jit(self._encode_into, donate_argnums=(1,))
+        self._compiled: dict[int, Any] = {}
+        self._rows: dict[str, np.ndarray] = {}  # key -> its rows, as last encoded
+        self._owners: list[str | None] = [None] * num_rows  # the key each row holds
+
+    def _encode_into(self, params, images, inputs, rows):
+        out = self.encoder.apply(params, inputs)
+        return images.at[rows].set(out.astype(images.dtype), mode="drop")
+
+    def bucket(self, units: int) -> int:
+        i = bisect.bisect_left(self.unit_buckets, units)
+        if i == len(self.unit_buckets):
+            raise ValueError(f"an image of {units} units exceeds the largest bucket")
+        return self.unit_buckets[i]
+
+    def compile_jobs(self) -> list:
+        """(key, job) per unit bucket: compiles the encoder call for it."""
+        return [(("encode", b), lambda b=b: self._precompile(b)) for b in self.unit_buckets]
+
+    def _precompile(self, units: int) -> None:
+        inputs, rows = self._arrays(None, units, ())
+        images = abstract_like(self.images)
+        self._compiled[units] = compile_ahead(
+            self.store,
+            "encode",
+            units,
+            lambda: self._write.lower(self.params, images, inputs, rows),
+        )
+
+    def _arrays(self, inputs: Any, units: int, rows: Sequence[int]):
+        padded = self.encoder.pad(inputs, units)
+        out_rows = np.full(units * self.encoder.embeds_per_unit, self.num_rows, np.int32)
+        out_rows[: len(rows)] = rows
+        return padded, out_rows
+
+    def image_rows(self, images: Sequence[tuple], start: int, n: int) -> np.ndarray | None:
+        """Each of positions ``[start, start + n)``'s row of ``images`` (-1: a text
+        token), for a request whose images are ``(key, positions)`` pairs; None when
+        no image fills any of them."""
+        rows = None
+        for key, positions in images:
+            if positions[-1] < start or positions[0] >= start + n:
+                continue
+            pos = np.asarray(positions)
+            inside = (pos >= start) & (pos < start + n)
+            rows = np.full(n, -1, np.int32) if rows is None else rows
+            rows[pos[inside] - start] = self._rows[key][inside]
+        return rows
+
+    def _own(self, key: str, rows: Sequence[int]) -> None:
+        """Records ``key``'s rows, forgetting the keys whose rows it takes over."""
+        for old in {self._owners[r] for r in rows} - {None, key}:
+            del self._rows[old]
+            self._owners = [None if o == old else o for o in self._owners]
+        for r in rows:
+            self._owners[r] = key
+        self._rows[key] = np.asarray(rows, np.int32)
+
+    def run(self, scheduled: Sequence[Any], ensure: Callable[[Any], None]) -> None:
+        """Encodes each `EncoderInput` of a step into its rows, in order."""
+        for item in scheduled:
+            self._own(item.key, item.rows)
+            units = self.bucket(item.units)
+            ensure(("encode", units))
+            inputs, rows = self._arrays(item.inputs, units, item.rows)
+            compiled = self._compiled.get(units)
+            if compiled is not None:
+                self.images = compiled(self.params, self.images, inputs, rows)
+            else:  # --enforce-eager
+                self.images = self._write(self.params, self.images, inputs, rows)
