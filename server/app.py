@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxengine.engine.rollout import EngineSleepingError
 from jaxengine.entrypoints.admission import AdmissionRejectedError
 from jaxengine.entrypoints.client import EngineClient, EngineDeadError
+from jaxengine.multimodal.media import media_settings
 from jaxengine.version import __version__
 from server import envs
 from server.anthropic_errors import anthropic_error_response, is_messages_path
@@ -61,7 +62,8 @@ logger = logging.getLogger("jaxengine.server")
 
 
 def server_options(args: Any, engine: EngineClient) -> ServerOptions:
-    """The handler options from parsed `serve` flags (and the engine's reasoning parser)."""
+    """The handler options from parsed `serve` flags (and the engine's reasoning parser
+    and media flags)."""
     so = engine.config.structured_outputs_config
     return ServerOptions(
         served_model_names=tuple(engine.config.model_config.served_model_names),
@@ -85,6 +87,7 @@ def server_options(args: Any, engine: EngineClient) -> ServerOptions:
         tool_parser_plugin=getattr(args, "tool_parser_plugin", None),
         reasoning_parser=so.reasoning_parser_name or "",
         reasoning_parser_plugin=so.reasoning_parser_plugin or "",
+        media=media_settings(engine.config.multimodal_config),
     )
 
 

@@ -17,6 +17,8 @@ and have no counterpart):
 - ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds an idle HTTP connection stays open (5).
 
 - ``VLLM_SERVER_DEV_MODE``: 1 turns on the development routes (`server/dev_routes.py`).
+- ``VLLM_IMAGE_FETCH_TIMEOUT``, ``JAXENGINE_MAX_IMAGE_BYTES``: the image URLs' fetch
+  timeout and size cap (`jaxengine/multimodal/media.py`).
 
 Read elsewhere: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (`server/lora.py`) and
 ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (`jaxengine/worker/build.py`).

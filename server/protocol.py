@@ -12,12 +12,12 @@ in `server/tool_calls.py`; responses are built in `server/responses.py`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
-from server.unsupported_fields import RefusingModel
+from server.unsupported_fields import CHAT_REFUSED, Refusal, RefusingModel
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -117,8 +117,10 @@ class SamplingFields(OpenAIModel, RefusingModel):
     logits_processors: list[Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Arguments for the engine's image processor, with a chat's images (refused by
+    completions, which carry no images)."""
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -225,6 +227,7 @@ class CompletionRequest(SamplingFields):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    refused: ClassVar[dict[str, Refusal]] = CHAT_REFUSED
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

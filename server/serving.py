@@ -23,6 +23,7 @@ from jaxengine.entrypoints.admission import AdmissionRejectedError, num_seqs
 from jaxengine.entrypoints.client import EngineClient
 from jaxengine.inputs import PreparedPrompt
 from jaxengine.lora import LoRAAdapterNotFoundError, LoRARequest
+from jaxengine.multimodal.media import MediaSettings
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 from server.errors import APIError, error_body, log_error_stack
@@ -65,6 +66,8 @@ class ServerOptions:
     reasoning_parser: str = ""
     """The engine's --reasoning-parser ("" = none)."""
     reasoning_parser_plugin: str = ""
+    media: MediaSettings = MediaSettings()
+    """Where chat's image URLs may point, and the fetch limits (`jaxengine/multimodal/media.py`)."""
 
 
 class ServingContext:

@@ -4,6 +4,10 @@ The stream sends, per choice, a first delta with the role, content deltas, and o
 last chunk carrying ``finish_reason``. ``echo`` repeats the final message's content
 when it has the response role (``continue_final_message``).
 
+The messages reach the template as `server/chat_messages.py` shapes them; a request
+with ``image_url`` parts (`server/chat_images.py`) goes to the engine as the rendered text
+with its images (`jaxengine/multimodal/media.py` loads them, in threads), not as token ids.
+
 ``return_token_ids`` adds the prompt's token ids (at the top level; streamed, in the
 role chunks) and each choice's (per chunk when streaming); ``prompt_logprobs`` come
 at the top level. ``--enable-per-request-metrics`` adds vLLM's timing ``metrics`` to a
@@ -18,7 +22,6 @@ as ``response_format`` does (`server/structured.py`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,6 +30,15 @@ from jaxengine.structured_params import StructuredOutputsParams
 from jaxengine.tokenizer import apply_chat_template, resolve_chat_template
 from server import responses as R
 from server import serving_beam
+from server.chat_images import (
+    NOT_HERE,
+    NOT_MULTIMODAL,
+    check_image_request,
+    image_prompt,
+    image_urls,
+    load_images,
+)
+from server.chat_messages import content_format, message_text, normalize_message, request_template
 from server.chat_output import ChatOutputParser
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
@@ -41,8 +53,6 @@ from server.serving import (
 from server.structured import structured_outputs_params
 from server.tool_calls import NO_TOOLS, ToolChoice, forced_schema, resolve_tool_choice
 
-_PART_TYPES_TEXT = ("text", "input_text")
-
 
 class ChatHandler:
     """Turns a `ChatCompletionRequest` into one engine request and OpenAI responses."""
@@ -51,7 +61,30 @@ class ChatHandler:
         self.ctx = ctx
 
     def render(self, request: ChatCompletionRequest | Any) -> list[int]:
-        """The prompt token ids of a request's messages (also used by /tokenize).
+        """The prompt token ids of a request's messages (also used by /tokenize, token
+        counting and embeddings' messages). Messages with images are refused (400):
+        their prompt is the engine's to tokenize (`render_text`)."""
+        if image_urls(request.messages):
+            raise APIError(NOT_HERE, param="messages")
+        ids = self._template(request, tokenize=True)
+        if getattr(request, "add_special_tokens", False):
+            bos = getattr(self.ctx.need_tokenizer(), "bos_token_id", None)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+        return list(ids)
+
+    def render_text(self, request: ChatCompletionRequest) -> str:
+        """The prompt text of a request's messages, each image an ``{"type": "image"}``
+        part for the template to render; ``add_special_tokens`` puts the BOS text first."""
+        text = self._template(request, tokenize=False)
+        if request.add_special_tokens:
+            bos = getattr(self.ctx.need_tokenizer(), "bos_token", None)
+            if bos and not text.startswith(bos):
+                text = bos + text
+        return text
+
+    def _template(self, request: Any, tokenize: bool) -> list[int] | str:
+        """The messages through the chat template: token ids, or the text.
 
         The template gets ``tools`` (left out for ``tool_choice: "none"`` with
         --exclude-tools-when-tool-choice-none), ``documents`` and ``reasoning_effort``.
@@ -73,33 +106,30 @@ class ChatHandler:
         if excluded and getattr(request, "tool_choice", None) == "none":
             kwargs.pop("tools", None)
         try:
-            ids = apply_chat_template(
+            return apply_chat_template(
                 tokenizer,
                 messages,
                 chat_template=template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
+                tokenize=tokenize,
                 **kwargs,
             )
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise APIError(f"chat template failed: {e}", param="messages") from None
-        if getattr(request, "add_special_tokens", False):
-            bos = getattr(tokenizer, "bos_token_id", None)
-            if bos is not None and (not ids or ids[0] != bos):
-                ids = [bos, *ids]
-        return list(ids)
 
     async def create(self, request: ChatCompletionRequest, raw_request=None):
-        view, streams = self.start(request)
+        view, streams = await self.start(request)
         if request.stream:
             return sse(view.stream(streams), self.ctx.options.log_error_stack)
         return await until_disconnected(raw_request, view.collect(streams))
 
-    def start(self, request: ChatCompletionRequest) -> tuple[_ChatView, AsyncIterator]:
-        """Queues the request in the engine: its view and output streams. The other
-        APIs over chat (Responses, Anthropic Messages) reshape what the view builds:
+    async def start(self, request: ChatCompletionRequest) -> tuple[_ChatView, AsyncIterator]:
+        """Queues the request in the engine: its view and output streams (after loading
+        its images, if any). The other APIs over chat (Responses, Anthropic Messages)
+        reshape what the view builds:
         ``await view.collect(streams)`` (a chat.completion dict) or ``view.stream(
         streams)`` (chat.completion.chunk dicts)."""
         ctx = self.ctx
@@ -108,14 +138,14 @@ class ChatHandler:
         tool_parser = ctx.tool_parser() if choice.mode == "auto" else None
         if tool_parser is not None:
             request = tool_parser.adjust_request(request)
-        ids = request.kept_prompt(self.render(request))
+        prompt = await self._prompt(request)
         params = request.sampling_params(
             request.wanted_max_tokens(),
             request.wanted_logprobs(),
             ctx.default_sampling,
             {"structured_outputs": self._constraint(request, choice)},
         )
-        prepared = ctx.prepare([{"prompt_token_ids": ids}], params, lora)
+        prepared = ctx.prepare([prompt], params, lora)
         request_id = request.request_id or R.random_id("chatcmpl")
         ctx.log_request(request_id, prepared)
         streams = serving_beam.streams(ctx, request, request_id, prepared)
@@ -125,6 +155,19 @@ class ChatHandler:
         prompt_ids = prepared[0].token_ids
         view = _ChatView(ctx, request, model, request_id, len(prompt_ids), parser, prompt_ids)
         return view, streams
+
+    async def _prompt(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """The engine prompt: the token ids, or with images the text and the images
+        (`server/chat_images.py`), rendered before any image is fetched."""
+        urls = image_urls(request.messages)
+        if not urls:
+            return {"prompt_token_ids": request.kept_prompt(self.render(request))}
+        if not getattr(self.ctx.engine, "takes_images", False):
+            raise APIError(NOT_MULTIMODAL, param="messages")
+        check_image_request(request)
+        text = self.render_text(request)
+        images = await load_images(urls, self.ctx.options.media)
+        return image_prompt(text, images, request)
 
     def _constraint(self, request, choice: ToolChoice) -> StructuredOutputsParams | None:
         """The request's structured outputs, or the tool-call schema it forces."""
@@ -146,80 +189,6 @@ def _tool_call_id() -> str:
     from server.tool_parsers import make_tool_call_id
 
     return make_tool_call_id()
-
-
-UNTRUSTED_TEMPLATE = (
-    "Chat template is passed with request, but --trust-request-chat-template is not set. "
-    "Refused request with untrusted chat template."
-)
-
-
-def request_template(request: Any, kwargs: dict[str, Any], options: Any) -> str | None:
-    """The chat template a request brings, or None: ``chat_template_kwargs``'s
-    ``chat_template`` (taken out of ``kwargs``), else ``chat_template``. As vLLM, a
-    request that brings one is refused (400) unless --trust-request-chat-template."""
-    given = kwargs.pop("chat_template", None) or getattr(request, "chat_template", None)
-    if given is not None and not options.trust_request_chat_template:
-        raise APIError(UNTRUSTED_TEMPLATE)
-    return given
-
-
-def content_format(option: str, template: str | None) -> str:
-    """ "string" or "openai": how message content reaches the template."""
-    if option != "auto":
-        return option
-    text = template or ""
-    iterates = any(s in text for s in ("['type']", '["type"]', ".type ==", "content[0]"))
-    return "openai" if iterates else "string"
-
-
-def normalize_message(message: dict[str, Any], fmt: str) -> dict[str, Any]:
-    """A message whose content is a string (``fmt="string"``) or a list of text parts.
-
-    An assistant message's ``tool_calls`` reach the template with their
-    ``function.arguments`` as a dict (decoded from OpenAI's JSON string), as Hugging
-    Face templates expect; its content may be null.
-    """
-    if "role" not in message:
-        raise APIError("each message needs a `role`", param="messages")
-    if message.get("tool_calls") is not None:
-        message = {**message, "tool_calls": _template_tool_calls(message["tool_calls"])}
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return {**message, "content": content or ""}
-    if not isinstance(content, list):
-        raise APIError("message content must be a string or a list of parts", param="messages")
-    parts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _PART_TYPES_TEXT:
-            raise APIError(
-                f"content part type {kind!r} is not supported (text only)", param="messages"
-            )
-        parts.append(part.get("text", ""))
-    if fmt == "openai":
-        return {**message, "content": [{"type": "text", "text": t} for t in parts]}
-    return {**message, "content": "\n".join(parts)}
-
-
-def _template_tool_calls(calls: Any) -> list[dict[str, Any]]:
-    if not isinstance(calls, list):
-        raise APIError("a message's `tool_calls` must be a list", param="messages")
-    out = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            raise APIError("each tool call needs a `function` object", param="messages")
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                raise APIError(
-                    f"tool call arguments are not JSON: {arguments!r}", param="messages"
-                ) from None
-        out.append({**call, "function": {**function, "arguments": arguments or {}}})
-    return out
 
 
 class _ChatView:
@@ -248,7 +217,7 @@ class _ChatView:
         last = request.messages[-1]
         self.echo = ""
         if request.echo and last.get("role") == self.role:
-            self.echo = normalize_message(last, "string")["content"]
+            self.echo = message_text(last)
 
     def _logprobs(self, seq) -> dict | None:
         top = self.request.wanted_logprobs()

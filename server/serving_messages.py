@@ -45,7 +45,7 @@ class MessagesHandler:
         """The message (a dict), or its server-sent events when ``stream`` is set."""
         msg_id = message_id()
         chat_request = to_chat_request(request, self.reasoning, msg_id)
-        view, streams = self.chat.start(chat_request)
+        view, streams = await self.chat.start(chat_request)
         shown = request.thinking is None or request.thinking.display != "omitted"
         if request.stream:
             chunks = view.stream(streams)

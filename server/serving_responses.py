@@ -49,7 +49,7 @@ class ResponsesHandler:
         self.chat = chat
         self.store = store
 
-    def start(self, request: ResponsesRequest) -> ResponseRun:
+    async def start(self, request: ResponsesRequest) -> ResponseRun:
         """Validates and queues the request (every 400 and 404 comes from here)."""
         if request.background and request.stream:
             raise APIError("streaming a background response is not supported", param="stream")
@@ -66,7 +66,7 @@ class ResponsesHandler:
         conversation += input_messages(request.input)
         chat = chat_request(request, conversation, response_id)
         try:
-            view, streams = self.chat.start(chat)
+            view, streams = await self.chat.start(chat)
         except APIError as e:
             raise APIError(e.message, e.status, CHAT_PARAMS.get(e.param, e.param)) from None
         base = base_response(request, response_id, model, self.ctx.default_sampling)
@@ -94,7 +94,7 @@ class ResponsesHandler:
 
     async def create(self, request: ResponsesRequest, raw_request: Request | None = None):
         """A Response object (dict), or an SSE stream of events (an async iterator)."""
-        run = self.start(request)
+        run = await self.start(request)
         record = StoredResponse(run.base)
         if request.store:
             self.store.put(record)

@@ -58,13 +58,15 @@ REFUSED: dict[str, Refusal] = {
     "kv_transfer_params": Refusal(
         _given, "KV-cache transfer (disaggregated prefill) is not supported"
     ),
-    "mm_processor_kwargs": Refusal(_given, "multimodal inputs are not supported (text only)"),
     "cache_salt": Refusal(
         _given, "cache_salt is not supported: the prefix cache is shared by all requests"
     ),
     # completions
     "suffix": Refusal(_given, "suffix is not supported"),
     "prompt_embeds": Refusal(_given, "prompt_embeds are not supported (text and token ids only)"),
+    "mm_processor_kwargs": Refusal(
+        _given, "mm_processor_kwargs apply to images, which only chat messages carry"
+    ),
     # chat
     "functions": Refusal(
         _given, "the legacy `functions` field is not supported; send `tools` instead"
@@ -82,6 +84,10 @@ REFUSED: dict[str, Refusal] = {
     "verbosity": Refusal(_given, "verbosity is not supported"),
 }
 """Every refused field, by name."""
+
+CHAT_REFUSED: dict[str, Refusal] = {k: r for k, r in REFUSED.items() if k != "mm_processor_kwargs"}
+"""Chat's refused fields: `REFUSED` but ``mm_processor_kwargs``, which goes to the
+engine with a request's images (`server/chat_images.py`)."""
 
 
 class RefusingModel(BaseModel):

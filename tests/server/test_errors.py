@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from server.chat_images import NOT_MULTIMODAL
 from tests.server.conftest import DP1_ONLY, MODEL
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -259,3 +260,13 @@ def test_openai_client_with_wrong_key(server):
 @DP1_ONLY
 def test_routes_outside_v1_need_no_key(server, path):
     assert httpx.get(server.url + path, timeout=30).status_code == 200
+
+
+@DP1_ONLY
+def test_image_to_a_text_only_model(server):
+    """An image_url part to the text-only model: a 400 before any image is fetched."""
+    part = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/never-fetched.png"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [part]}]}
+    reply = server.post("/v1/chat/completions", body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"] == NOT_MULTIMODAL

@@ -507,7 +507,6 @@ REFUSED_CHAT = {
     "logits_processors": ["my.module:Processor"],
     "vllm_xargs": {"k": 1},
     "kv_transfer_params": {"do_remote_prefill": True},
-    "mm_processor_kwargs": {"size": 3},
     "cache_salt": "salt",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
@@ -522,6 +521,7 @@ REFUSED_COMPLETIONS = {
     "best_of": 2,
     "length_penalty": 2.0,
     "prompt_embeds": "AAAA",
+    "mm_processor_kwargs": {"size": 3},  # images come in chat messages only
     "logits_processors": ["x"],
     "cache_salt": "salt",
 }

@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxengine.config import MultiModalConfig
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.core.sched_output import SchedulerStats
 from jaxengine.lora import LoRAAdapterError, LoRAAdapterNotFoundError
@@ -127,6 +128,7 @@ class FakeEngine:
                 reasoning_parser_name=None, reasoning_parser_plugin=None
             ),
             lora_config=SimpleNamespace(enable_lora=True),
+            multimodal_config=MultiModalConfig(),
         )
 
     async def add_lora(self, lora) -> bool:

@@ -14,17 +14,19 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
+from jaxengine.config import MultiModalConfig
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.sampling_params import RequestOutputKind
 from server.app import build_app
 from server.args import add_server_args
+from server.chat_messages import UNTRUSTED_TEMPLATE
 from server.errors import APIError
 from server.output_log import logged_outputs
 from server.protocol import ChatCompletionRequest
 from server.serving import sse
-from server.serving_chat import UNTRUSTED_TEMPLATE, ChatHandler
+from server.serving_chat import ChatHandler
 from tests.unit.logs import captured
 
 PIECES = [(" Hello", [7]), (" world", [8])]
@@ -44,6 +46,7 @@ class FakeEngine:
                 reasoning_parser_name=None, reasoning_parser_plugin=None
             ),
             lora_config=SimpleNamespace(enable_lora=False),
+            multimodal_config=MultiModalConfig(),
         )
 
     def check_admission(self, num_seqs: int) -> None:

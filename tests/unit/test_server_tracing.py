@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
+from jaxengine.config import MultiModalConfig
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -190,6 +191,7 @@ class FakeEngine:
                 reasoning_parser_name=None, reasoning_parser_plugin=None
             ),
             lora_config=SimpleNamespace(enable_lora=False),
+            multimodal_config=MultiModalConfig(),
         )
 
     def prepare(self, prompt, params, lora_request=None) -> PreparedPrompt:
