@@ -156,6 +156,16 @@ def tiny_smolvlm(smollm2_tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_vlm(smollm2_tokenizer, tmp_path_factory):
+    """(folder, transformers model) of a random Gemma 3 vision-language model with
+    SmolLM2's tokenizer and Gemma's image tokens (`tests.tiny_models`)."""
+    from tests.tiny_models import save_tiny_gemma3_vlm
+
+    path = tmp_path_factory.mktemp("tiny_gemma3_vlm")
+    return path, save_tiny_gemma3_vlm(path, smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def reference_cache_dir(tmp_path_factory) -> Path:
     """Where this run keeps transformers references for every worker."""
     return _run_dir(tmp_path_factory) / "references"

@@ -68,6 +68,11 @@ GROUP_SECONDS = {
     "tests/sharding/test_engine_lifetime.py": 31,
     "tests/kernels/test_reference_attention.py": 31,
     "tests/server/test_lora.py": 17,
+    # images (2026-11-27, one process beside other load): their own tiny engines/server
+    "tests/engine/test_vision_engine.py": 40,
+    "tests/server/test_vision_server.py": 35,
+    "tests/engine/test_vision_gemma3.py": 25,
+    "tests/unit/test_bench_vision.py": 25,
 }
 SPLIT_TEST_SECONDS = 40
 """What one test of a `SPLIT_MODULES` module is counted as (they take 20-70 s)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -76,15 +77,19 @@ def save_tiny_smollm2(folder: Path, tokenizer) -> transformers.PreTrainedModel:
 
 
 IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
-# ChatML, as SmolLM2's, with list content: an image part renders as <image>
-VISION_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+
+
+def vision_chat_template(image: str) -> str:
+    """ChatML, as SmolLM2's, with list content: an image part renders as ``image``."""
+    return (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+        f"{{{{ '{image}' }}}}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
 
 
 def save_tiny_smolvlm(folder: Path, tokenizer) -> transformers.PreTrainedModel:
@@ -107,11 +112,7 @@ def save_tiny_smolvlm(folder: Path, tokenizer) -> transformers.PreTrainedModel:
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
+    model = _redrawn(transformers.Idefics3ForConditionalGeneration, config)
     model.save_pretrained(folder)
     images = transformers.Idefics3ImageProcessorPil(
         size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
@@ -120,7 +121,66 @@ def save_tiny_smolvlm(folder: Path, tokenizer) -> transformers.PreTrainedModel:
         image_processor=images,
         tokenizer=tokenizer,
         image_seq_len=4,
-        chat_template=VISION_CHAT_TEMPLATE,
+        chat_template=vision_chat_template("<image>"),
     )
     processor.save_pretrained(folder)
+    return model
+
+
+GEMMA3_IMAGE_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}
+
+
+def save_tiny_gemma3_vlm(folder: Path, tokenizer) -> transformers.PreTrainedModel:
+    """A random Gemma 3 vision-language model (`Gemma3ForConditionalGeneration`): a
+    2-layer SigLIP tower of 32-pixel images pooled to 4 tokens, a 2-layer Gemma 3
+    decoder, SmolLM2's tokenizer with Gemma's image tokens (named in its
+    ``extra_special_tokens``, as Gemma's tokenizer names them) and a `Gemma3Processor`;
+    saved in ``folder``. Every weight is drawn at std 0.2."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_IMAGE_TOKENS.values())})
+    tokenizer.save_pretrained(folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["extra_special_tokens"] = GEMMA3_IMAGE_TOKENS
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in GEMMA3_IMAGE_TOKENS.items()}
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, image_size=32,
+                  num_attention_heads=4, patch_size=8, model_type="siglip_vision_model",
+                  vision_use_head=False)  # fmt: skip
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, head_dim=16,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, sliding_window=512,
+                query_pre_attn_scalar=16)  # fmt: skip
+    config = transformers.Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=4,
+        image_token_index=ids["image_token"],
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+    )
+    model = _redrawn(transformers.Gemma3ForConditionalGeneration, config)
+    model.save_pretrained(folder)
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+        tokenizer=tokenizer,
+        image_seq_length=4,
+        chat_template=vision_chat_template("<start_of_image>"),
+    )
+    processor.save_pretrained(folder)
+    return model
+
+
+def _redrawn(model_class, config) -> transformers.PreTrainedModel:
+    """``model_class(config)`` with every weight drawn at std 0.2 (seeded: DESIGN §4,
+    at 0.02 different images often give the same tokens)."""
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
     return model

@@ -11,7 +11,8 @@ Each step, before a request's tokens ``[start, start + n)`` are scheduled,
 `EncoderScheduler.plan` makes sure every image overlapping them is cached (or
 encoded in this step: an `EncoderInput`), within the step's encoder budget
 (``max_num_encoder_input_tokens``: embeddings encoded per step) and the free rows;
-it cuts ``n`` before the first image that does not fit. References of images a step
+it cuts ``n`` before the first image that does not fit (or, where an image's tokens
+attend both ways, that does not end in this chunk). References of images a step
 passes are dropped when the step's plan is complete (`finish_step`), so no image this
 step reads has its rows given to another image encoded in the same step.
 """
@@ -90,9 +91,12 @@ class EncoderCache:
 class EncoderScheduler:
     """One step's image planning over an `EncoderCache` (see module doc)."""
 
-    def __init__(self, cache: EncoderCache, budget: int) -> None:
+    def __init__(self, cache: EncoderCache, budget: int, whole_images: bool = False) -> None:
+        """``whole_images``: a chunk may not end inside an image (its tokens attend
+        both ways, so they are computed in one step)."""
         self.cache = cache
         self.budget = budget
+        self.whole_images = whole_images
         self._left = budget
         self._inputs: list[EncoderInput] = []
         self._passed: list[tuple[str, str]] = []  # (key, request) passed this step
@@ -104,6 +108,8 @@ class EncoderScheduler:
         for item in req.mm_items:
             if item.end <= start or item.start >= start + n:
                 continue
+            if self.whole_images and start + n < item.end:
+                return max(item.start - start, 0)
             if not self.cache.holds(item.key, rid):
                 hit = self.cache.acquire(item.key, rid)
                 if not (hit or self._encode(item, rid)):

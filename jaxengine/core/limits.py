@@ -58,6 +58,9 @@ class SchedulerLimits:
     encoder_cache_rows: int = 0
     """Images: image embeddings the device keeps (``encoder_cache_size``); also the
     embeddings encoded per step (``max_num_encoder_input_tokens``). 0: text only."""
+    whole_images: bool = False
+    """An image's tokens attend to each other both ways (Gemma 3): no prefill chunk
+    ends inside an image."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

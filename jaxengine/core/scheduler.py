@@ -110,7 +110,8 @@ class Scheduler:
         self.num_deferred = 0  # waiting requests the last admission pass skipped
         self.spec_stats = SpecDecodingStats()
         rows = limits.encoder_cache_rows  # images: `core.encoder_cache`
-        self.encoder = EncoderScheduler(EncoderCache(rows), rows) if rows else None
+        whole = limits.whole_images
+        self.encoder = EncoderScheduler(EncoderCache(rows), rows, whole) if rows else None
 
     # ---- requests in and out -----------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -140,6 +140,7 @@ class LLMEngine:
         limit = self.config.multimodal_config.limit("image")
         rows = self.scheduler.limits.encoder_cache_rows
         text, ids, items = prompt_images(prompt, self.images, limit, rows)
+        self._check_whole_images(items)
         if not self.config.scheduler_config.enable_chunked_prefill:
             if sum(i.num_embeds for i in items) > rows:
                 raise ValueError(
@@ -148,6 +149,19 @@ class LLMEngine:
                     "chunked prefill or raise --max-num-batched-tokens"
                 )
         return text, ids, items
+
+    def _check_whole_images(self, items: list) -> None:
+        """Where an image's tokens attend both ways, each image must fit one step."""
+        sc = self.config.scheduler_config
+        step = sc.max_num_batched_tokens
+        if sc.enable_chunked_prefill and sc.long_prefill_token_threshold > 0:
+            step = min(step, sc.long_prefill_token_threshold)
+        longest = max((i.end - i.start for i in items), default=0)
+        if self.images.bidirectional and longest > step:
+            raise ValueError(
+                f"an image of {longest} tokens must be prefilled in one step, but a step "
+                f"takes at most {step} tokens of a prompt: raise --max-num-batched-tokens"
+            )
 
     def _prepare_pooling(self, params: Any, ids: list[int]) -> tuple[PoolingParams, list[int]]:
         """A pooling request's checked parameters and (truncated) prompt."""

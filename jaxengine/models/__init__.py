@@ -26,6 +26,7 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
     "Idefics3ForConditionalGeneration": "idefics3",
+    "Gemma3ForConditionalGeneration": "gemma3",
     "BertModel": "bert",
     "BertForSequenceClassification": "bert",
 }
@@ -40,6 +41,7 @@ _MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "bert": "BertModel",
     "idefics3": "Idefics3ForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 

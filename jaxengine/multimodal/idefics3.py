@@ -16,13 +16,16 @@ from typing import Any
 import numpy as np
 
 GLOBAL_IMAGE_TOKEN = "<global-img>"
+BIDIRECTIONAL = False
+"""The decoder attends causally over image tokens too."""
 
 
-def tokens_per_tile(processor: Any) -> int:
+def embeds_per_unit(processor: Any) -> int:
+    """Embeddings per tile: the processor's ``image_seq_len``."""
     return int(processor.image_seq_len)
 
 
-def max_tiles(processor: Any) -> int:
+def max_units(processor: Any) -> int:
     """The most tiles one image gives: ``ceil(longest_edge / max_image_size)`` crops a
     side (when splitting), plus the global tile."""
     image_processor = processor.image_processor
@@ -39,7 +42,7 @@ def split(ids: list[int], out: dict, processor: Any, image_token_id: int) -> lis
     ``[tiles, C, S, S]``, ``pixel_attention_mask`` ``[tiles, S, S]`` bool) and
     ``units`` (tiles)."""
     ids_arr = np.asarray(ids)
-    per_tile = tokens_per_tile(processor)
+    per_tile = embeds_per_unit(processor)
     image_pos = np.flatnonzero(ids_arr == image_token_id)
     if len(image_pos) % per_tile:
         raise ValueError(

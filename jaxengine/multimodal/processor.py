@@ -15,13 +15,21 @@ from typing import Any
 
 from jaxengine.multimodal.items import ImageItem, image_key, to_pil
 
-_FAMILIES = {"Idefics3ForConditionalGeneration": "idefics3"}
+_FAMILIES = {
+    "Idefics3ForConditionalGeneration": "idefics3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+}
 """Vision-language architectures -> their host module in this package."""
 
 
 def is_multimodal(hf_config: Any) -> bool:
     """Whether the checkpoint's architecture takes images here."""
     return any(a in _FAMILIES for a in getattr(hf_config, "architectures", None) or ())
+
+
+def images_both_ways(hf_config: Any) -> bool:
+    """Whether the checkpoint's image tokens attend to each other both ways (Gemma 3)."""
+    return is_multimodal(hf_config) and _family(hf_config).BIDIRECTIONAL
 
 
 def _family(hf_config: Any):
@@ -55,12 +63,18 @@ class ImageProcessor:
 
     @property
     def embeds_per_unit(self) -> int:
-        return self.family.tokens_per_tile(self.processor)
+        return self.family.embeds_per_unit(self.processor)
 
     @property
     def max_units(self) -> int:
         """The most encoder units (tiles) one image can take."""
-        return self.family.max_tiles(self.processor)
+        return self.family.max_units(self.processor)
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether an image's tokens attend to each other both ways in the decoder
+        (Gemma 3): a prefill chunk may then not end inside an image."""
+        return self.family.BIDIRECTIONAL
 
     @property
     def max_embeds_per_image(self) -> int:

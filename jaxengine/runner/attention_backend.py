@@ -24,9 +24,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import logging
 from collections.abc import Callable
 
 import jax
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +43,25 @@ class AttentionBackend:
         return {"attention_fn": self.attention_fn, "update_fn": self.update_fn}
 
 
-def select_attention_backend(requested: str, platform: str | None = None) -> AttentionBackend:
-    """The backend for ``--attention-backend requested`` on ``platform`` (default: JAX's)."""
-    platform = platform or jax.default_backend()
+def select_attention_backend(
+    requested: str, platform: str | None = None, both_ways: bool = False
+) -> AttentionBackend:
+    """The backend for ``--attention-backend requested`` on ``platform`` (default:
+    JAX's). ``both_ways`` (a model whose image tokens attend to each other both ways,
+    Gemma 3 with images): the Pallas kernels take no per-token key limit yet, so the
+    reference attention runs instead, with a warning."""
+    backend = _select(requested, platform or jax.default_backend())
+    if both_ways and backend.name.startswith("pallas"):
+        logger.warning(
+            "attention backend %s has no bidirectional image attention yet: the model's "
+            "image tokens attend both ways, so the reference attention runs",
+            backend.name,
+        )
+        return AttentionBackend("reference", *kernels("reference"))
+    return backend
+
+
+def _select(requested: str, platform: str) -> AttentionBackend:
     if requested not in ("auto", "pallas", "reference"):
         raise ValueError(
             f"--attention-backend {requested!r}: expected one of auto, pallas, reference"

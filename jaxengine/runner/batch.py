@@ -28,6 +28,7 @@ class SeqChunk:
     lora_slot: int = 0  # its adapter's slot (`models.layers.lora`; 0: the base model)
     num_logits: int = 1  # logits rows: its last tokens' (1 + proposals when speculating)
     image_rows: Sequence[int] | None = None  # per token: its image embedding row, or -1
+    attend_until: Sequence[int] | None = None  # per token: its last key (None: itself)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +46,14 @@ class PackedBatch:
     feed_rows: np.ndarray  # [T] int32: row of the previous step's sampled ids, or -1
     lora_slots: np.ndarray  # [T] int32: each token's adapter slot (0: none, and padding)
     image_rows: np.ndarray | None = None  # [T] int32: image embedding row or -1 (images)
+    attend_until: np.ndarray | None = None  # [T] int32: last key position (Gemma 3 images)
 
     def metadata_fields(self) -> dict[str, np.ndarray]:
         """The fields of `AttentionMetadata`, by name (``image_rows`` only in a
         vision-language model's batches)."""
         names = ("seq_lens", "query_start_loc", "page_table", "slot_mapping", "num_seqs")
-        names += ("lora_slots",) + (("image_rows",) if self.image_rows is not None else ())
-        return {name: getattr(self, name) for name in names}
+        names += ("lora_slots", "image_rows", "attend_until")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 def _check_fits(chunks: Sequence[SeqChunk], num_tokens: int, num_reqs: int, num_logits: int):
@@ -83,10 +85,12 @@ def pack_batch(
     pages_per_req: int,
     num_logits: int | None = None,
     images: bool = False,
+    both_ways: bool = False,
 ) -> PackedBatch:
     """Flattens ``chunks`` into arrays padded to ``num_tokens`` and ``num_reqs``;
     the logits rows (``num_logits``, default ``num_reqs``) follow the chunks' order;
-    ``images``: with ``image_rows`` (every batch of a vision-language model). Raises
+    ``images``: with ``image_rows`` (every batch of a vision-language model), and
+    ``both_ways`` ``attend_until`` (one whose image tokens attend both ways). Raises
     ValueError when the chunks do not fit the bucket or a request's pages do not
     cover its tokens."""
     num_logits = num_reqs if num_logits is None else num_logits
@@ -97,7 +101,6 @@ def pack_batch(
     query_start_loc = np.zeros(num_reqs + 1, np.int32)
     page_table = np.full((num_reqs, pages_per_req), NULL_PAGE, np.int32)
     logits_indices = np.zeros(num_logits, np.int32)
-    image_rows = np.full(num_tokens, -1, np.int32) if images else None
     start = row = 0
     for r, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -110,8 +113,6 @@ def pack_batch(
         slot_mapping[start:end] = pages[pos // page_size] * page_size + pos % page_size
         seq_lens[r] = seq_len
         lora_slots[start:end] = chunk.lora_slot
-        if chunk.image_rows is not None:
-            image_rows[start:end] = chunk.image_rows
         page_table[r, : len(pages)] = pages
         c = chunk.num_logits
         logits_indices[row : row + c] = np.maximum(np.arange(end - c, end), 0)
@@ -130,5 +131,20 @@ def pack_batch(
         logits_indices=logits_indices,
         feed_rows=np.full(num_tokens, -1, np.int32),
         lora_slots=lora_slots,
-        image_rows=image_rows,
+        image_rows=_per_token(chunks, "image_rows", np.full(num_tokens, -1, np.int32), images),
+        attend_until=_per_token(chunks, "attend_until", positions.copy(), both_ways),
     )
+
+
+def _per_token(chunks: Sequence[SeqChunk], name: str, base: np.ndarray, wanted: bool):
+    """``base`` with each chunk's own ``name`` values over its tokens (None unless
+    ``wanted``)."""
+    if not wanted:
+        return None
+    start = 0
+    for chunk in chunks:
+        n, values = len(chunk.token_ids), getattr(chunk, name)
+        if values is not None:
+            base[start : start + n] = values
+        start += n
+    return base

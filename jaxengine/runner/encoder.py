@@ -39,12 +39,15 @@ class EncoderRunner:
         dtype: Any,
         sharding: Any = None,
         store: ExecutableStore | None = None,
+        both_ways: bool = False,
     ) -> None:
         """``encoder``: the family's image encoder (`models.idefics3.Idefics3ImageEncoder`);
         ``num_rows``: the encoder cache's size in embeddings; ``max_units``: the most
         units (tiles) one image takes; ``sharding``: where params and rows live
-        (replicated over the tensor group; None: the default device)."""
+        (replicated over the tensor group; None: the default device); ``both_ways``: an
+        image's tokens attend to each other both ways (Gemma 3: `chunk_fields`)."""
         self.encoder = encoder
+        self.both_ways = both_ways
         self.num_rows = num_rows
         self.store = store
         self.unit_buckets = default_token_buckets(max_units)
@@ -86,6 +89,21 @@ class EncoderRunner:
         out_rows = np.full(units * self.encoder.embeds_per_unit, self.num_rows, np.int32)
         out_rows[: len(rows)] = rows
         return padded, out_rows
+
+    def chunk_fields(self, images: Sequence[tuple], start: int, n: int) -> dict:
+        """A request chunk's image fields (`batch.SeqChunk`) for positions ``[start,
+        start + n)``: ``image_rows``, and with ``both_ways`` ``attend_until`` (each
+        image token sees up to its image's last token, which the scheduler keeps in
+        the same chunk)."""
+        fields = {"image_rows": self.image_rows(images, start, n)}
+        if self.both_ways and fields["image_rows"] is not None:
+            ends = np.arange(start, start + n, dtype=np.int32)
+            for _, positions in images:
+                first, last = positions[0], positions[-1]
+                if first < start + n and last >= start:
+                    ends[max(first, start) - start : min(last, start + n - 1) - start + 1] = last
+            fields["attend_until"] = ends
+        return fields
 
     def image_rows(self, images: Sequence[tuple], start: int, n: int) -> np.ndarray | None:
         """Each of positions ``[start, start + n)``'s row of ``images`` (-1: a text

@@ -310,8 +310,8 @@ class ModelRunner:
             if slot:
                 chunk = dataclasses.replace(chunk, lora_slot=slot)
             if state.images:
-                rows = self.encoder.image_rows(state.images, chunk.num_computed, n)
-                chunk = dataclasses.replace(chunk, image_rows=rows)
+                fields = self.encoder.chunk_fields(state.images, chunk.num_computed, n)
+                chunk = dataclasses.replace(chunk, **fields)
             row = None
             if drafts and len(chunk.token_ids) == n:
                 ids = [*chunk.token_ids, *drafts]
@@ -403,6 +403,7 @@ class ModelRunner:
             pages_per_req=self.pages_per_req,
             num_logits=bucket.num_logits,
             images=self.encoder is not None,
+            both_ways=self.encoder is not None and self.encoder.both_ways,
         )
 
     def _launch(self, group: list[int], chunks: list[SeqChunk], sampling: list, fed: list, fed_ids):

@@ -312,6 +312,7 @@ def build_worker(
         num_speculative_tokens=num_speculative_tokens(config),
         num_lookahead_tokens=lookahead_tokens(config),
         encoder_cache_rows=0 if encoder is None else encoder.num_rows,
+        whole_images=encoder is not None and encoder.both_ways,
     )
     host = HostParts(
         config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits,

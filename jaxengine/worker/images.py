@@ -65,4 +65,5 @@ def encoder_runner(
         loaded.config.dtype,
         None if plan is None else plan.replicated,
         store,
+        images.processor.bidirectional,
     )

@@ -18,6 +18,7 @@ from jaxengine.loader import LoadedModel, is_torch, load_model
 from jaxengine.loader.sources import ModelSource
 from jaxengine.models import UnsupportedArchitectureError
 from jaxengine.models.layers.lora import LoRASpec
+from jaxengine.multimodal.processor import images_both_ways
 from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
 from jaxengine.runner.executables import ExecutableStore, setup_compilation_cache
 from jaxengine.runner.program import StageProgram, single_stage
@@ -37,7 +38,8 @@ def load_replica(config: EngineConfig, devices: Sequence[Any] | None):
     placement = Placement(parallel, devices)
     loaded = load_jax_or_torch(config, placement)
     requested = config.attention_config.attention_backend
-    backend = select_attention_backend(requested)
+    both_ways = images_both_ways(loaded.hf_config)
+    backend = select_attention_backend(requested, both_ways=both_ways)
     logger.info(
         "attention backend: %s (--attention-backend %s, platform %s)",
         backend.name,

@@ -48,10 +48,12 @@ def ragged_paged_attention(
     kv_chunk: int = 64,
     block_q: int | None = None,
     causal: bool = True,
+    attend_until: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
-    As `reference.ragged_paged_attention` (``causal`` False: bidirectional).
+    As `reference.ragged_paged_attention` (``causal`` False: bidirectional;
+    ``attend_until``: each token's last key, for image tokens that attend both ways).
     ``kv_chunk`` (tokens, rounded to whole pages) is the context walked per step;
     ``block_q`` the query rows of a prefill tile (default 128; 32 for ``causal``
     False: an encoder's requests are short, and a tile never spans two of them).
@@ -68,15 +70,16 @@ def ragged_paged_attention(
     qg = qg.reshape(num_tokens, two_hkv // 2, group, head_dim)  # [T, Hkv, G, D]
     spec = dict(pages_per_chunk=pages_per_chunk, sliding_window=sliding_window, soft_cap=soft_cap)
     out = jnp.zeros((num_tokens + 1,) + qg.shape[1:], jnp.float32)  # row T: dropped writes
-    out = _last_tokens(out, qg, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, spec)
-    out = _earlier_tokens(
-        out, qg, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, spec, block_q, causal
-    )
+    ends = None if attend_until is None else jnp.append(attend_until, -1)  # row T: none
+    args = (qg, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, spec)
+    out = _last_tokens(out, *args, ends)
+    out = _earlier_tokens(out, *args, block_q, causal, ends)
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _last_tokens(out, qg, kv_cache, seq_lens, page_table, qsl, num_seqs, spec):
-    """One query row per request: its last new token. Writes them into ``out``."""
+def _last_tokens(out, qg, kv_cache, seq_lens, page_table, qsl, num_seqs, spec, ends=None):
+    """One query row per request: its last new token. Writes them into ``out``.
+    ``ends`` [T + 1]: each row's last key (`ragged_paged_attention`'s attend_until)."""
     num_tokens = qg.shape[0]
     num_reqs = seq_lens.shape[0]
     real = (jnp.arange(num_reqs) < num_seqs) & (qsl[1:] > qsl[:-1])  # [R]
@@ -86,12 +89,13 @@ def _last_tokens(out, qg, kv_cache, seq_lens, page_table, qsl, num_seqs, spec):
     # columns past a request's end read the null page (a cache hit), not cold memory
     col_start = jnp.arange(page_table.shape[1]) * kv_cache.shape[1]  # [M]
     pages = jnp.where(col_start[None, :] < seq_lens[:, None], page_table, 0)
-    o = _attend(q_rows, q_pos, kv_cache, pages, **spec)  # [R, 1, Hkv, G, D]
+    q_end = None if ends is None else jnp.where(real, ends[rows], -1)[:, None]
+    o = _attend(q_rows, q_pos, kv_cache, pages, q_end=q_end, **spec)  # [R, 1, Hkv, G, D]
     return out.at[rows].set(o[:, 0])
 
 
 def _earlier_tokens(
-    out, qg, kv_cache, seq_lens, page_table, qsl, num_seqs, spec, block_q, causal=True
+    out, qg, kv_cache, seq_lens, page_table, qsl, num_seqs, spec, block_q, causal=True, ends=None
 ):
     """The other new tokens of multi-token requests, in tiles of ``block_q`` rows
     (``causal`` False: each sees its request's every key, as its last token does)."""
@@ -99,9 +103,12 @@ def _earlier_tokens(
     block_q = max(1, min(block_q, num_tokens))
     num_tiles, tile_req, rows, q_pos = _tiles(seq_lens, qsl, num_seqs, num_tokens, block_q, causal)
 
+    q_end = q_pos if ends is None else jnp.where(q_pos >= 0, ends[rows], -1)
+
     def tile(i, out):
         q_rows = qg[jnp.minimum(rows[i], num_tokens - 1)][None]  # [1, B, Hkv, G, D]
-        o = _attend(q_rows, q_pos[i][None], kv_cache, page_table[tile_req[i]][None], **spec)
+        pages = page_table[tile_req[i]][None]
+        o = _attend(q_rows, q_pos[i][None], kv_cache, pages, q_end=q_end[i][None], **spec)
         return out.at[rows[i]].set(o[0])
 
     return jax.lax.fori_loop(0, num_tiles, tile, out)
@@ -132,9 +139,10 @@ def _tiles(seq_lens, qsl, num_seqs, num_tokens, block_q, causal):
     return tiles_end[-1], req, rows, jnp.where(ok, pos, -1)
 
 
-def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_cap):
+def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_cap, q_end=None):
     """Rows ``q`` [N, B, Hkv, G, D] (scaled, float32) at positions ``q_pos`` [N, B]
     (-1: padding) over the KV of page rows ``pages`` [N, M]; returns [N, B, Hkv, G, D].
+    ``q_end`` [N, B]: each row's last key (default its position).
 
     Walks context chunks from the earliest any row can see (its sliding window) to the
     last (the causal end); each chunk's pages are gathered once per page row.
@@ -142,7 +150,8 @@ def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_
     n, b, num_kv_heads, group, head_dim = q.shape
     chunk_len = pages_per_chunk * kv_cache.shape[1]
     valid = q_pos >= 0
-    last = jnp.max(q_pos)
+    q_end = q_pos if q_end is None else q_end
+    last = jnp.max(q_end)
     stop = (last + chunk_len) // chunk_len  # 0 when every row is padding
     start = 0
     if sliding_window is not None:
@@ -165,7 +174,7 @@ def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = c * chunk_len + jnp.arange(chunk_len)  # [L]
-        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [N, B, L]
+        mask = kv_pos[None, None, :] <= q_end[:, :, None]  # [N, B, L]
         if sliding_window is not None:
             mask &= q_pos[:, :, None] - kv_pos[None, None, :] < sliding_window
         mask = jnp.broadcast_to(mask[:, None, None], (n, 1, group, b, chunk_len))

@@ -56,12 +56,16 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     pages_per_chunk: int = 4,
     causal: bool = True,
+    attend_until: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
     ``sliding_window`` w keeps keys with ``q_pos - kv_pos < w``; ``soft_cap`` c maps
     scores to ``c * tanh(s / c)`` after scaling. ``causal`` False (an encoder): every
     token attends to all ``seq_lens[r]`` keys of its request, as if it were the last.
+    ``attend_until`` ``[T]`` (the tokens of an image that attend both ways, Gemma 3):
+    each token's last key position, at or after its own (which the step holds);
+    keys up to it are seen, the sliding window still counts from the token.
     Accumulates in float32; the output has ``q``'s dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -78,6 +82,7 @@ def ragged_paged_attention(
     req, q_pos, valid = _token_layout(query_start_loc, seq_lens, num_seqs, num_tokens)
     if not causal:
         q_pos = jnp.where(valid, seq_lens[req] - 1, -1)
+    q_end = q_pos if attend_until is None else jnp.where(valid, attend_until, -1)
     # float32 inputs get float32 dots, as in the kernels (XLA's default is TF32 on GPUs)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -98,7 +103,7 @@ def ragged_paged_attention(
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = c * chunk_len + jnp.arange(chunk_len)  # [L]
-        mask = kv_pos[None, :] <= q_pos[:, None]  # [T, L]
+        mask = kv_pos[None, :] <= q_end[:, None]  # [T, L]
         if sliding_window is not None:
             mask &= q_pos[:, None] - kv_pos[None, :] < sliding_window
         mask = mask[:, None, None, :]

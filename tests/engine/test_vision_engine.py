@@ -15,12 +15,11 @@ import io
 
 import numpy as np
 import pytest
-import torch
 import transformers
 from PIL import Image
 
 from jaxengine import LLM, SamplingParams
-from tests.models.hf_reference import reference_threads
+from tests.models.hf_reference import hf_greedy_images, reference_threads
 
 MAX_TOKENS = 6
 ENGINE = dict(
@@ -74,14 +73,8 @@ def reference(tiny_smolvlm):
     processor = transformers.AutoProcessor.from_pretrained(folder)
 
     def generate(text: str, images: list) -> tuple[list[int], list[float]]:
-        inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True)  # fmt: skip
-        tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item()
-                    for s, t in zip(out.scores, tokens, strict=True)]  # fmt: skip
-        return tokens, logprobs
+        tokens, rows = hf_greedy_images(model, processor, text, images, MAX_TOKENS)
+        return tokens, [row[t].item() for row, t in zip(rows, tokens, strict=True)]
 
     return generate
 

@@ -201,3 +201,21 @@ def lowers_for(fn, platform: str, *args) -> bool:
     module = lowered_module(fn, platform, *args)
     targets = ("tpu_custom_call",) if platform == "tpu" else TRITON_CALLS
     return any(target in module for target in targets)
+
+
+def image_spans(batch: Batch, seed: int) -> np.ndarray:
+    """``attend_until`` [T] for ``batch``: each token's own position, except in one run
+    of new tokens per request with at least two (an image that attends both ways),
+    where every token sees up to the run's last position; padding tokens get 0."""
+    rng = np.random.default_rng(seed)
+    qsl, seq_lens = batch.query_start_loc, batch.seq_lens
+    ends = np.zeros(batch.q.shape[0], np.int32)
+    for r in range(batch.num_seqs):
+        q_len = int(qsl[r + 1] - qsl[r])
+        pos = np.arange(seq_lens[r] - q_len, seq_lens[r], dtype=np.int32)
+        ends[qsl[r] : qsl[r + 1]] = pos
+        if q_len >= 2:
+            a = int(rng.integers(0, q_len - 1))
+            b = int(rng.integers(a + 1, q_len))
+            ends[qsl[r] + a : qsl[r] + b + 1] = pos[b]
+    return ends

@@ -20,7 +20,7 @@ from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention as reference_attention,
 )
-from tests.kernels.ragged_batches import Shape, build, check_kernel, shapes
+from tests.kernels.ragged_batches import Shape, build, check_kernel, image_spans, shapes
 
 DECODE = Shape(16, 2, 4, 128, (1,) * 5, (3, 17, 40, 64, 0), 2, 3, None, None)
 LONG_CHUNK = Shape(8, 1, 3, 64, (1, 2, 24), (9, 30, 70), 0, 0, None, 30.0)
@@ -105,6 +105,22 @@ def test_bidirectional_matches_reference(shape, seed):
     args = batch.args(jax.numpy.float32, None)
     want = reference_attention(*args, **batch.kwargs(), causal=False)
     got = kernel(*args, **batch.kwargs())
+    real = batch.num_real_tokens
+    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)
+
+
+@settings(max_examples=3, deadline=None)
+@given(shape=shapes(), seed=st.integers(0, 2**31 - 1), blocks=st.sampled_from(sorted(BLOCKS)))
+@example(shape=LONG_CHUNK, seed=7, blocks="small")
+@example(shape=WINDOWED, seed=8, blocks="default")
+def test_image_spans_match_reference(shape, seed, blocks):
+    """``attend_until``: a run of each request's new tokens sees up to its last."""
+    batch = build(shape, seed)
+    ends = jax.numpy.asarray(image_spans(batch, seed))
+    args = batch.args(jax.numpy.float32, None)
+    want = reference_attention(*args, **batch.kwargs(), attend_until=ends)
+    got = cpu.ragged_paged_attention(*args, **batch.kwargs(), attend_until=ends, **BLOCKS[blocks])
     real = batch.num_real_tokens
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
     np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
-from tests.kernels.ragged_batches import Shape, build, jitted_reference
+from tests.kernels.ragged_batches import Shape, build, image_spans, jitted_reference
 
 
-def dense_attention(q, k, v, q_pos, sm_scale, window, soft_cap):
-    """One request: q [Q, Hq, D], k/v [L, Hkv, D] -> [Q, Hq, D] in float64."""
+def dense_attention(q, k, v, q_pos, sm_scale, window, soft_cap, q_end=None):
+    """One request: q [Q, Hq, D], k/v [L, Hkv, D] -> [Q, Hq, D] in float64; ``q_end``:
+    each query's last key (default its position)."""
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
@@ -21,7 +23,7 @@ def dense_attention(q, k, v, q_pos, sm_scale, window, soft_cap):
     if soft_cap is not None:
         s = soft_cap * np.tanh(s / soft_cap)
     kv_pos = np.arange(k.shape[0])
-    mask = kv_pos[None, :] <= q_pos[:, None]
+    mask = kv_pos[None, :] <= (q_pos if q_end is None else q_end)[:, None]
     if window is not None:
         mask &= q_pos[:, None] - kv_pos[None, :] < window
     s = np.where(mask[None], s, -np.inf)
@@ -121,3 +123,25 @@ def test_float32_inputs_get_float32_dots():
     the TF32 that XLA's default precision gives on GPUs; bfloat16 keeps the default."""
     assert _dots("float32") == (2, 2)
     assert _dots("bfloat16") == (2, 0)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_image_spans_match_dense(window):
+    """``attend_until``: a run of new tokens (an image) sees up to the run's last key;
+    the sliding window still counts from each token."""
+    shape = Shape(4, 2, 2, 16, (11, 1, 6), (5, 9, 0), 1, 2, window, None)
+    batch = build(shape, seed=3)
+    ends = image_spans(batch, seed=3)
+    out = np.asarray(ragged_paged_attention(*batch.args(), **batch.kwargs(), attend_until=ends))
+    qsl, page = batch.query_start_loc, shape.page_size
+    widened = 0
+    for r in range(batch.num_seqs):
+        n = int(batch.seq_lens[r])
+        kv = batch.kv_cache[batch.page_table[r, : -(-n // page)]].reshape(-1, 4, 16)[:n]
+        rows = slice(qsl[r], qsl[r + 1])
+        q_pos = np.arange(n - (qsl[r + 1] - qsl[r]), n)
+        want = dense_attention(batch.q[rows].astype(np.float64), kv[:, 0::2], kv[:, 1::2],
+                               q_pos, batch.sm_scale, window, None, ends[rows])  # fmt: skip
+        np.testing.assert_allclose(out[rows], want, rtol=1e-5, atol=1e-5)
+        widened += int(np.sum(ends[rows] > q_pos))
+    assert widened > 0  # some tokens saw keys after their own

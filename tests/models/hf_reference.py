@@ -89,3 +89,17 @@ def hf_beam_search(model, prompt_ids, width, new_tokens, length_penalty, early_s
     for row in out.sequences[:, len(prompt_ids) :].tolist():
         beams.append(row[: row.index(eos) + 1] if eos in row else row)
     return beams, out.sequences_scores.tolist()
+
+
+def hf_greedy_images(model, processor, text: str, images: list, new_tokens: int, **kwargs):
+    """transformers' greedy tokens for a prompt with ``images`` (a vision-language model
+    and its processor; ``kwargs`` to the processor) and each step's log-softmax row:
+    ``(tokens, [V] float32 tensors)``."""
+    inputs = processor(
+        text=[text], images=[images] if images else None, return_tensors="pt", **kwargs
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, [torch.log_softmax(s[0].float(), -1) for s in out.scores]

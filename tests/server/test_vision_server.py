@@ -19,11 +19,10 @@ import threading
 import numpy as np
 import openai
 import pytest
-import torch
 import transformers
 from PIL import Image
 
-from tests.models.hf_reference import reference_threads
+from tests.models.hf_reference import hf_greedy_images, reference_threads
 from tests.server.conftest import API_KEY, start_server, stop_server
 
 MAX_TOKENS = 6
@@ -112,11 +111,8 @@ def reference(tiny_smolvlm):
         prompt = processor.apply_chat_template(
             [{"role": "user", "content": parts}], add_generation_prompt=True
         )
-        inputs = processor(text=[prompt], images=[images], return_tensors="pt",
-                           add_special_tokens=False)  # fmt: skip
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
+        kwargs = {"add_special_tokens": False}  # the template rendered them
+        return hf_greedy_images(model, processor, prompt, images, MAX_TOKENS, **kwargs)[0]
 
     return generate
 

@@ -55,3 +55,13 @@ def test_functions_match_their_names():
 def test_unknown_name_is_an_error():
     with pytest.raises(ValueError, match="--attention-backend 'flash'"):
         select_attention_backend("flash", "gpu")
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_images_both_ways_run_the_reference_where_kernels_cannot(platform, caplog):
+    """Gemma 3 with images (its image tokens attend both ways): the Pallas kernels
+    take no per-token key limit, so the reference runs, with a warning."""
+    backend = select_attention_backend("auto", platform, both_ways=True)
+    assert backend.name == "reference"
+    assert "no bidirectional image attention" in caplog.text
+    assert select_attention_backend("auto", "cpu", both_ways=True).name == "xla-cpu"

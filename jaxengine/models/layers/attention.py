@@ -68,6 +68,7 @@ class Attention(nn.Module):
             k, v = (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype)
             q = (q * k_scale).astype(q.dtype)  # q . k_true == (q * k_scale) . k_stored
         kv_cache = self.update_fn(kv_cache, k, v, md.slot_mapping)
+        both_ways = {} if md.attend_until is None else {"attend_until": md.attend_until}
         out = self.attention_fn(
             q,
             kv_cache,
@@ -78,6 +79,7 @@ class Attention(nn.Module):
             sm_scale=cfg.scale,
             sliding_window=self.spec.sliding_window,
             soft_cap=cfg.attn_logit_softcap,
+            **both_ways,
         )  # [T, Hq, D]
         if cfg.kv_cache_scales:  # p @ v_true == (p @ v_stored) * v_scale
             out = (out * v_scale).astype(out.dtype)

@@ -33,3 +33,6 @@ class AttentionMetadata:
     image_rows: jax.Array | None = None
     """[T] int32: the row of the step's image embeddings that is each token's input
     embedding (`runner.encoder`), -1 for a text token; None in a text-only model."""
+    attend_until: jax.Array | None = None
+    """[T] int32: each token's last key position (its own, or its image's last token
+    where an image's tokens attend both ways: Gemma 3); None: causal everywhere."""
