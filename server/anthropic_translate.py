@@ -22,8 +22,10 @@ sampling, tool calling and reasoning are chat's. The mapping:
   ``reasoning_effort``; ``max_tokens``, ``stop_sequences``, ``temperature``,
   ``top_p``, ``top_k``, ``metadata.user_id`` -> their chat fields.
 
-Everything that cannot be rendered or run (images, documents, server tools, unknown
-blocks) is an `APIError` (400) naming it and its place in the request.
+A user's ``image`` block (``source`` base64 or url) becomes chat's ``image_url`` part
+(a model that takes no images refuses it there). Everything that cannot be rendered
+or run (documents, server tools, unknown blocks) is an `APIError` (400) naming it and
+its place in the request.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from server.anthropic_protocol import (
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 
-NO_IMAGES = "image blocks are not supported: the engine has no image input yet (text only)"
+NO_IMAGES = "image blocks are only taken in user messages"
 NO_DOCUMENTS = (
     "document blocks (and their citations) are not supported: send the document's text "
     "in a text block"
@@ -162,6 +164,8 @@ def _user(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
         kind = _block_type(block, at)
         if kind == "text":
             parts.append(_text_part(block, at))
+        elif kind == "image":
+            parts.append(_image_part(block, at))
         elif kind == "tool_result":
             if parts:
                 out.append({"role": "user", "content": parts})
@@ -202,6 +206,22 @@ def _tool_message(block: dict[str, Any], at: str) -> dict[str, Any]:
     if block.get("is_error"):
         text = f"Error: {text}"
     return {"role": "tool", "tool_call_id": _string(block, "tool_use_id", at), "content": text}
+
+
+def _image_part(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An image block as chat's ``image_url`` part: base64 data as a data: URL."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media = _string(source, "media_type", f"{at}.source")
+        url = f"data:{media};base64,{_string(source, 'data', f'{at}.source')}"
+    elif kind == "url":
+        url = _string(source, "url", f"{at}.source")
+    else:
+        raise APIError(
+            f"{at}.source must be a base64 or url image source, got {kind!r}", param=_field(at)
+        )
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _refuse_block(kind: str, at: str, holder: str) -> None:

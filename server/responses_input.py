@@ -131,19 +131,32 @@ def _content(content: Any, where: str) -> str | list[dict[str, str]]:
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in MEDIA_PARTS:
+        if kind == "input_image":
+            parts.append(_image(part, where))
+        elif kind in MEDIA_PARTS:
             raise APIError(
-                f"{where}: {kind} content is not supported: the engine takes text input only "
-                "(no image, file or audio inputs yet)",
+                f"{where}: {kind} content is not supported (no file or audio inputs yet)",
                 param="input",
             )
-        if kind == "refusal":
+        elif kind == "refusal":
             parts.append({"type": "text", "text": part.get("refusal", "")})
         elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         else:
             raise APIError(f"{where}: content part type {kind!r} is not supported", param="input")
     return parts
+
+
+def _image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An ``input_image`` part (``image_url``: a URL or data: URL) as chat's part;
+    ``file_id`` images are refused (there is no files API)."""
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise APIError(
+            f"{where}: input_image needs an image_url (file_id images are not supported)",
+            param="input",
+        )
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], i: int) -> None:

@@ -154,7 +154,7 @@ def test_count_tokens_request_has_no_sampling_fields():
         (
             {"messages": [{"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
-            "no image input",
+            "only taken in user messages",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, "document"),
         ({"messages": [{"role": "user", "content": [{"type": "thinking"}]}]}, "'thinking'"),
@@ -436,3 +436,20 @@ def test_sse_format_and_error_event():
         "error": {"type": "overloaded_error", "message": "the engine is asleep"},
     }
     assert len(texts) == 2  # no message_stop, no [DONE]
+
+
+def test_user_image_blocks_become_chat_image_parts():
+    """base64 and url sources become image_url parts in place (a text-only model
+    refuses them in chat, before anything is fetched)."""
+    b64 = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "QUJD"}}
+    url = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    text = {"type": "text", "text": "compare"}
+    request = AnthropicMessagesRequest(
+        model="m", max_tokens=4, messages=[{"role": "user", "content": [b64, text, url]}]
+    )
+    parts = to_chat_request(request, False).messages[0]["content"]
+    assert parts == [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}},
+        {"type": "text", "text": "compare"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    ]

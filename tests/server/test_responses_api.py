@@ -233,7 +233,7 @@ REFUSED = [
     ({"max_tool_calls": 1}, "max_tool_calls"),
     ({"include": ["reasoning.encrypted_content"]}, "reasoning.encrypted_content"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input_image"),
+     "not a multimodal model"),
     ({"background": True, "stream": True}, "background"),
     ({"background": True, "store": False}, "store"),
 ]  # fmt: skip

@@ -141,7 +141,7 @@ def test_items_become_messages():
 @pytest.mark.parametrize(
     "items, needle",
     [
-        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input_image"),
+        ([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}], "input_file"),
         ([{"type": "item_reference", "id": "msg_1"}], "item_reference"),
         ([{"role": "critic", "content": "x"}], "critic"),
         ([{"type": "function_call", "name": "f", "arguments": "{}"}], "call_id"),
@@ -154,9 +154,17 @@ def test_bad_items_are_400(items, needle):
     assert needle in info.value.message
 
 
-def test_image_input_says_text_only():
-    with pytest.raises(APIError, match="text input only"):
-        input_messages([{"role": "user", "content": [{"type": "input_image"}]}])
+def test_input_images_become_chat_image_parts():
+    """An input_image's image_url becomes chat's image_url part, in place; one given by
+    file_id is refused (there is no files API)."""
+    content = [
+        {"type": "input_text", "text": "what is"},
+        {"type": "input_image", "image_url": "data:x"},
+    ]
+    (message,) = input_messages([{"role": "user", "content": content}])
+    assert message["content"][1] == {"type": "image_url", "image_url": {"url": "data:x"}}
+    with pytest.raises(APIError, match="file_id images are not supported"):
+        input_messages([{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}])
 
 
 def test_tools_and_tool_choice():
