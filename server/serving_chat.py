@@ -22,6 +22,7 @@ as ``response_format`` does (`server/structured.py`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -145,7 +146,10 @@ class ChatHandler:
             ctx.default_sampling,
             {"structured_outputs": self._constraint(request, choice)},
         )
-        prepared = ctx.prepare([prompt], params, lora)
+        if "multi_modal_data" in prompt:  # the image processor's work: off the event loop
+            prepared = await asyncio.to_thread(ctx.prepare, [prompt], params, lora)
+        else:
+            prepared = ctx.prepare([prompt], params, lora)
         request_id = request.request_id or R.random_id("chatcmpl")
         ctx.log_request(request_id, prepared)
         streams = serving_beam.streams(ctx, request, request_id, prepared)
