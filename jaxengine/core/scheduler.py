@@ -209,6 +209,8 @@ class Scheduler:
         )
 
     def reset_prefix_cache(self) -> bool:
+        if self.encoder is not None:  # (sleep drops the rows too: `runner.sleep`)
+            self.encoder.cache.reset()
         return self.kv.reset_prefix_cache()
 
     # ---- one step ------------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from jaxengine.core.sched_output import RunnerOutput, SchedulerOutput
+from jaxengine.runner.encoder_weights import apply_encoder_tensors, split_encoder_tensors
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.runner.pending import PendingStep
 from jaxengine.runner.sleep import SleepMode, runner_parts
@@ -67,14 +71,22 @@ class LocalExecutor:
 
     def update_weights(self, weights) -> int:
         """Writes ``(hf_name, array)`` pairs into the runner's parameters, all or
-        nothing (`runner.weights`); the number of leaves changed."""
+        nothing (`runner.weights`; an image encoder's tensors into its own,
+        `runner.encoder_weights`); the number of leaves changed."""
         layout = self.runner.weights
         if layout is None:
             raise NotImplementedError("update_weights is not supported for this model")
         if self.sleep_mode.asleep("weights"):
             raise RuntimeError("the weights are asleep: wake_up(tags=['weights']) first")
-        plan = plan_update(layout, weights)
+        encoder, pairs = self.runner.encoder, weights
+        if encoder is not None:  # its tensors are checked before any is written
+            module = encoder.encoder.module
+            mine, pairs = split_encoder_tensors(module, encoder.params, _pairs(weights))
+        plan = plan_update(layout, pairs)
         self.runner.params = apply_update(self.runner.params, plan, layout)
+        if encoder is not None:
+            encoder.params = apply_encoder_tensors(encoder.params, mine)
+            return len(plan) + len(mine)
         return len(plan)
 
     def check_health(self) -> None:
@@ -89,3 +101,7 @@ class LocalExecutor:
         if not self.closed:
             self.closed = True
             self.runner.release()
+
+
+def _pairs(weights: Any) -> list[tuple[str, Any]]:
+    return list(weights.items() if isinstance(weights, Mapping) else weights)

@@ -167,9 +167,14 @@ def _zeros(specs: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[jax.Array, ...]:
 
 
 def runner_parts(runner: Any) -> list[Part]:
-    """What sleep mode frees of a `ModelRunner`: its weights and KV caches, and its
-    draft model's (speculative decoding with a draft model or an EAGLE head)."""
+    """What sleep mode frees of a `ModelRunner`: its weights and KV caches, its draft
+    model's (speculative decoding with a draft model or an EAGLE head), and its image
+    encoder's weights and embedding rows (which the scheduler forgets at sleep, as it
+    forgets cached prefixes)."""
     parts = [Part(runner, "params", "weights"), Part(runner, "kv_caches", "kv_cache")]
+    encoder = getattr(runner, "encoder", None)
+    if encoder is not None:
+        parts += [Part(encoder, "params", "weights"), Part(encoder, "images", "kv_cache")]
     proposer = runner.proposer
     if hasattr(proposer, "params") and hasattr(proposer, "caches"):
         parts += [Part(proposer, "params", "weights"), Part(proposer, "caches", "kv_cache")]

@@ -49,7 +49,7 @@ def make_step(module: Any, logits_sharding: Any = None, with_logits: bool = True
     ``md.image_rows`` point into.
     """
 
-    def step(params, kv_caches, buffers, fed_ids, images, spec):
+    def step(params, kv_caches, buffers, fed_ids, images=None, spec=None):
         token_ids, positions, md, logits_indices, feed_rows = unpack_tree(buffers, spec)
         token_ids = fed_token_ids(token_ids, feed_rows, fed_ids)
         args = (token_ids, positions, kv_caches, md)

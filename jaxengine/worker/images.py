@@ -7,10 +7,10 @@ import dataclasses
 from typing import Any
 
 from jaxengine.config import EngineConfig
-from jaxengine.loader import LoadedModel, checkpoint_tensors
+from jaxengine.loader import LoadedModel, checkpoint_tensors, is_torch
 from jaxengine.loader.encoder_params import dummy_module_params, load_module_params
 from jaxengine.models import image_encoder
-from jaxengine.multimodal.processor import ImageProcessor
+from jaxengine.multimodal.processor import ImageProcessor, is_multimodal
 from jaxengine.runner.encoder import EncoderRunner
 
 
@@ -25,9 +25,9 @@ def load_images(config: EngineConfig, loaded: LoadedModel) -> ImageParts | None:
     """The processor, encoder and encoder parameters of a model that takes images
     (None for a text-only one), after refusing what images do not run with yet. The
     encoder's tensors are read in a second pass over the checkpoint."""
-    encoder = image_encoder(loaded.hf_config, loaded.config.dtype)
-    if encoder is None:
+    if is_torch(loaded) or not is_multimodal(loaded.hf_config):
         return None
+    encoder = image_encoder(loaded.hf_config, loaded.config.dtype)
     if config.parallel_config.pipeline_parallel_size > 1:
         raise NotImplementedError("images with --pipeline-parallel-size > 1 are not supported yet")
     if config.speculative_config.num_speculative_tokens:

@@ -11,10 +11,12 @@ and the encoder cache; nothing compiles after warm-up.
 from __future__ import annotations
 
 import base64
+import copy
 import io
 
 import numpy as np
 import pytest
+import torch
 import transformers
 from PIL import Image
 
@@ -31,6 +33,7 @@ ENGINE = dict(
     swap_space=0,
     enable_prefix_caching=True,
     max_logprobs=1,
+    enable_sleep_mode=True,
 )
 
 
@@ -130,6 +133,45 @@ def test_an_image_is_encoded_once_across_chunks(smolvlm):
     smolvlm.generate([_input(text, [_image(40, 64, 7), _image(64, 40, 8)])],
                      SamplingParams(max_tokens=1))  # fmt: skip
     assert (cache.queries - queries, cache.hits - hits) == (2, 0)
+
+
+def test_sleep_drops_the_encoded_images(smolvlm, reference):
+    """Sleep frees the encoder's weights and rows with the rest; after waking, an image
+    encoded before is encoded again (the cache forgot it) and the outputs hold."""
+    prompt = (_chat("Once more: <image>"), [SMALL])
+    _greedy(smolvlm, [prompt])
+    smolvlm.sleep(level=1)
+    smolvlm.wake_up()
+    cache = smolvlm.engine.scheduler.encoder.cache
+    hits = cache.hits
+    _check(_greedy(smolvlm, [prompt]), [prompt], reference)
+    assert cache.hits == hits
+
+
+def test_update_weights_writes_the_encoder_too(smolvlm, tiny_smolvlm):
+    """RL weight updates reach the image encoder (its projection halved): the engine
+    then answers as transformers does with the same change; a misshapen encoder
+    tensor changes nothing."""
+    from jaxengine.loader.errors import CheckpointError
+
+    folder, model = tiny_smolvlm
+    name = "model.connector.modality_projection.proj.weight"
+    original = model.state_dict()[name].clone()
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.state_dict()[name].mul_(0.5)
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    prompt = (_chat("Describe <image>"), [WIDE])
+    before = list(_greedy(smolvlm, [prompt])[0].outputs[0].token_ids)
+    with pytest.raises(CheckpointError, match=name):
+        smolvlm.update_weights({name: original[:, :3]})
+    try:
+        smolvlm.update_weights({name: changed.state_dict()[name]})
+        want, _ = hf_greedy_images(changed, processor, *prompt, MAX_TOKENS)
+        assert want != before  # the change shows in transformers' tokens
+        assert list(_greedy(smolvlm, [prompt])[0].outputs[0].token_ids) == want
+    finally:
+        smolvlm.update_weights({name: original})
 
 
 def test_chat_with_image_parts_is_the_rendered_prompt(smolvlm, tiny_smolvlm):
