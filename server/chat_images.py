@@ -15,6 +15,7 @@ from typing import Any
 
 from PIL import Image
 
+from jaxengine.multimodal import chat as multimodal_chat
 from jaxengine.multimodal.media import MediaError, MediaSettings, load_image
 from server.errors import APIError
 
@@ -31,15 +32,12 @@ NOT_HERE = (
 
 
 def part_url(part: dict[str, Any]) -> str:
-    """The URL of an ``image_url`` part; 400 for a part without one."""
-    value = part.get(IMAGE_PART)
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url:
-        raise APIError(
-            'an image_url part needs "image_url": {"url": "..."} (or the URL as a string)',
-            param="messages",
-        )
-    return url
+    """The URL of an ``image_url`` part (`multimodal.chat.part_url`); 400 for a part
+    without one."""
+    try:
+        return multimodal_chat.part_url(part)
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
 
 
 def image_urls(messages: Sequence[Any]) -> list[str]:

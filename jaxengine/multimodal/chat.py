@@ -18,6 +18,18 @@ def has_images(conversation: list[dict]) -> bool:
     )
 
 
+def part_url(part: dict[str, Any]) -> str:
+    """The URL of an ``image_url`` part (``{"url": ...}`` or the URL as a string);
+    ValueError for a part without one."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ValueError(
+            'an image_url part needs "image_url": {"url": "..."} (or the URL as a string)'
+        )
+    return url
+
+
 def conversation_images(conversation: list[dict], settings: Any) -> tuple[list[dict], list]:
     """(the messages with each image part as ``{"type": "image"}``, the images in
     order); `media.MediaError` (a ValueError) names a URL that cannot be loaded."""
@@ -35,10 +47,7 @@ def conversation_images(conversation: list[dict], settings: Any) -> tuple[list[d
             if kind == "image_pil":
                 images.append(part["image_pil"])
             elif kind == "image_url":
-                url = part["image_url"]
-                images.append(
-                    load_image(url.get("url") if isinstance(url, dict) else url, settings)
-                )
+                images.append(load_image(part_url(part), settings))
             else:
                 parts.append(part)
                 continue
