@@ -135,6 +135,7 @@ class EngineArgs:
     convert: ConvertType = _default("convert")
     task: TaskOption | None = _default("task")
     pooler_config: dict | None = _default("pooler_config")
+    logits_processors: list[str | type] | None = _default("logits_processors")
     # LoadConfig
     load_format: LoadFormat = _default("load_format")
     download_dir: str | None = _default("download_dir")
@@ -374,6 +375,7 @@ def _flag_kwargs(cls: type, name: str) -> dict[str, Any]:
     list_member = next((a for a in members if typing.get_origin(a) is list), None)
     if list_member is not None:
         (item_type,) = typing.get_args(list_member)
+        item_type = union_args(item_type)[0]  # list[str | type]: the flag gives strings
         return {**kwargs, "nargs": "+", "type": _checked(cls, name, item_type, True)}
     if members == [dict] or typing.get_origin(members[0]) is dict:
         return {**kwargs, "type": parse_json_flag, "metavar": "JSON"}

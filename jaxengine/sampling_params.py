@@ -138,7 +138,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """If given, only these token ids may be sampled."""
     extra_args: dict[str, Any] | None = None
-    """Arbitrary extra arguments for custom extensions; jaxengine ignores them."""
+    """Arbitrary extra arguments for custom extensions: the engine's custom logits
+    processors (``--logits-processors``) read theirs here (the server's vllm_xargs)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """Cumulative, delta or final-only streamed outputs."""
     structured_outputs: StructuredOutputsParams | None = None

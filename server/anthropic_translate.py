@@ -15,9 +15,11 @@ sampling, tool calling and reasoning are chat's. The mapping:
   "none", ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``. ``any`` and
   ``tool`` are constrained by structured outputs, as in chat.
 - ``thinking`` enabled or adaptive needs the server's reasoning parser; it sets
-  the template's ``enable_thinking`` (disabled clears it). The engine has no thinking
-  budget: ``budget_tokens`` is checked (positive, below ``max_tokens``), and the
-  reasoning counts towards ``max_tokens``, the hard limit.
+  the template's ``enable_thinking`` (disabled clears it). Enabled's ``budget_tokens``
+  is checked as Anthropic checks it (at least 1024, below ``max_tokens``) and becomes
+  chat's ``thinking_token_budget``: the engine forces the end of reasoning after that
+  many reasoning tokens (`jaxengine.reasoning.budget`; a parser without a single end
+  token refuses it). The reasoning counts towards ``max_tokens``, the hard limit.
 - ``output_config.format`` -> ``response_format`` (a JSON schema), ``effort`` ->
   ``reasoning_effort``; ``max_tokens``, ``stop_sequences``, ``temperature``,
   ``top_p``, ``top_k``, ``metadata.user_id`` -> their chat fields.
@@ -51,6 +53,7 @@ CLIENT_TOOL_KEYS = frozenset(
 )
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 FORCED_CHOICES = ("any", "tool")
+MIN_BUDGET_TOKENS = 1024  # Anthropic's smallest thinking budget
 
 
 def to_chat_request(
@@ -77,8 +80,9 @@ def to_chat_request(
 
 
 def sampling_fields(request: AnthropicMessagesRequest) -> dict[str, Any]:
-    """The sampling and streaming fields; a stream asks chat for usage on every chunk
-    (the input tokens of ``message_start``, the final usage of ``message_delta``)."""
+    """The sampling, streaming and thinking-budget fields; a stream asks chat for usage
+    on every chunk (the input tokens of ``message_start``, the final usage of
+    ``message_delta``)."""
     fields: dict[str, Any] = {
         "max_tokens": request.max_tokens,
         "stop": request.stop_sequences,
@@ -89,6 +93,8 @@ def sampling_fields(request: AnthropicMessagesRequest) -> dict[str, Any]:
     }
     if request.stream:
         fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    if request.thinking is not None and request.thinking.type == "enabled":
+        fields["thinking_token_budget"] = request.thinking.budget_tokens  # checked
     if request.metadata is not None and request.metadata.user_id is not None:
         fields["user"] = request.metadata.user_id
     return fields
@@ -339,7 +345,16 @@ def thinking_kwargs(request: AnthropicCountTokensRequest, reasoning: bool) -> di
 
 
 def _check_budget(budget: int | None, max_tokens: int | None) -> None:
-    if budget is None or budget < 1:
-        raise APIError("thinking.budget_tokens must be a positive integer", param="thinking")
+    """Anthropic's rules: a budget of at least `MIN_BUDGET_TOKENS`, below ``max_tokens``."""
+    if budget is None:
+        raise APIError("thinking.enabled.budget_tokens: Field required", param="thinking")
+    if budget < MIN_BUDGET_TOKENS:
+        raise APIError(
+            "thinking.enabled.budget_tokens: Input should be greater than or equal to "
+            f"{MIN_BUDGET_TOKENS}",
+            param="thinking",
+        )
     if max_tokens is not None and budget >= max_tokens:
-        raise APIError("max_tokens must be greater than thinking.budget_tokens", param="thinking")
+        raise APIError(
+            "`max_tokens` must be greater than `thinking.budget_tokens`", param="thinking"
+        )

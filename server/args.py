@@ -210,13 +210,6 @@ def _add_tool_args(add: Any) -> None:
         help='leave the tools out of the prompt of a request with tool_choice "none"',
     )
     add(
-        "--logits-processors",
-        nargs="+",
-        default=None,
-        help="vLLM's custom logits-processor classes (qualified names): not supported yet "
-        "(refused at start-up); per-request logits_processors callables work offline",
-    )
-    add(
         "--tool-server",
         default=None,
         help="vLLM's built-in tools (demo) or MCP tool servers (host:port,...) for "
@@ -316,16 +309,10 @@ def check_server_args(args: argparse.Namespace) -> None:
 
 
 def check_http_and_logging_args(args: argparse.Namespace) -> None:
-    """ValueError for ``--logits-processors`` (no custom processor classes yet),
-    ``--tool-server`` (no built-in or MCP tools yet),
+    """ValueError for ``--tool-server`` (no built-in or MCP tools yet),
     ``--enable-log-outputs`` without ``--enable-log-requests`` (as vLLM),
     ``--enable-ssl-refresh`` without a key and certificate to reload, and an h11 limit
     below 1."""
-    if getattr(args, "logits_processors", None):
-        raise ValueError(
-            f"--logits-processors {' '.join(args.logits_processors)} is not supported yet: "
-            "the engine runs no custom logits-processor classes in its compiled sampler"
-        )
     if getattr(args, "tool_server", None):
         raise ValueError(
             f"--tool-server {args.tool_server} is not supported yet: jaxengine has no "

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from jaxengine.reasoning.budget import THINKING_TOKEN_BUDGET
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 from server.unsupported_fields import CHAT_REFUSED, Refusal, RefusingModel
 
@@ -112,10 +113,15 @@ class SamplingFields(OpenAIModel, RefusingModel):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     """transformers' (and vLLM v0's) stopping rule for beam search."""
+    vllm_xargs: dict[str, Any] | None = None
+    """Arguments of the engine's custom logits processors (``--logits-processors``):
+    the request's `SamplingParams.extra_args`."""
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    """vLLM's thinking budget: after this many reasoning tokens the reasoning parser's
+    end token is forced (`jaxengine.reasoning.budget`); ``extra_args`` carry it."""
     # refused unless left at their defaults (server/unsupported_fields.py)
     best_of: int | None = None
     logits_processors: list[Any] | None = None
-    vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -196,6 +202,7 @@ class SamplingFields(OpenAIModel, RefusingModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias=_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
+            extra_args=_extra_args(self.vllm_xargs, self.thinking_token_budget),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
         return SamplingParams.from_optional(**{**fields, **chosen, **(extra or {})})
@@ -312,6 +319,14 @@ class ErrorResponse(BaseModel):
     """OpenAI's error body."""
 
     error: ErrorInfo
+
+
+def _extra_args(xargs: dict[str, Any] | None, budget: int | None) -> dict[str, Any] | None:
+    """``vllm_xargs`` with the top-level ``thinking_token_budget`` (which wins)."""
+    extra = dict(xargs or {})
+    if budget is not None:
+        extra[THINKING_TOKEN_BUDGET] = budget
+    return extra or None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -52,9 +52,6 @@ REFUSED: dict[str, Refusal] = {
         "best_of different from n is not supported",
     ),
     "logits_processors": Refusal(_given, "per-request logits processors are not supported"),
-    "vllm_xargs": Refusal(
-        _given, "vllm_xargs (arguments of custom logits processors) are not supported"
-    ),
     "kv_transfer_params": Refusal(
         _given, "KV-cache transfer (disaggregated prefill) is not supported"
     ),

@@ -184,3 +184,47 @@ def _redrawn(model_class, config) -> transformers.PreTrainedModel:
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     return model
+
+
+QWEN2_5_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def save_tiny_qwen2_5_vl(folder: Path, tokenizer) -> transformers.PreTrainedModel:
+    """A random Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): a 2-layer tower of
+    8-pixel patches (2 x 2 merged into a token; 32-pixel windows, so an image of more
+    than 2 x 2 tokens has several; block 1 attends fully), a 2-layer Qwen2 decoder with
+    M-RoPE, SmolLM2's tokenizer with Qwen's vision tokens and a chat template that
+    renders an image part as ``<|vision_start|><|image_pad|><|vision_end|>``, and the
+    PIL image processor (images of 256 to 4096 pixels: 1 to 16 tokens); saved in
+    ``folder``. transformers' processor cannot be saved without torchvision: the
+    folder holds its parts, as `jaxengine.multimodal.qwen2_5_vl.load_processor`
+    reads them. Every weight is drawn at std 0.2."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN2_5_VL_TOKENS)})
+    tokenizer.chat_template = vision_chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    tokenizer.save_pretrained(folder)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in QWEN2_5_VL_TOKENS]
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                  patch_size=8, temporal_patch_size=2, spatial_merge_size=2, window_size=32,
+                  fullatt_block_indexes=[1])  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, rope_parameters=rope,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=vision, text_config=text, vision_start_token_id=ids[0],
+        vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = _redrawn(transformers.Qwen2_5_VLForConditionalGeneration, config)
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(
+        patch_size=8, temporal_patch_size=2, merge_size=2, min_pixels=256, max_pixels=4096
+    ).save_pretrained(folder)
+    return model

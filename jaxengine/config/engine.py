@@ -94,6 +94,12 @@ class EngineConfig:
             "speculative decoding is not supported with pipeline parallelism yet "
             f"(--pipeline-parallel-size {parallel.pipeline_parallel_size})",
         )
+        require(
+            not self.model_config.logits_processors,
+            "logits_processors",
+            "custom logits processors are not supported with speculative decoding "
+            "(--speculative-config), as in vLLM",
+        )
         k = self.speculative_config.num_speculative_tokens
         require(
             sched.num_lookahead_slots in (0, k),

@@ -194,6 +194,13 @@ class ModelConfig:
     """What logprobs and prompt_logprobs return. "raw" is before any logits
     processing (temperature, penalties, top-k/top-p); "processed" is after all of
     it; "logits" returns logits instead of log probabilities."""
+    logits_processors: list[str | type] | None = None
+    """One or more logits processors' fully-qualified class names (pkg.mod:Class or
+    pkg.mod.Class) or class definitions. Each must subclass
+    jaxengine.logits_processor.LogitsProcessor: it sees every request (a request opts
+    in through SamplingParams.extra_args, the server's vllm_xargs) and its apply runs
+    in JAX inside the compiled sampler; any other class (vLLM's torch processors) is
+    refused at start-up. Not with speculative decoding or a pooling model (as vLLM)."""
 
     def __post_init__(self) -> None:
         validate_config(self)

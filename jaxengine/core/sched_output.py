@@ -59,6 +59,9 @@ class NewRequestData:
     images: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Its images (a vision-language model): ``(key, prompt positions)`` each; the
     positions take the rows of that key's latest `EncoderInput` as embeddings."""
+    image_grids: tuple[tuple[int, int, int], ...] = ()
+    """An M-RoPE model's (Qwen2.5-VL): each image's tokens as (frames, rows, columns),
+    in `images`' order, which place its decoder positions; empty elsewhere."""
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ def step_output(
                     req.eos_token_id,
                     req.lora_request,
                     tuple(item.placement() for item in req.mm_items),
+                    tuple(item.grid for item in req.mm_items if item.grid is not None),
                 )
             )
         else:

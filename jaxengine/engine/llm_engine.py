@@ -30,9 +30,11 @@ from jaxengine.engine.rollout import RolloutControl
 from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.abstract import StepResult
 from jaxengine.inputs import PreparedPrompt
+from jaxengine.logits_processor import resolve_logits_processors, validate_request
 from jaxengine.multimodal.processor import prompt_images
 from jaxengine.outputs import RequestOutput
 from jaxengine.pooling_params import PoolingParams, plain_token_ids
+from jaxengine.reasoning.budget import budget_support, requested_budget
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.structured_output import make_manager
 
@@ -84,6 +86,13 @@ class LLMEngine:
         self._shut_down = False
         self.rollout = RolloutControl([self], self._checkpoint_tensors)
         """Sleep mode and weight updates (RL rollouts: `engine.rollout`)."""
+        self.logits_processors = resolve_logits_processors(
+            self.config.model_config.logits_processors
+        )
+        """The custom logits processors' classes: their ``validate_params`` (the
+        runners hold the instances)."""
+        self.thinking_budget = budget_support(self.config, self.tokenizer, self.pooler is not None)
+        """Whether requests may name a ``thinking_token_budget`` (`reasoning.budget`)."""
         if warmup and not self.config.model_config.enforce_eager:
             self.executor.warmup()
 
@@ -279,21 +288,27 @@ class LLMEngine:
                 child_params.n = 1
                 if params.seed is not None:
                     child_params.seed = params.seed + index
-            self.scheduler.add_request(
-                Request(
-                    child,
-                    ids,
-                    child_params,
-                    priority=priority,
-                    eos_token_id=self.eos_token_id,
-                    lora_request=lora,
-                    mm_items=prepared.mm_items,
-                )
+            request = Request(
+                child,
+                ids,
+                child_params,
+                priority=priority,
+                eos_token_id=self.eos_token_id,
+                lora_request=lora,
+                mm_items=prepared.mm_items,
             )
+            # custom logits processors may read every request's outputs on the host, the
+            # thinking budget those of the requests that name one
+            request.needs_known_outputs |= bool(self.logits_processors) or (
+                requested_budget(params) is not None
+            )
+            self.scheduler.add_request(request)
 
     def _prepare_params(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
         params = params.clone()
         params.verify_against(self.config.model_config.max_logprobs, self.vocab_size)
+        validate_request(self.logits_processors, params)
+        self.thinking_budget.check(params)
         if params.structured_outputs is not None:
             if self.structured_outputs is None:
                 raise ValueError(

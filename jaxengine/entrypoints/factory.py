@@ -8,7 +8,8 @@ nodes), `run-batch` (`async_engine_from_args`) and a headless data-parallel node
 
 - `engine_config`: `EngineArgs` -> `EngineConfig` on this process's JAX backend,
   its defaults fitted to the model (a pooling model's: `worker.pooling.is_pooling_model`).
-  `EngineArgs.create_engine_config` runs once.
+  `EngineArgs.create_engine_config` runs once. ``--logits-processors`` classes are
+  imported and checked here, before any model loads.
 - `build_engine`: an `LLMEngine`, or a `DataParallelEngine` with
   ``data_parallel_size`` > 1 (both are `engine.protocol.Engine`s).
 - `async_engine`: the server's `EngineClient` over it: an `AsyncLLM`, or a
@@ -27,6 +28,7 @@ from jaxengine.engine_args import EngineArgs
 from jaxengine.entrypoints.async_llm import AsyncLLM
 from jaxengine.entrypoints.client import EngineClient, StatLogger
 from jaxengine.entrypoints.dp_async_llm import DPAsyncLLM
+from jaxengine.logits_processor import resolve_logits_processors
 
 if TYPE_CHECKING:
     from jaxengine.entrypoints.dp_head import DPHead
@@ -41,6 +43,7 @@ def engine_config(args: EngineArgs) -> EngineConfig:
 
     from jaxengine.worker.pooling import is_pooling_model
 
+    resolve_logits_processors(args.logits_processors)  # a bad class: refused at start-up
     return args.create_engine_config(jax.default_backend(), pooling=is_pooling_model(args))
 
 

@@ -27,6 +27,7 @@ _ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "Idefics3ForConditionalGeneration": "idefics3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "BertModel": "bert",
     "BertForSequenceClassification": "bert",
 }
@@ -42,6 +43,7 @@ _MODEL_TYPES: dict[str, str] = {
     "bert": "BertModel",
     "idefics3": "Idefics3ForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 
 

@@ -25,6 +25,9 @@ class ImageItem:
     inputs: dict[str, np.ndarray]
     """The processor's arrays for this image alone (e.g. ``pixel_values``)."""
     units: int
+    grid: tuple[int, int, int] | None = None
+    """Its decoder tokens as (frames, rows, columns) in an M-RoPE model (Qwen2.5-VL:
+    their 3-D positions); None elsewhere."""
 
     @property
     def start(self) -> int:

@@ -4,7 +4,9 @@
 ``processor_config.json``, ``preprocessor_config.json`` and tokenizer) and calls it
 on the prompt and its images, so resizing, tiling, normalisation and the expansion of
 each image's placeholder are the model's own. Each family's module here splits the
-processor's batch-of-one output per image (`idefics3.split`).
+processor's batch-of-one output per image (`idefics3.split`); a family whose
+processor ``AutoProcessor`` cannot build here has its own ``load_processor``
+(`qwen2_5_vl`: no torchvision).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jaxengine.multimodal.items import ImageItem, image_key, to_pil
 _FAMILIES = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 """Vision-language architectures -> their host module in this package."""
 
@@ -51,8 +54,11 @@ class ImageProcessor:
     def from_folder(cls, folder: str, hf_config: Any, defaults: dict | None = None):
         import transformers
 
+        load = getattr(
+            _family(hf_config), "load_processor", transformers.AutoProcessor.from_pretrained
+        )
         try:
-            processor = transformers.AutoProcessor.from_pretrained(str(folder))
+            processor = load(str(folder))
         except Exception as e:  # noqa: BLE001 - any failure means no usable processor
             raise ValueError(f"{folder}: cannot load the model's image processor: {e}") from e
         return cls(processor, hf_config, defaults)

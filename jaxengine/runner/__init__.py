@@ -10,4 +10,7 @@ Modules (imported on demand; importing this package pulls in nothing, not even j
   masks, biases and bans, penalties, temperature, min-p, top-k and top-p, draws each
   row with its own key, and returns token ids and requested logprobs;
   `prompt_logprobs()` scores prompt tokens.
+- `logits_processors`: host side, numpy only. `ProcessorBatch`: the engine's custom
+  logits processors (``--logits-processors``), the batch updates they see each step
+  and their fixed-shape states, which `sample` hands to their traced ``apply``.
 """

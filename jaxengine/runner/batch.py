@@ -29,6 +29,7 @@ class SeqChunk:
     num_logits: int = 1  # logits rows: its last tokens' (1 + proposals when speculating)
     image_rows: Sequence[int] | None = None  # per token: its image embedding row, or -1
     attend_until: Sequence[int] | None = None  # per token: its last key (None: itself)
+    mrope_positions: np.ndarray | None = None  # [3, n]: M-RoPE rows (None: as text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +48,13 @@ class PackedBatch:
     lora_slots: np.ndarray  # [T] int32: each token's adapter slot (0: none, and padding)
     image_rows: np.ndarray | None = None  # [T] int32: image embedding row or -1 (images)
     attend_until: np.ndarray | None = None  # [T] int32: last key position (Gemma 3 images)
+    mrope_positions: np.ndarray | None = None  # [3, T] int32: M-RoPE rows (Qwen2.5-VL)
 
     def metadata_fields(self) -> dict[str, np.ndarray]:
         """The fields of `AttentionMetadata`, by name (``image_rows`` only in a
         vision-language model's batches)."""
         names = ("seq_lens", "query_start_loc", "page_table", "slot_mapping", "num_seqs")
-        names += ("lora_slots", "image_rows", "attend_until")
+        names += ("lora_slots", "image_rows", "attend_until", "mrope_positions")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
@@ -86,11 +88,14 @@ def pack_batch(
     num_logits: int | None = None,
     images: bool = False,
     both_ways: bool = False,
+    mrope: bool = False,
 ) -> PackedBatch:
     """Flattens ``chunks`` into arrays padded to ``num_tokens`` and ``num_reqs``;
     the logits rows (``num_logits``, default ``num_reqs``) follow the chunks' order;
     ``images``: with ``image_rows`` (every batch of a vision-language model), and
-    ``both_ways`` ``attend_until`` (one whose image tokens attend both ways). Raises
+    ``both_ways`` ``attend_until`` (one whose image tokens attend both ways);
+    ``mrope``: with ``mrope_positions`` (an M-RoPE model's: a chunk's own, else every
+    row its ``positions``). Raises
     ValueError when the chunks do not fit the bucket or a request's pages do not
     cover its tokens."""
     num_logits = num_reqs if num_logits is None else num_logits
@@ -131,8 +136,20 @@ def pack_batch(
         logits_indices=logits_indices,
         feed_rows=np.full(num_tokens, -1, np.int32),
         lora_slots=lora_slots,
-        image_rows=_per_token(chunks, "image_rows", np.full(num_tokens, -1, np.int32), images),
+        **_image_fields(chunks, positions, images, both_ways, mrope),
+    )
+
+
+def _image_fields(chunks, positions: np.ndarray, images: bool, both_ways: bool, mrope: bool):
+    """The per-token fields of a vision-language model's batch (`pack_batch`)."""
+    return dict(
+        image_rows=_per_token(chunks, "image_rows", np.full(len(positions), -1, np.int32), images),
         attend_until=_per_token(chunks, "attend_until", positions.copy(), both_ways),
+        mrope_positions=(
+            _per_token(chunks, "mrope_positions", np.tile(positions, (3, 1)), True)
+            if mrope
+            else None
+        ),
     )
 
 
@@ -145,6 +162,6 @@ def _per_token(chunks: Sequence[SeqChunk], name: str, base: np.ndarray, wanted: 
     for chunk in chunks:
         n, values = len(chunk.token_ids), getattr(chunk, name)
         if values is not None:
-            base[start : start + n] = values
+            base[..., start : start + n] = values
         start += n
     return base

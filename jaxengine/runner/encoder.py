@@ -48,6 +48,8 @@ class EncoderRunner:
         image's tokens attend to each other both ways (Gemma 3: `chunk_fields`)."""
         self.encoder = encoder
         self.both_ways = both_ways
+        self.mrope = bool(getattr(encoder, "mrope", False))
+        """The decoder takes M-RoPE positions (Qwen2.5-VL): every batch carries them."""
         self.num_rows = num_rows
         self.store = store
         self.unit_buckets = default_token_buckets(max_units)
@@ -90,12 +92,17 @@ class EncoderRunner:
         out_rows[: len(rows)] = rows
         return padded, out_rows
 
-    def chunk_fields(self, images: Sequence[tuple], start: int, n: int) -> dict:
+    def chunk_fields(
+        self, images: Sequence[tuple], start: int, n: int, grids: Sequence[tuple] = ()
+    ) -> dict:
         """A request chunk's image fields (`batch.SeqChunk`) for positions ``[start,
-        start + n)``: ``image_rows``, and with ``both_ways`` ``attend_until`` (each
+        start + n)``: ``image_rows``, with ``both_ways`` ``attend_until`` (each
         image token sees up to its image's last token, which the scheduler keeps in
-        the same chunk)."""
+        the same chunk), and with an M-RoPE model's ``grids`` (the images' token
+        grids) ``mrope_positions``."""
         fields = {"image_rows": self.image_rows(images, start, n)}
+        if self.mrope and grids:
+            fields["mrope_positions"] = self.encoder.mrope_positions(images, grids, start, n)
         if self.both_ways and fields["image_rows"] is not None:
             ends = np.arange(start, start + n, dtype=np.int32)
             for _, positions in images:

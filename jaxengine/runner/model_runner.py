@@ -280,7 +280,7 @@ class ModelRunner:
             fed_ids = self.no_feed if feed is None else feed.ids
             # dispatch every micro-batch's forward and sampling before reading any
             # result, so pipeline stages work on different micro-batches at once
-            launched = [self._launch(g, chunks, sampling, fed, fed_ids) for g in groups]
+            launched = [self._launch(g, chunks, sampling, fed, fed_ids, order) for g in groups]
             if len(launched) == 1:
                 part = launched[0]
                 pairs = zip(part.rows, part.group, strict=True)
@@ -310,7 +310,9 @@ class ModelRunner:
             if slot:
                 chunk = dataclasses.replace(chunk, lora_slot=slot)
             if state.images:
-                fields = self.encoder.chunk_fields(state.images, chunk.num_computed, n)
+                fields = self.encoder.chunk_fields(
+                    state.images, chunk.num_computed, n, state.image_grids
+                )
                 chunk = dataclasses.replace(chunk, **fields)
             row = None
             if drafts and len(chunk.token_ids) == n:
@@ -404,9 +406,12 @@ class ModelRunner:
             num_logits=bucket.num_logits,
             images=self.encoder is not None,
             both_ways=self.encoder is not None and self.encoder.both_ways,
+            mrope=self.encoder is not None and self.encoder.mrope,
         )
 
-    def _launch(self, group: list[int], chunks: list[SeqChunk], sampling: list, fed: list, fed_ids):
+    def _launch(
+        self, group: list[int], chunks: list[SeqChunk], sampling: list, fed: list, fed_ids, order
+    ):
         """Packs, runs and samples one micro-batch without waiting for it."""
         mine = [chunks[i] for i in group]
         bucket = self.buckets.select(sum(len(c.token_ids) for c in mine), len(mine))
@@ -421,10 +426,11 @@ class ModelRunner:
         logits, hidden, self.kv_caches = self.program.step(
             self.params, self.kv_caches, batch, fed_ids, **self._images()
         )
-        rows = []
+        rows, ids = [], []
         for c, i in zip(mine, group, strict=True):
             rows += sampling[i] or [None] * c.num_logits
-        result = None if logits is None else self._sample(bucket, logits, rows)
+            ids += [order[i]] * c.num_logits
+        result = None if logits is None else self._sample(bucket, logits, rows, ids)
         return Launched(group, bucket, hidden, result, starts)
 
     def _calibrate_kv_scales(self, chunks: list[SeqChunk]) -> None:
@@ -438,7 +444,7 @@ class ModelRunner:
         logger.info("KV cache scales calculated from the first batch (%d tokens)",
                     sum(len(c.token_ids) for c in chunks))  # fmt: skip
 
-    def _sample(self, bucket: Bucket, logits, rows: list):
+    def _sample(self, bucket: Bucket, logits, rows: list, ids: list[str]):
         settings = self.settings
         batch = SamplingBatch(
             rows, bucket.num_logits, settings.vocab_size, eos_token_id=settings.eos_token_id
@@ -449,7 +455,11 @@ class ModelRunner:
         if batch.any_logits_processors:
             host = apply_logits_processors(np.asarray(logits), batch.rows)
             logits = self.sampler.to_device(host)
-        result = self.sampler.sample(logits, batch.to_metadata(flags), flags)
+        metadata = batch.to_metadata(flags)
+        if self.sampler.processors:  # custom logits processors: each row's request
+            states = self.sampler.processors.step(ids, rows, bucket.num_logits)
+            metadata = metadata._replace(processor_states=states)
+        result = self.sampler.sample(logits, metadata, flags)
         return result.token_ids, result.logprobs
 
     # ------------------------------------------------------------------ lifetime
@@ -464,6 +474,7 @@ class ModelRunner:
         self.compiles.close()
         self.guard.close()
         self.table.clear()
+        self.sampler.processors.clear()
         self._feed = None
         if self.proposer is not None:
             self.proposer.release()

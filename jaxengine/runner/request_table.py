@@ -34,6 +34,7 @@ class RequestState:
     num_computed: int = 0
     lora_request: Any = None  # its `LoRARequest`, None for the base model
     images: tuple = ()  # its images' ``(key, prompt positions)`` (`runner.encoder`)
+    image_grids: tuple = ()  # an M-RoPE model's: its images' token grids (`runner.encoder`)
 
     @property
     def output_ids(self) -> list[int]:
@@ -70,6 +71,7 @@ class RequestTable:
                 num_computed=new.num_computed_tokens,
                 lora_request=new.lora_request,
                 images=new.images,
+                image_grids=new.image_grids,
             )
             self._set_pages(state, new.block_ids, append=False)
             self.requests[new.req_id] = state

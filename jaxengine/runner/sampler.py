@@ -8,13 +8,15 @@
    log_softmax of the raw logits, saved before anything else touches them;
 2. allowed_token_ids: every token outside a row's allow-list -> -inf;
 3. biases and bans: `logit_bias` values added, bad words and (below `min_tokens`)
-   EOS / stop token ids -> -inf;
+   EOS / stop token ids -> -inf; then the custom logits processors that are not
+   argmax invariant (``--logits-processors``, `jaxengine.logits_processor`);
 4. penalties: repetition (tokens seen in prompt or output: positive logits divided
    by the penalty, negative ones multiplied), then frequency (minus freq * count in
    the output) and presence (minus pres * [count > 0]);
 5. greedy rows: argmax of the logits after steps 2-4;
 6. random rows: divide by temperature, min-p (drop tokens whose probability is below
-   min_p * the top probability), top-k (keep the k largest, ties included), top-p
+   min_p * the top probability), the argmax-invariant custom processors (an
+   all-greedy variant compiles none), top-k (keep the k largest, ties included), top-p
    (keep the smallest top set whose probability, renormalised after top-k, reaches
    p), then a Gumbel-max draw with the row's own key: argmax(logits + Gumbel noise)
    is an exact sample of softmax(logits);
@@ -30,7 +32,8 @@ rows the filter uses `lax.top_k(logits, filter_width)` instead of a full sort.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,13 +108,28 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return logits - md.presence_penalty[:, None] * (out_counts > 0)
 
 
-def process_logits(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags) -> jax.Array:
-    """Steps 2-4 (allow-list, biases and bans, penalties); what greedy rows argmax."""
+def apply_processors(
+    logits: jax.Array, md: SamplingMetadata, processors: Sequence[Any], invariant: bool
+) -> jax.Array:
+    """The custom processors whose ``is_argmax_invariant()`` is ``invariant``, in their
+    order, each with its own state from the metadata."""
+    for proc, state in zip(processors, md.processor_states, strict=True):
+        if bool(proc.is_argmax_invariant()) == invariant:
+            logits = jnp.asarray(proc.apply(logits, state), jnp.float32)  # [R, V]
+    return logits
+
+
+def process_logits(
+    logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags, processors: Sequence[Any] = ()
+) -> jax.Array:
+    """Steps 2-4 (allow-list, biases and bans, processors that may move the argmax,
+    penalties); what greedy rows argmax."""
     logits = jnp.asarray(logits, jnp.float32)  # [R, V]
     if flags.allowed_width:
         logits = apply_allowed(logits, md)
     if flags.bias_width:
         logits = apply_bias(logits, md)
+    logits = apply_processors(logits, md, processors, invariant=False)
     if flags.penalty_width:
         logits = apply_penalties(logits, md)
     return logits
@@ -147,11 +165,15 @@ def apply_top_k_top_p(
     return jnp.where(logits < threshold, _NEG_INF, logits)
 
 
-def filter_logits(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags) -> jax.Array:
-    """Step 6 before the draw: temperature, min-p, top-k, top-p (random rows)."""
+def filter_logits(
+    logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags, processors: Sequence[Any] = ()
+) -> jax.Array:
+    """Step 6 before the draw: temperature, min-p, the argmax-invariant processors,
+    top-k, top-p (random rows)."""
     temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)  # [R]
     logits = logits / temperature[:, None]  # [R, V]
     logits = apply_min_p(logits, md.min_p)
+    logits = apply_processors(logits, md, processors, invariant=True)
     if flags.filter_width:
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p, flags.filter_width)
     return logits
@@ -175,18 +197,26 @@ def gumbel_noise(md: SamplingMetadata, vocab_size: int) -> jax.Array:
 # ---------------------------------------------------------------------- sampling
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, *, flags: SamplerFlags) -> SamplerOutput:
-    """Samples one token per row of `logits [R, V]`; `flags` must be static."""
+def sample(
+    logits: jax.Array,
+    md: SamplingMetadata,
+    *,
+    flags: SamplerFlags,
+    processors: Sequence[Any] = (),
+) -> SamplerOutput:
+    """Samples one token per row of `logits [R, V]`; `flags` must be static, and
+    ``processors`` (custom logits processors, one state each in
+    ``md.processor_states``) are fixed for the compiled function."""
     logits = jnp.asarray(logits, jnp.float32)  # [R, V]
     if flags.token_bitmask:
         logits = apply_token_bitmask(logits, md.token_bitmask)
     raw = logits
-    logits = process_logits(logits, md, flags)  # [R, V]
+    logits = process_logits(logits, md, flags, processors)  # [R, V]
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R]
     if flags.all_greedy:
         token_ids, final = greedy_ids, logits
     else:
-        filtered = filter_logits(logits, md, flags)  # [R, V]
+        filtered = filter_logits(logits, md, flags, processors)  # [R, V]
         drawn = jnp.argmax(filtered + gumbel_noise(md, logits.shape[-1]), axis=-1)  # [R]
         is_greedy = md.temperature == 0  # [R]
         token_ids = jnp.where(is_greedy, greedy_ids, drawn.astype(jnp.int32))

@@ -5,7 +5,11 @@ compiled program. `SamplerFunctions` fixes the variants an engine precompiles (s
 batch mixing any requests runs one of them and compiles nothing), keeps their
 executables (through the `ExecutableStore`, when there is one, so a restart loads them
 without tracing), runs them, and puts host logits back where the step leaves them (the
-logits-processor path).
+host logits-processor path). The engine's custom logits processors
+(``--logits-processors``) are traced into every variant; their states are sized by
+the row count, so they add no variant. Their code is the user's, outside what the
+`ExecutableStore` hashes, so an engine with processors stores no sampler executables
+(the built-in thinking-budget processor, `reasoning.budget_processor`, is hashed).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.runner.executables import compile_ahead
+from jaxengine.runner.logits_processors import ProcessorBatch
 from jaxengine.runner.sampling_metadata import (
     SamplerFlags,
     SamplingBatch,
@@ -52,13 +57,16 @@ class SamplerFunctions:
         max_num_seqs: int,
         logits_sharding: Sharding | None,
         store: ExecutableStore | None = None,
+        processors: ProcessorBatch | None = None,
     ) -> None:
         """The sampled ids come back padded to ``max_num_seqs`` (a next step can read
-        them on device whatever the batch size: async scheduling)."""
+        them on device whatever the batch size: async scheduling). ``processors``:
+        the custom logits processors (`runner.logits_processors`), or None."""
         self.vocab_size = vocab_size
         self.logits_sharding = logits_sharding
-        self.store = store
-        self._sampler = make_sampler(max_num_seqs, logits_sharding)
+        self.processors = processors or ProcessorBatch(())
+        self.store = None if self.processors.custom else store
+        self._sampler = make_sampler(max_num_seqs, logits_sharding, self.processors.processors)
         self._compiled: dict[tuple, Any] = {}  # (metadata spec, flags) -> executable
         self.variants = sampler_variants(vocab_size, max_logprobs, logprobs_mode, max_model_len)
 
@@ -78,6 +86,7 @@ class SamplerFunctions:
     def warm(self, num_reqs: int, flags: SamplerFlags) -> None:
         """Compiles (or loads) the variant ``flags`` for ``num_reqs`` rows."""
         metadata = SamplingBatch([], num_reqs, self.vocab_size).to_metadata(flags)
+        metadata = metadata._replace(processor_states=self.processors.template(num_reqs))
         buffers, spec = pack_tree(metadata)
         logits = jax.ShapeDtypeStruct((num_reqs, self.vocab_size), jnp.float32)
         if self.logits_sharding is not None:

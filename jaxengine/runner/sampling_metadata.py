@@ -38,7 +38,10 @@ Design choices:
   for penalties) capped by the vocabulary (by the context length for penalties).
 
 Host-side `logits_processors` (user callables) run in `apply_logits_processors`
-on numpy logits; the runner calls it before `sample()` only when a row has any.
+on numpy logits; the runner calls it before `sample()` only when a row has any. The
+engine's custom processors (``--logits-processors``) run inside the compiled sampler
+instead: their states join the metadata as `processor_states`
+(`runner.logits_processors`).
 
 numpy only: no jax import.
 """
@@ -177,6 +180,7 @@ class SamplingMetadata(NamedTuple):
     has_allowed: np.ndarray  # [R] bool
     token_bitmask: np.ndarray  # [R, W] i32, W = ceil(V / 32) (0 without the flag), -1 = all
     logprob_ids: np.ndarray  # [R, Kl] i32, -1 pad
+    processor_states: tuple = ()  # each custom logits processor's state (`ProcessorBatch`)
 
 
 @dataclass(frozen=True)

@@ -87,13 +87,14 @@ def make_kv_calibration(module: Any):
     return jax.jit(fn, static_argnames=("spec",))
 
 
-def make_sampler(num_slots: int, ids_sharding: Any = None):
+def make_sampler(num_slots: int, ids_sharding: Any = None, processors: tuple = ()):
     """``sampler(logits[R, V], buffers, spec, flags)`` -> `SamplerOutput` whose
     ``token_ids`` are padded to ``num_slots`` (the shape a next step's ``fed_ids``
-    has, whatever R), placed by ``ids_sharding``."""
+    has, whatever R), placed by ``ids_sharding``. ``processors``: the engine's custom
+    logits processors, traced into every variant (`jaxengine.logits_processor`)."""
 
     def run(logits, buffers, spec, flags):
-        out = sample(logits, unpack_tree(buffers, spec), flags=flags)
+        out = sample(logits, unpack_tree(buffers, spec), flags=flags, processors=processors)
         ids = jnp.zeros(num_slots, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
         if ids_sharding is not None:
             ids = jax.lax.with_sharding_constraint(ids, ids_sharding)

@@ -22,14 +22,18 @@ from jaxengine.config import EngineConfig
 from jaxengine.core.limits import SchedulerLimits
 from jaxengine.loader import LoadedModel, is_torch
 from jaxengine.loader.hf_config import load_generation_config
+from jaxengine.logits_processor import resolve_logits_processors
 from jaxengine.lora.store import AdapterStore
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.lora import target_shapes
+from jaxengine.reasoning.budget import budget_support
+from jaxengine.reasoning.budget_processor import ThinkingTokenBudgetProcessor
 from jaxengine.runner.attention_backend import AttentionBackend
 from jaxengine.runner.buckets import default_token_buckets
 from jaxengine.runner.executables import ExecutableStore
 from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, cache_dtype, plan_kv_cache
+from jaxengine.runner.logits_processors import ProcessorBatch
 from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
 from jaxengine.runner.pooler import PoolerSettings
@@ -263,6 +267,23 @@ def _runner_settings(config, model, kv_size, limits, dtype, heads, eos, pooler) 
     )
 
 
+def logits_processors(
+    config: EngineConfig, pooler: PoolerSettings | None, sharding: Any, tokenizer: Any = None
+) -> ProcessorBatch | None:
+    """The custom logits processors (``--logits-processors``), each class imported by
+    its name in this process and instantiated once, then the built-in thinking-budget
+    processor where the reasoning parser has one end token (`reasoning.budget`); None
+    without any."""
+    classes = resolve_logits_processors(config.model_config.logits_processors)
+    if classes and pooler is not None:
+        raise ValueError("Pooling models do not support custom logits processors.")
+    processors = [cls(config, sharding, False) for cls in classes]
+    markers = budget_support(config, tokenizer, pooling=pooler is not None).markers
+    if markers is not None:
+        processors.append(ThinkingTokenBudgetProcessor(config, sharding, False, markers))
+    return ProcessorBatch(processors) if processors else None
+
+
 def build_worker(
     config: EngineConfig, devices: Sequence[Any] | None = None
 ) -> tuple[ModelRunner, HostParts]:
@@ -290,6 +311,7 @@ def build_worker(
         max_num_seqs=settings.num_sample_slots,
         logits_sharding=program.logits_sharding,
         store=store,
+        processors=logits_processors(config, pooler, program.logits_sharding, tokenizer),
     )
     proposer = make_proposer(config, draft, settings, loaded)
     encoder = None

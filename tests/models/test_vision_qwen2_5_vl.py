@@ -8,7 +8,8 @@ images in one call padded to `NUM_PATCHES` rows (one compiled program for every 
 here) and must equal transformers' ``get_image_features`` and each image run alone.
 The host-side layout is checked against transformers' window index on more grids
 (video-like ``t = 2`` too), and the prompt's M-RoPE positions and their rotation
-against ``get_rope_index``, the decode-time positions and ``apply_rotary_pos_emb``.
+against ``get_rope_index`` (whole and by chunks, as the engine's steps ask them), the
+decode-time positions and ``apply_rotary_pos_emb``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from jaxengine.loader.encoder_params import load_module_params
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.models.layers.config import RopeSpec
+from jaxengine.models.layers.rope import apply_mrope
 from jaxengine.models.vision import qwen2_5_vl_inputs as host
-from jaxengine.models.vision.qwen2_5_vl import (
-    Qwen2_5_VisionTransformer,
-    apply_mrope,
-    example_inputs,
-)
+from jaxengine.models.vision.qwen2_5_vl import Qwen2_5_VisionTransformer, example_inputs
 from tests.models.hf_reference import reference_threads
 
 VISION = dict(
@@ -199,6 +197,11 @@ def test_mrope_positions_match_get_rope_index(hf_model, images):
         inputs_embeds=torch.zeros(1, 2, TEXT["hidden_size"]), attention_mask=None, cache=Cache(),
     )  # fmt: skip  # the next two tokens after the prompt
     np.testing.assert_array_equal(host.mrope_continuation(len(ids), 2, delta), decode[:, 0])
+    firsts = np.flatnonzero(np.diff(ids == IMAGE_TOKEN, prepend=0) == 1).tolist()
+    images = list(zip(firsts, host.token_grid(grid, VISION["spatial_merge_size"]), strict=True))
+    chunks = [host.mrope_chunk(a, b - a, images) for a, b in ((0, 9), (9, 30), (30, len(ids) + 2))]
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1)[:, : len(ids)], ours)
+    np.testing.assert_array_equal(chunks[-1][:, -2:], decode[:, 0])  # chunks, then decode
 
 
 def test_mrope_rotation_matches_transformers(hf_model, images):
@@ -214,7 +217,7 @@ def test_mrope_rotation_matches_transformers(hf_model, images):
     section = host.mrope_section(text_config)
     assert section == (2, 3, 3)
     x = jnp.asarray(q[0].transpose(0, 1).numpy())  # [T, H, D]
-    ours = apply_mrope(x, jnp.asarray(positions), RopeSpec(theta=10000.0), section)
+    ours = apply_mrope(x, jnp.asarray(positions), RopeSpec(theta=10000.0, mrope_section=section))
     np.testing.assert_allclose(ours, ref[0].transpose(0, 1).numpy(), rtol=0, atol=1e-5)
 
 

@@ -123,7 +123,8 @@ def test_prefill_stream_thinking_and_output_config():
     request = messages_request(
         messages=[*USER, {"role": "assistant", "content": "The answer is"}],
         stream=True,
-        thinking={"type": "enabled", "budget_tokens": 8},
+        max_tokens=4096,
+        thinking={"type": "enabled", "budget_tokens": 2048},
         output_config={
             "effort": "low",
             "format": {"type": "json_schema", "schema": {"type": "object"}},
@@ -134,10 +135,15 @@ def test_prefill_stream_thinking_and_output_config():
     assert chat.continue_final_message and not chat.add_generation_prompt
     assert chat.stream_options.include_usage and chat.stream_options.continuous_usage_stats
     assert chat.chat_template_kwargs == {"enable_thinking": True, "custom": 1}
+    assert chat.thinking_token_budget == 2048  # enforced by the engine
+    assert chat.sampling_params(4096, None, {}).extra_args == {"thinking_token_budget": 2048}
     assert chat.reasoning_effort == "low"
     assert chat.response_format.json_schema.json_schema == {"type": "object"}
     disabled = messages_request(thinking={"type": "disabled"})
     assert to_chat_request(disabled, False).chat_template_kwargs == {"enable_thinking": False}
+    assert to_chat_request(disabled, False).thinking_token_budget is None
+    adaptive = to_chat_request(messages_request(thinking={"type": "adaptive"}), True)
+    assert adaptive.thinking_token_budget is None  # no budget: the model decides
 
 
 def test_count_tokens_request_has_no_sampling_fields():
@@ -180,8 +186,16 @@ def test_refused_content_names_it(fields, words):
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"thinking": {"type": "enabled", "budget_tokens": 16}}, "greater than"),
-        ({"thinking": {"type": "enabled"}}, "budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 16}}, "greater than or equal to 1024"),
+        (
+            {"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1023}},
+            "greater than or equal to 1024",
+        ),
+        (
+            {"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 2048}},
+            "`max_tokens` must be greater than `thinking.budget_tokens`",
+        ),
+        ({"thinking": {"type": "enabled"}}, "budget_tokens: Field required"),
         (
             {"thinking": {"type": "adaptive"}, "tools": [WEATHER], "tool_choice": {"type": "any"}},
             'tool_choice "any"',
@@ -189,8 +203,21 @@ def test_refused_content_names_it(fields, words):
     ],
 )
 def test_thinking_limits(fields, words):
-    with pytest.raises(APIError, match=words):
+    with pytest.raises(APIError) as info:
         to_chat_request(messages_request(**fields), reasoning=True)
+    assert words in info.value.message and info.value.param == "thinking"
+
+
+def test_count_tokens_checks_the_budget_and_carries_none():
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    request = AnthropicCountTokensRequest(model="m", messages=USER, thinking=thinking)
+    chat = to_chat_request(request, reasoning=True)
+    assert chat.thinking_token_budget is None and chat.chat_template_kwargs
+    small = AnthropicCountTokensRequest(
+        model="m", messages=USER, thinking={**thinking, "budget_tokens": 8}
+    )
+    with pytest.raises(APIError, match="greater than or equal to 1024"):
+        to_chat_request(small, reasoning=True)
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,10 @@ HEAVY = ("jax", "jaxlib", "flax", "torch")
         "jaxengine.multimodal.processor",
         "jaxengine.multimodal.media",
         "jaxengine.multimodal.chat",
+        "jaxengine.logits_processor",
+        "jaxengine.runner.logits_processors",
+        "jaxengine.reasoning",
+        "jaxengine.reasoning.budget",
     ],
 )
 def test_import_leaves_jax_out(module):

@@ -51,6 +51,8 @@ VALID_FLAGS = [
     (["--chat-template", "{{ messages }}"], "chat_template", "{{ messages }}"),
     (["--disable-sliding-window"], "disable_sliding_window", True),
     (["--logprobs-mode", "processed_logits"], "logprobs_mode", "processed_logits"),
+    (["--logits-processors", "pkg.mod:Cls", "pkg.mod.Other"], "logits_processors",
+     ["pkg.mod:Cls", "pkg.mod.Other"]),
     (["--runner", "pooling"], "runner", "pooling"),
     (["--convert", "embed"], "convert", "embed"),
     (["--task", "score"], "task", "score"),

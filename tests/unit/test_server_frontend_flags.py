@@ -70,10 +70,6 @@ def test_boolean_flags_have_no_forms(flag, dest):
             "--tool-server demo is not supported yet: jaxengine has no built-in tools",
         ),
         (["--tool-server", "localhost:8001"], "--tool-server localhost:8001 is not supported"),
-        (
-            ["--logits-processors", "pkg.mod:Cls"],
-            "--logits-processors pkg.mod:Cls is not supported yet",
-        ),
         (["--enable-log-outputs"], "--enable-log-outputs requires --enable-log-requests"),
         (
             ["--enable-ssl-refresh"],

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxengine.models.layers.basic import Linear, RMSNorm
 from jaxengine.models.layers.config import LayerSpec, TransformerConfig
 from jaxengine.models.layers.metadata import AttentionMetadata
-from jaxengine.models.layers.rope import apply_rope
+from jaxengine.models.layers.rope import apply_mrope, apply_rope
 from pallas_kernels.kv_cache_update import reference as kv_update
 from pallas_kernels.ragged_paged_attention import reference
 
@@ -57,8 +57,7 @@ class Attention(nn.Module):
             norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
             q = RMSNorm(**norm, axis_name="head_dim", name="q_norm")(q)
             k = RMSNorm(**norm, axis_name="head_dim", name="k_norm")(k)
-        q = apply_rope(q, positions, self.spec.rope)
-        k = apply_rope(k, positions, self.spec.rope)
+        q, k = _rope(q, k, positions, self.spec, md)
 
         if cfg.kv_cache_scales:  # the cache holds k / k_scale and v / v_scale
             if self.is_mutable_collection("intermediates"):  # --calculate-kv-scales' pass
@@ -94,6 +93,14 @@ class Attention(nn.Module):
             weight_dtype=cfg.matmul_dtype,
         )
         return o_proj(out.reshape(num_tokens, hq * d), md.lora_slots), kv_cache
+
+
+def _rope(q, k, positions, spec: LayerSpec, md: AttentionMetadata) -> tuple[jax.Array, ...]:
+    """q and k rotated by ``positions [T]``, or by an M-RoPE model's
+    ``md.mrope_positions [3, T]`` (without them, as text: every row ``positions``)."""
+    if spec.rope.mrope_section is None or md.mrope_positions is None:
+        return apply_rope(q, positions, spec.rope), apply_rope(k, positions, spec.rope)
+    return tuple(apply_mrope(x, md.mrope_positions, spec.rope) for x in (q, k))
 
 
 def _kv_amax(k: jax.Array, v: jax.Array, md: AttentionMetadata) -> jax.Array:

@@ -37,6 +37,9 @@ class RopeSpec:
     """yarn: scale of cos/sin; None derives 0.1 * ln(factor) + 1."""
     partial_rotary_factor: float = 1.0
     """Fraction of head_dim that rotates."""
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2.5-VL): how the ``head_dim / 2`` frequencies split over the
+    (temporal, height, width) position rows (`rope.apply_mrope`); None: 1-D positions."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +162,8 @@ def rope_from_hf(hf_config: Any, layer_type: str | None = None) -> RopeSpec:
     rope_type = params.get("rope_type", params.get("type", "default"))
     known = {f.name for f in dataclasses.fields(RopeSpec)}
     kwargs = {k: v for k, v in params.items() if k in known and v is not None}
+    if "mrope_section" in kwargs:  # a list in the config; the spec is hashable
+        kwargs["mrope_section"] = tuple(kwargs["mrope_section"])
     kwargs["theta"] = float(params.get("rope_theta", 10000.0))
     kwargs["rope_type"] = rope_type
     partial = getattr(hf_config, "partial_rotary_factor", None)

@@ -36,3 +36,6 @@ class AttentionMetadata:
     attend_until: jax.Array | None = None
     """[T] int32: each token's last key position (its own, or its image's last token
     where an image's tokens attend both ways: Gemma 3); None: causal everywhere."""
+    mrope_positions: jax.Array | None = None
+    """[3, T] int32: each token's (temporal, height, width) rotary positions in an
+    M-RoPE model (Qwen2.5-VL: `layers.rope.apply_mrope`); None: ``positions`` rotate."""

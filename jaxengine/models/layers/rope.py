@@ -93,15 +93,38 @@ def apply_rope(
     spec: RopeSpec,
 ) -> jax.Array:
     """Rotates the first ``rot_dim`` features of each head by its position."""
-    head_dim = x.shape[-1]
-    inv_freq, scale = inv_freq_and_scale(spec, head_dim)
-    rot_dim = 2 * inv_freq.shape[0]
+    inv_freq, scale = inv_freq_and_scale(spec, x.shape[-1])
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return _rotate(x, angles, scale)
+
+
+def apply_mrope(
+    x: jax.Array,  # [T, H, D]
+    positions: jax.Array,  # [3, T] int: (temporal, height, width) rows
+    spec: RopeSpec,
+) -> jax.Array:
+    """M-RoPE (Qwen2.5-VL): frequency ``j`` rotates by the position row of its section
+    of ``spec.mrope_section`` (sections cycle t, h, w), as transformers'
+    ``Qwen2_5_VLRotaryEmbedding`` with ``apply_rotary_pos_emb``. Equal rows give the
+    1-D rope of ``spec``."""
+    inv_freq, scale = inv_freq_and_scale(spec, x.shape[-1])
+    section = spec.mrope_section
+    if sum(section) != inv_freq.shape[0]:
+        raise ValueError(f"mrope_section {section} must sum to {inv_freq.shape[0]} (rot_dim / 2)")
+    rows = np.repeat(np.arange(len(section)) % 3, section)  # [rot/2]: row of each frequency
+    angles = positions.astype(jnp.float32)[rows].T * jnp.asarray(inv_freq)  # [T, rot/2]
+    return _rotate(x, angles, scale)
+
+
+def _rotate(x: jax.Array, angles: jax.Array, scale: float) -> jax.Array:
+    """Rotate-half of the first ``2 * angles.shape[-1]`` features of ``x [T, H, D]`` by
+    ``angles [T, rot/2]``, in float32; the rest pass through. ``x``'s dtype."""
+    rot_dim = 2 * angles.shape[-1]
     cos = (jnp.cos(angles) * scale)[:, None, :]  # [T, 1, rot/2]
     sin = (jnp.sin(angles) * scale)[:, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : rot_dim // 2], xf[..., rot_dim // 2 : rot_dim]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    if rot_dim < head_dim:
+    if rot_dim < x.shape[-1]:
         rotated = jnp.concatenate([rotated, xf[..., rot_dim:]], axis=-1)
     return rotated.astype(x.dtype)

@@ -11,7 +11,9 @@ by `loader.encoder_params`) and configs as frozen dataclasses (``from_hf``):
   pixel shuffle, ``modality_projection``).
 - `gemma3`: Gemma 3 (average pooling to ``mm_tokens_per_image``, soft-embedding
   RMSNorm, ``mm_input_projection_weight``).
+- `qwen2_5_vl`: Qwen2.5-VL (patch rows of any image shape, window and full attention
+  by segment masks, 2-D rotary, patch merger); `qwen2_5_vl_inputs` is its host side
+  (window layout, the decoder's M-RoPE positions; no jax).
 
-Other towers (Qwen2.5-VL) live beside them, one file per family. Nothing here
-imports the engine; the engine's image path calls these modules.
+Nothing here imports the engine; the engine's image path calls these modules.
 """

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL: the vision tower (pixels -> decoder tokens) and the decoder's M-RoPE.
+"""Qwen2.5-VL: the vision tower (pixels -> decoder tokens).
 
 The tower (`Qwen2_5_VisionTransformer`) takes the processor's ``pixel_values`` rows,
 zero-padded to ``N``, and a `qwen2_5_vl_inputs.VisionLayout` built on the host:
@@ -19,8 +19,8 @@ split_tokens`), then padding rows to ignore. Attention is dense over ``N`` (scor
 ``[heads, N, N]``): the reference, fine for a few thousand patches; a segment-aware
 flash kernel is the step for large images.
 
-`apply_mrope` rotates the decoder's q/k by 3-row positions (`qwen2_5_vl_inputs.
-mrope_positions`): frequency ``j`` takes its angle from row ``section(j) % 3``.
+The decoder's M-RoPE is `layers.rope.apply_mrope`, over the 3-row positions of
+`qwen2_5_vl_inputs.mrope_chunk`.
 
 Parameters keep the checkpoint's names and layouts: ``model.visual.blocks.3.attn.qkv.
 weight`` (or ``visual.blocks...`` in older checkpoints) is ``blocks_3/attn/qkv/weight``,
@@ -40,8 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.models.layers.basic import Linear, RMSNorm, activation
-from jaxengine.models.layers.config import RopeSpec
-from jaxengine.models.layers.rope import inv_freq_and_scale
 from jaxengine.models.vision.qwen2_5_vl_inputs import (
     Qwen2_5_VisionConfig,
     VisionLayout,
@@ -74,23 +72,6 @@ def vision_rope_angles(rope_hw: jax.Array, head_dim: int, theta: float) -> jax.A
     inv_freq = (1.0 / theta ** (np.arange(0, half, 2) / half)).astype(np.float32)  # [D/4]
     angles = rope_hw.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # [N, 2, D/4]
     return angles.reshape(rope_hw.shape[0], half)
-
-
-def apply_mrope(
-    x: jax.Array,  # [T, H, D]
-    positions: jax.Array,  # [3, T] int: (t, h, w) rows
-    spec: RopeSpec,
-    section: tuple[int, ...],
-) -> jax.Array:
-    """M-RoPE: frequency ``j`` of ``D/2`` rotates by the position row of its section
-    of ``section`` (sections cycle t, h, w), as transformers' ``Qwen2_5_VLRotaryEmbedding``
-    with ``apply_rotary_pos_emb``. Equal rows give the 1-D rope of ``spec``."""
-    inv_freq, scale = inv_freq_and_scale(spec, x.shape[-1])
-    if sum(section) != inv_freq.shape[0] or inv_freq.shape[0] * 2 != x.shape[-1]:
-        raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {x.shape[-1] // 2}")
-    rows = np.repeat(np.arange(len(section)) % 3, section)  # [D/2]: row of each frequency
-    angles = positions.astype(jnp.float32)[rows].T * jnp.asarray(inv_freq)  # [T, D/2]
-    return rotate(x, angles, scale)
 
 
 def segment_attention(q, k, v, segments: jax.Array, scale: float) -> jax.Array:

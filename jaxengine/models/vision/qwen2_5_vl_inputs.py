@@ -24,6 +24,7 @@ serves any images that fit. `mrope_positions` gives a prompt's 3-row decoder pos
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -189,7 +190,8 @@ def vision_layout(
     grid_thw: Any, config: Qwen2_5_VisionConfig, num_patches: int | None = None
 ) -> VisionLayout:
     """The layout of the images of ``grid_thw`` over ``num_patches`` rows (a multiple
-    of ``merge_unit``, at least the images' patch count; None: exactly that count)."""
+    of ``merge_unit``, at least the images' patch count; None: exactly that count).
+    No image (warm-up): every row is padding."""
     grid, unit = image_grid(grid_thw), config.merge_unit
     real = int(grid.prod(axis=1).sum())
     n = real if num_patches is None else num_patches
@@ -210,7 +212,8 @@ def vision_layout(
     pad = np.full(n - real, PAD_SEGMENT)
 
     def rows(per_unit: list[np.ndarray]) -> np.ndarray:
-        return np.concatenate([np.repeat(np.concatenate(per_unit), unit), pad]).astype(np.int32)
+        ids = np.concatenate([*per_unit, np.zeros(0, np.int64)])  # (no image: padding only)
+        return np.concatenate([np.repeat(ids, unit), pad]).astype(np.int32)
 
     return VisionLayout(
         patch_order=(unit_order[:, None] * unit + np.arange(unit)).ravel().astype(np.int32),
@@ -233,43 +236,62 @@ def mrope_section(text_config: Any) -> tuple[int, ...]:
     return tuple(rope.get("mrope_section", DEFAULT_MROPE_SECTION))
 
 
-def _image_positions(t: int, units_h: int, units_w: int, start: int) -> np.ndarray:
-    grids = np.meshgrid(*map(np.arange, (t, units_h, units_w)), indexing="ij")
-    return np.stack([g.ravel() for g in grids]) + start  # [3, t*h*w]
+def token_grid(grid_thw: Any, spatial_merge_size: int) -> list[tuple[int, int, int]]:
+    """Each image's decoder tokens as ``(frames, rows, columns)``: its patch grid with
+    rows and columns divided by ``m``."""
+    m = spatial_merge_size
+    return [(int(t), int(h) // m, int(w) // m) for t, h, w in image_grid(grid_thw).tolist()]
+
+
+def mrope_chunk(
+    start: int, count: int, images: Sequence[tuple[int, tuple[int, int, int]]]
+) -> np.ndarray:
+    """M-RoPE positions ``[3, count]`` (t, h, w rows) of sequence indices ``start..``
+    of a request whose images are ``(first index, token grid)`` pairs, in prompt order
+    (each image's tokens consecutive: `token_grid`), as transformers' ``get_rope_index``.
+
+    A text token's rows are equal: its index plus what the images before it shifted.
+    An image's token ``j`` is at ``p + (frame, row, col)`` of ``j`` (``p``: the position
+    its first token would have as text); the text after it goes on from ``p + max(t,
+    h, w)``, so each image shifts the later positions by ``max(t, h, w) - t*h*w``. Past
+    the prompt (decode) every row is ``index + delta``, ``delta`` the total shift.
+    """
+    index = np.arange(start, start + count)
+    out = np.broadcast_to(index, (3, count)).astype(np.int64)
+    shift = 0  # what the images so far moved positions away from indices
+    for first, (t, h, w) in images:
+        n = t * h * w
+        inside = (index >= first) & (index < first + n)
+        if inside.any():
+            frame_row_col = np.unravel_index(index[inside] - first, (t, h, w))
+            out[:, inside] = first + shift + np.stack(frame_row_col)
+        out[:, index >= first + n] += max(t, h, w) - n
+        shift += max(t, h, w) - n
+    return out.astype(np.int32)
 
 
 def mrope_positions(
     token_ids: Any, grid_thw: Any, image_token_id: int, spatial_merge_size: int
 ) -> tuple[np.ndarray, int]:
-    """The decoder positions ``[3, L]`` (t, h, w rows) of a prompt, and its delta.
-
-    Text tokens have equal rows, counting on from the previous token. Image ``i``
-    (the ``i``-th run of ``tokens_per_image`` placeholders) has rows ``start + (frame,
-    unit row, unit col)``; the text after it starts at ``start + max(h, w) / m``.
-    ``delta = max + 1 - L``: the token at sequence index ``j >= L`` (decode) has all
-    three rows ``j + delta`` (`mrope_continuation`). Images only, no video.
-    """
-    ids, grid = np.asarray(token_ids).reshape(-1), image_grid(grid_thw)
-    counts = tokens_per_image(grid, spatial_merge_size)
+    """The decoder positions ``[3, L]`` of a prompt (`mrope_chunk`: image ``i`` is the
+    ``i``-th run of its ``tokens_per_image`` placeholders) and its ``delta``, ``max + 1
+    - L``: the token at sequence index ``j >= L`` has all three rows ``j + delta``
+    (`mrope_continuation`). Images only, no video."""
+    ids, grids = np.asarray(token_ids).reshape(-1), token_grid(grid_thw, spatial_merge_size)
+    counts = tokens_per_image(grid_thw, spatial_merge_size)
     is_image = ids == image_token_id
     if is_image.sum() != counts.sum():
         raise ValueError(f"{is_image.sum()} image tokens, the images need {counts.sum()}")
-    parts, pos, i, image = [], 0, 0, 0
-    while i < len(ids):
-        if is_image[i]:
-            t, h, w = (int(v) for v in grid[image])
-            m = spatial_merge_size
-            if not is_image[i : i + counts[image]].all():
-                raise ValueError(f"image {image} needs {counts[image]} consecutive tokens")
-            parts.append(_image_positions(t, h // m, w // m, pos))
-            pos, i, image = pos + max(h, w) // m, i + int(counts[image]), image + 1
-        else:
-            end = i + (int(np.argmax(is_image[i:])) if is_image[i:].any() else len(ids) - i)
-            parts.append(np.broadcast_to(np.arange(pos, pos + end - i), (3, end - i)))
-            pos, i = pos + end - i, end
-    positions = np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
+    images, cursor = [], 0
+    for k, n in enumerate(counts.tolist()):
+        first = cursor + int(np.argmax(is_image[cursor:]))
+        if not is_image[first : first + n].all() or first + n > len(ids):
+            raise ValueError(f"image {k} needs {n} consecutive tokens")
+        images.append((first, grids[k]))
+        cursor = first + n
+    positions = mrope_chunk(0, len(ids), images)
     delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
-    return positions.astype(np.int32), delta
+    return positions, delta
 
 
 def mrope_continuation(start: int, count: int, delta: int) -> np.ndarray:

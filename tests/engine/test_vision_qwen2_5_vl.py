@@ -1,0 +1,171 @@
+"""Qwen2.5-VL with images through the engine against transformers, on a tiny random model.
+
+One engine with a 32-token step budget (an image's tokens are split between chunks:
+Qwen2.5-VL attends causally), 9 KV pages (requests are preempted) and the prefix
+cache. The decoder's M-RoPE positions come from each request's images (text after an
+image goes on from the image's largest side), so a wrong position shows in every
+token after the first image. Each step's top-5 logprobs must equal transformers'
+(1e-4), and its greedy tokens; nothing compiles after warm-up, whatever the images'
+counts and sizes (the encoder's token buckets are compiled at warm-up).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.multimodal.qwen2_5_vl import load_processor
+from tests.models.hf_reference import hf_greedy_images, reference_threads
+
+MAX_TOKENS, TOP = 4, 5
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+ENGINE = dict(
+    max_model_len=128,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    compile_token_buckets=[8, 32],
+    num_gpu_blocks_override=9,
+    swap_space=0,
+    enable_prefix_caching=True,
+    max_logprobs=TOP,
+)
+
+
+def _image(height: int, width: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+# tokens (rows x columns of 2x2 patches of 8 pixels): 1 x 5, 3 x 4, 4 x 4
+WIDE, SQUARE, BIG = _image(20, 80, 0), _image(50, 60, 1), _image(64, 64, 2)
+
+
+def _chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+PROMPTS = [  # (prompt text, images): 2, 0, 1 and 1 images, text-only mixed in
+    (_chat(f"Compare {IMAGE} with {IMAGE} please"), [BIG, SQUARE]),
+    (_chat("Hello there, how are you today?"), []),
+    (_chat(f"Describe {IMAGE} briefly"), [SQUARE]),
+    (_chat(f"Describe {IMAGE} briefly"), [WIDE]),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_5_vl(smollm2_tokenizer, tmp_path_factory):
+    """(folder, transformers model): `tests.tiny_models.save_tiny_qwen2_5_vl`."""
+    from tests.tiny_models import save_tiny_qwen2_5_vl
+
+    path = tmp_path_factory.mktemp("tiny_qwen2_5_vl")
+    return path, save_tiny_qwen2_5_vl(path, smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_qwen2_5_vl, xla_cache_dir):
+    llm = LLM(model=str(tiny_qwen2_5_vl[0]), compilation_cache_dir=xla_cache_dir, **ENGINE)
+    yield llm
+    llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_qwen2_5_vl):
+    """transformers' processor, built from the folder's parts (no torchvision here)."""
+    return load_processor(str(tiny_qwen2_5_vl[0]))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen2_5_vl, processor):
+    """transformers' greedy tokens and each step's top-5 logprobs, per prompt."""
+    reference_threads()
+    model = tiny_qwen2_5_vl[1]
+
+    def generate(text: str, images: list) -> tuple[list[int], list[dict[int, float]]]:
+        tokens, rows = hf_greedy_images(model, processor, text, images, MAX_TOKENS)
+        tops = [row.topk(TOP) for row in rows]
+        return tokens, [dict(zip(i.tolist(), v.tolist(), strict=True)) for v, i in tops]
+
+    return generate
+
+
+def _run(llm: LLM, prompts: list[tuple[str, list]]):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    inputs = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in prompts]
+    return llm.generate(inputs, params, use_tqdm=False)
+
+
+def _check(outputs, prompts, reference) -> list[list[float]]:
+    """Asserts tokens and top-5 logprobs equal; returns our logprobs per prompt."""
+    ours_all = []
+    for request, (text, images) in zip(outputs, prompts, strict=True):
+        out = request.outputs[0]
+        tokens, tops = reference(text, images)
+        assert list(out.token_ids) == tokens
+        for step, top in zip(out.logprobs, tops, strict=True):
+            assert set(top) <= set(step)
+            np.testing.assert_allclose([step[t].logprob for t in top], list(top.values()),
+                                       rtol=0, atol=1e-4)  # fmt: skip
+        ours_all.append([step[t].logprob for step, t in zip(out.logprobs, tokens, strict=True)])
+    return ours_all
+
+
+def _image_span(processor, text: str, images: list) -> tuple[int, int]:
+    """First and last prompt position of the last image's tokens."""
+    ids = processor(text=[text], images=[images], return_tensors="np")["input_ids"][0]
+    image = np.flatnonzero(ids == processor.image_token_id)
+    count = int(processor.image_processor(images[-1:], return_tensors="np")["image_grid_thw"]
+                .prod()) // 4  # fmt: skip
+    return int(image[-count]), int(image[-1])
+
+
+def test_batch_of_image_counts_matches_transformers(qwen, reference, processor):
+    """0, 1 and 2 images of different sizes in one batch, twice over: the two-image
+    prompt's second image straddles the 32-token budget, and 9 pages do not hold
+    every request (preemption)."""
+    first, last = _image_span(processor, *PROMPTS[0])
+    assert first < 32 <= last
+    preempted = qwen.engine.get_stats().num_preemptions
+    logprobs = _check(_run(qwen, PROMPTS * 2), PROMPTS * 2, reference)
+    assert qwen.engine.get_stats().num_preemptions > preempted
+    assert np.max(np.abs(np.subtract(logprobs[2], logprobs[3]))) > 1e-3  # the image counts
+    assert qwen.engine.executor.compiles_after_warmup == 0
+
+
+def test_an_image_split_between_chunks(qwen, reference, processor):
+    """Alone, the two-image prompt's second image starts in the first 32-token chunk
+    and ends in the second: each chunk reads its part of the image's rows and
+    positions."""
+    _check(_run(qwen, PROMPTS[:1]), PROMPTS[:1], reference)
+
+
+def test_same_image_hits_the_prefix_cache_another_misses(qwen, reference):
+    """The same text and image again: its pages come from the prefix cache (positions
+    past the hit are the image's M-RoPE ones); the same text with another image: only
+    the pages before the image do."""
+    text = _chat(f"Look at {IMAGE} and tell me everything you can see in it, please")
+    first = _run(qwen, [(text, [BIG])])[0]
+    again = _run(qwen, [(text, [BIG])])[0]
+    other = _run(qwen, [(text, [SQUARE])])[0]
+    assert again.num_cached_tokens > first.num_cached_tokens
+    assert other.num_cached_tokens < again.num_cached_tokens
+    prompts = [(text, [BIG])] * 2 + [(text, [SQUARE])]
+    _check([first, again, other], prompts, reference)
+    assert qwen.engine.executor.compiles_after_warmup == 0
+
+
+def test_chat_with_image_parts_is_the_rendered_prompt(qwen):
+    """`LLM.chat` with an image part renders Qwen's vision tokens around the image's
+    placeholder and gives the tokens of the same prompt given as text."""
+    parts = [{"type": "image_pil", "image_pil": WIDE}, {"type": "text", "text": "What?"}]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    chat = qwen.chat([{"role": "user", "content": parts}], params, use_tqdm=False)
+    (direct,) = _run(qwen, [(_chat(f"{IMAGE}What?"), [WIDE])])
+    assert chat[0].prompt_token_ids == direct.prompt_token_ids
+    assert chat[0].outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+def test_videos_are_refused(qwen):
+    with pytest.raises(ValueError, match="only 'image'"):
+        qwen.generate({"prompt": "x", "multi_modal_data": {"video": [np.zeros((2, 8, 8, 3))]}})
