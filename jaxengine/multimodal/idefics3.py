@@ -25,9 +25,11 @@ def embeds_per_unit(processor: Any) -> int:
     return int(processor.image_seq_len)
 
 
-def max_units(processor: Any) -> int:
+def max_units(processor: Any, kwargs: dict | None = None) -> int:
     """The most tiles one image gives: ``ceil(longest_edge / max_image_size)`` crops a
-    side (when splitting), plus the global tile."""
+    side (when splitting), plus the global tile, as the folder's processor config sets
+    them (``kwargs`` are not read: a request that asks for more tiles is refused when
+    its images come out larger, `processor.ImageProcessor.process`)."""
     image_processor = processor.image_processor
     if not getattr(image_processor, "do_image_splitting", True):
         return 1

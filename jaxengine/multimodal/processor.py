@@ -73,8 +73,10 @@ class ImageProcessor:
 
     @property
     def max_units(self) -> int:
-        """The most encoder units (tiles) one image can take."""
-        return self.family.max_units(self.processor)
+        """The most encoder units (tiles, tokens) one image can take with the engine's
+        processor arguments (``defaults``): what the encoder's buckets and cache are
+        sized for. A request's ``mm_processor_kwargs`` may lower it, not raise it."""
+        return self.family.max_units(self.processor, self.defaults)
 
     @property
     def bidirectional(self) -> bool:
@@ -99,6 +101,7 @@ class ImageProcessor:
         pair (e.g. the number of placeholders and images differ)."""
         pil = [to_pil(image) for image in images]
         merged = {**self.defaults, **(kwargs or {})}
+        self._check_limits(kwargs, merged)
         try:
             out = self.processor(
                 text=[text],
@@ -121,7 +124,27 @@ class ImageProcessor:
             ImageItem(image_key(image, merged), **part)
             for image, part in zip(pil, parts, strict=True)
         ]
+        for item in items:
+            if item.units > self.max_units:
+                raise ValueError(
+                    f"an image of {item.units} encoder units (tiles, tokens) exceeds the "
+                    f"{self.max_units} the engine's encoder was sized for"
+                )
         return ids, items
+
+    def _check_limits(self, kwargs: dict | None, merged: dict) -> None:
+        """ValueError when a request's ``mm_processor_kwargs`` allow larger images than
+        the engine's (its encoder buckets and cache are sized for those)."""
+        if not kwargs:
+            return
+        asked = self.family.max_units(self.processor, merged)
+        if asked > self.max_units:
+            raise ValueError(
+                f"mm_processor_kwargs {kwargs!r} allow images of {asked} encoder units "
+                f"(tiles, tokens), more than the {self.max_units} the engine was sized for "
+                "(--mm-processor-kwargs, else the model's processor config): a request "
+                "may lower the image size limits (e.g. max_pixels), not raise them"
+            )
 
 
 def prompt_images(

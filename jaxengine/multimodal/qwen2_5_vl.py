@@ -62,14 +62,29 @@ def embeds_per_unit(processor: Any) -> int:
     return 1
 
 
-def max_units(processor: Any) -> int:
-    """The most tokens one image gives: ``max_pixels`` over the pixels of one token
-    (the processor resizes an image to at most ``max_pixels``)."""
+def max_pixels(processor: Any, kwargs: dict | None = None) -> int:
+    """The most pixels the processor resizes an image to with the call arguments
+    ``kwargs`` (``max_pixels``, else ``size["longest_edge"]``, flat or under
+    ``images_kwargs``, as transformers reads them), else its own config's."""
+    kwargs = dict(kwargs or {})
+    kwargs.update(kwargs.pop("images_kwargs", None) or {})
+    size = kwargs.get("size") or {}
+    asked = kwargs.get("max_pixels") or (
+        size.get("longest_edge") if isinstance(size, dict) else None
+    )
+    if asked is not None:
+        return int(asked)
     image_processor = processor.image_processor
-    size = getattr(image_processor, "size", None) or {}
-    max_pixels = size.get("longest_edge") or getattr(image_processor, "max_pixels", None)
-    side = int(image_processor.patch_size) * _merge_size(processor)
-    return int(max_pixels) // (side * side)
+    own = getattr(image_processor, "size", None) or {}
+    return int(own.get("longest_edge") or image_processor.max_pixels)
+
+
+def max_units(processor: Any, kwargs: dict | None = None) -> int:
+    """The most tokens one image gives with the processor arguments ``kwargs`` (the
+    engine's ``--mm-processor-kwargs``; a request's over them): `max_pixels` over the
+    pixels of one token."""
+    side = int(processor.image_processor.patch_size) * _merge_size(processor)
+    return max_pixels(processor, kwargs) // (side * side)
 
 
 def split(ids: list[int], out: dict, processor: Any, image_token_id: int) -> list[dict]:
@@ -85,17 +100,11 @@ def split(ids: list[int], out: dict, processor: Any, image_token_id: int) -> lis
         raise ValueError(
             f"the prompt has {len(positions)} image tokens, its images need {tokens.sum()}"
         )
-    largest = max_units(processor)
     items, starts = [], np.cumsum(grids.prod(axis=1)) - grids.prod(axis=1)
     for i, run in enumerate(np.split(positions, np.cumsum(tokens)[:-1])):
         t, h, w = (int(v) for v in grids[i])
         if run[-1] - run[0] != len(run) - 1:
             raise ValueError("an image's tokens are not one contiguous run")
-        if len(run) > largest:
-            raise ValueError(
-                f"an image of {len(run)} tokens exceeds the {largest} of the model's "
-                "max_pixels (mm_processor_kwargs may lower it, not raise it)"
-            )
         rows = pixels[starts[i] : starts[i] + t * h * w]
         items.append(
             dict(

@@ -6,17 +6,26 @@ cache. The decoder's M-RoPE positions come from each request's images (text afte
 image goes on from the image's largest side), so a wrong position shows in every
 token after the first image. Each step's top-5 logprobs must equal transformers'
 (1e-4), and its greedy tokens; nothing compiles after warm-up, whatever the images'
-counts and sizes (the encoder's token buckets are compiled at warm-up).
+counts and sizes (the encoder's token buckets are compiled at warm-up). The buckets
+follow the engine's max_pixels (``--mm-processor-kwargs``), which a request may lower
+but not raise.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import transformers
 from PIL import Image
 
 from jaxengine import LLM, SamplingParams
+from jaxengine.config.multimodal import MultiModalConfig
+from jaxengine.loader import LoadedModel
 from jaxengine.multimodal.qwen2_5_vl import load_processor
+from jaxengine.worker.images import encoder_runner, load_images
 from tests.models.hf_reference import hf_greedy_images, reference_threads
 
 MAX_TOKENS, TOP = 4, 5
@@ -169,3 +178,37 @@ def test_chat_with_image_parts_is_the_rendered_prompt(qwen):
 def test_videos_are_refused(qwen):
     with pytest.raises(ValueError, match="only 'image'"):
         qwen.generate({"prompt": "x", "multi_modal_data": {"video": [np.zeros((2, 8, 8, 3))]}})
+
+
+def test_max_pixels_sizes_the_encoder(qwen, tiny_qwen2_5_vl):
+    """The encoder's token buckets and its largest image follow the engine's
+    max_pixels: the folder's 4096 pixels give buckets of 1 to 16 tokens (16 x 16
+    pixels each); ``--mm-processor-kwargs '{"max_pixels": 1024}'`` gives 1 to 4 (the
+    worker's own path, from the config to the `EncoderRunner`)."""
+    assert qwen.engine.executor.runner.encoder.unit_buckets == [1, 2, 4, 8, 16]
+    folder = tiny_qwen2_5_vl[0]
+    kwargs = MultiModalConfig(mm_processor_kwargs={"max_pixels": 1024})
+    config = dataclasses.replace(qwen.engine.config, multimodal_config=kwargs)
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    loaded = LoadedModel(None, SimpleNamespace(dtype=np.float32), None, hf_config,
+                         SimpleNamespace(path=folder), logical_axes={})  # fmt: skip
+    images = load_images(config, loaded)
+    assert images.processor.max_units == images.processor.max_embeds_per_image == 4
+    assert encoder_runner(config, loaded, images, None, None).unit_buckets == [1, 2, 4]
+
+
+def test_request_max_pixels_may_lower_not_raise(qwen):
+    """A request's max_pixels below the engine's resizes its image to fewer tokens (a
+    bucket compiled at warm-up); one above it is refused, naming the limit."""
+    text = _chat(f"Describe {IMAGE} briefly")
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    def prompt(max_pixels: int) -> dict:
+        kwargs = {"max_pixels": max_pixels}
+        return {"prompt": text, "multi_modal_data": {"image": [BIG]}, "mm_processor_kwargs": kwargs}
+
+    full, low = qwen.generate([prompt(4096), prompt(1024)], params, use_tqdm=False)
+    assert len(full.prompt_token_ids) - len(low.prompt_token_ids) == 16 - 4
+    assert qwen.engine.executor.compiles_after_warmup == 0
+    with pytest.raises(ValueError, match="may lower the image size limits"):
+        qwen.generate(prompt(8192), params, use_tqdm=False)

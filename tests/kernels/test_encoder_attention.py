@@ -3,6 +3,9 @@
 Batches are an encoder step's: every request whole in the step (no cached prefix),
 padding rows and tokens after the real ones. The reference reads the step's k/v from
 a paged cache they were written to; `encoder_attention` takes them as they are.
+
+The vision tower's segment forms (`window_attention`, `blocked_segment_attention`)
+against the dense `segment_attention_reference`, on random segment layouts.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from ragged_batches import Shape, build, jitted_reference
 
-from pallas_kernels.encoder_attention import encoder_attention, padded_attention
+from pallas_kernels.encoder_attention import (
+    blocked_segment_attention,
+    encoder_attention,
+    padded_attention,
+    segment_attention_reference,
+    window_attention,
+)
 from pallas_kernels.kv_cache_update.reference import update_kv_cache
 from pallas_kernels.ragged_paged_attention import reference
 
@@ -89,3 +98,43 @@ def test_each_branch_matches_reference(q_lens, padded):
             np.testing.assert_array_equal(got[real:], 0.0)
         else:
             assert np.isfinite(got[:real]).all() == padded
+
+
+SEGMENT_ROWS = 100  # every segment case: one shape, so each form compiles once
+window_jit = jax.jit(functools.partial(window_attention, sm_scale=0.3, max_len=8))
+blocked_jit = jax.jit(functools.partial(blocked_segment_attention, sm_scale=0.3, block=32))
+dense_jit = jax.jit(functools.partial(segment_attention_reference, sm_scale=0.3))
+
+
+def segment_inputs(seed: int, heads: int = 2, head_dim: int = 8):
+    rng = np.random.default_rng(seed)
+    shape = (SEGMENT_ROWS, heads, head_dim)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(3))
+    return q, k, v, rng
+
+
+@settings(max_examples=4, deadline=None)
+@given(runs=st.lists(st.integers(1, 8), min_size=1, max_size=11), seed=st.integers(0, 99))
+@example(runs=[8, 3, 8, 1, 5, 8, 8, 2], seed=1)  # runs across block edges, 57 padding rows
+def test_window_attention_matches_reference(runs, seed):
+    """Contiguous runs of at most ``max_len`` rows (windows), then padding rows in one
+    run, longer than that: every row of a short run equals the dense reference;
+    padding rows are finite."""
+    real = sum(runs)
+    ids = [np.full(n, i) for i, n in enumerate(runs)] + [np.full(SEGMENT_ROWS - real, -1)]
+    q, k, v, _ = segment_inputs(seed)
+    seg = jnp.asarray(np.concatenate(ids), jnp.int32)
+    got = np.asarray(window_jit(q, k, v, seg))
+    np.testing.assert_allclose(got[:real], np.asarray(dense_jit(q, k, v, seg))[:real], atol=2e-6)
+    assert np.isfinite(got).all()
+
+
+@settings(max_examples=4, deadline=None)
+@given(segments=st.integers(1, 4), seed=st.integers(0, 99))
+def test_blocked_attention_matches_reference(segments, seed):
+    """Any segment ids (not contiguous), query blocks of 32 (the last one part
+    padding): equal to the reference."""
+    q, k, v, rng = segment_inputs(seed)
+    seg = jnp.asarray(rng.integers(0, segments, SEGMENT_ROWS), jnp.int32)
+    got, want = blocked_jit(q, k, v, seg), dense_jit(q, k, v, seg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-6)

@@ -5,7 +5,8 @@ at random so a misplaced tensor shows) is the reference. Two random images of
 different sizes go through transformers' image processor; with ``window_size`` two
 merged units, the windows really split, one of them partially. Our tower runs both
 images in one call padded to `NUM_PATCHES` rows (one compiled program for every call
-here) and must equal transformers' ``get_image_features`` and each image run alone.
+here) and must equal transformers' ``get_image_features`` and each image run alone;
+so must a larger image of many windows with full attention in several query blocks.
 The host-side layout is checked against transformers' window index on more grids
 (video-like ``t = 2`` too), and the prompt's M-RoPE positions and their rotation
 against ``get_rope_index`` (whole and by chunks, as the engine's steps ask them), the
@@ -14,6 +15,7 @@ decode-time positions and ``apply_rotary_pos_emb``.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -82,16 +84,21 @@ def hf_model():
     return model
 
 
-@pytest.fixture(scope="module")
-def images():
-    """``(pixel_values [80, 384], image_grid_thw [2, 3])`` from the image processor."""
+def process(sizes, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(pixel_values, image_grid_thw)`` of random images from the image processor."""
     processor = Qwen2VLImageProcessorPil(
         patch_size=8, temporal_patch_size=2, merge_size=2, min_pixels=256, max_pixels=16384
     )
-    rng = np.random.default_rng(0)
-    pics = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in IMAGE_SIZES]
+    rng = np.random.default_rng(seed)
+    pics = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
     out = processor(images=pics, return_tensors="np")
     return out["pixel_values"].astype(np.float32), out["image_grid_thw"]
+
+
+@pytest.fixture(scope="module")
+def images():
+    """``(pixel_values [80, 384], image_grid_thw [2, 3])`` from the image processor."""
+    return process(IMAGE_SIZES)
 
 
 @pytest.fixture(scope="module")
@@ -103,27 +110,48 @@ def tower(hf_model):
     return config, params, jax.jit(lambda p, x, layout: module.apply({"params": p}, x, layout))
 
 
-def run_tower(tower, pixel_values, grid, pad_fill=0.0):
+def run_tower(tower, pixel_values, grid, pad_fill=0.0, num_patches=NUM_PATCHES):
     config, params, apply = tower
-    rows = np.full((NUM_PATCHES, config.patch_dim), pad_fill, np.float32)
+    rows = np.full((num_patches, config.patch_dim), pad_fill, np.float32)
     rows[: len(pixel_values)] = pixel_values
-    layout = host.vision_layout(grid, config, NUM_PATCHES)
+    layout = host.vision_layout(grid, config, num_patches)
     out = np.asarray(apply(params, jnp.asarray(rows), layout))
     return host.split_tokens(out, grid, config.spatial_merge_size)
+
+
+def check_against_transformers(hf_model, ours, pixel_values, grid) -> None:
+    with torch.no_grad():
+        ref = hf_model.model.get_image_features(
+            torch.from_numpy(pixel_values), torch.from_numpy(grid)
+        ).pooler_output
+    assert [o.shape for o in ours] == [tuple(r.shape) for r in ref]
+    for o, r in zip(ours, ref, strict=True):
+        assert np.abs(r.numpy()).max() > 0.5  # not a vanishing signal
+        np.testing.assert_allclose(o, r.numpy(), rtol=0, atol=1e-4)
 
 
 def test_tower_matches_transformers(hf_model, images, tower):
     pixel_values, grid = images
     assert grid.tolist() == [[1, 4, 8], [1, 8, 6]]
-    with torch.no_grad():
-        ref = hf_model.model.get_image_features(
-            torch.from_numpy(pixel_values), torch.from_numpy(grid)
-        ).pooler_output
     ours = run_tower(tower, pixel_values, grid)
     assert [o.shape for o in ours] == [(8, 40), (12, 40)]
-    for o, r in zip(ours, ref, strict=True):
-        assert np.abs(r.numpy()).max() > 0.5  # not a vanishing signal
-        np.testing.assert_allclose(o, r.numpy(), rtol=0, atol=1e-4)
+    check_against_transformers(hf_model, ours, pixel_values, grid)
+
+
+def test_window_and_query_blocks_match_transformers(hf_model, tower):
+    """One image of 5 x 7 tokens: 12 windows (the last row and column of them partial,
+    so windows straddle the 16-row blocks of `window_attention`), padded from 140 to
+    192 rows, with full attention in query blocks of 32 rows (the last two blocks
+    padding only): still transformers' tokens."""
+    pixel_values, grid = process([(80, 112)], seed=3)
+    assert grid.tolist() == [[1, 10, 14]]
+    config, params, _ = tower
+    blocked = dataclasses.replace(config, query_block=32)
+    assert blocked.window_rows == 16
+    module = Qwen2_5_VisionTransformer(blocked)
+    apply = jax.jit(lambda p, x, layout: module.apply({"params": p}, x, layout))
+    ours = run_tower((blocked, params, apply), pixel_values, grid, pad_fill=5.0, num_patches=192)
+    check_against_transformers(hf_model, ours, pixel_values, grid)
 
 
 def test_each_image_alone_equals_batch(images, tower):

@@ -9,15 +9,21 @@ zero-padded to ``N``, and a `qwen2_5_vl_inputs.VisionLayout` built on the host:
 3. ``depth`` pre-norm blocks (RMSNorm, biased fused ``qkv``, 2-D rotary embedding,
    attention, biased ``proj``; RMSNorm, gated SiLU MLP with biases). Blocks of
    ``fullatt_block_indexes`` attend within each frame of each image, the others
-   within each window: a mask from the layout's segment ids over the fixed ``N``
-   rows, so images never see each other and padding never touches a real row;
+   within each window, by the layout's segment ids over the fixed ``N`` rows, so
+   images never see each other and padding never touches a real row;
 4. the merger: RMSNorm, each unit's ``m*m`` rows concatenated, Linear-GELU-Linear;
 5. the merged tokens gathered back to the processor's order.
 
 Output: ``[N / m**2, out_hidden_size]``, image after image (`qwen2_5_vl_inputs.
-split_tokens`), then padding rows to ignore. Attention is dense over ``N`` (scores
-``[heads, N, N]``): the reference, fine for a few thousand patches; a segment-aware
-flash kernel is the step for large images.
+split_tokens`), then padding rows to ignore.
+
+Attention memory grows linearly with ``N`` (`pallas_kernels.encoder_attention.
+segments`; the dense ``[heads, N, N]`` form would need hundreds of GB at the default
+processor's largest image, 65536 patches): window blocks take each ``window_rows``
+queries against the keys of their own and the two neighbouring query blocks
+(`window_attention`: a window is a contiguous run of at most ``window_rows`` rows in
+window order), and full-attention blocks score ``query_block`` queries at a time
+against all ``N`` keys (`blocked_segment_attention`).
 
 The decoder's M-RoPE is `layers.rope.apply_mrope`, over the 3-row positions of
 `qwen2_5_vl_inputs.mrope_chunk`.
@@ -45,6 +51,7 @@ from jaxengine.models.vision.qwen2_5_vl_inputs import (
     VisionLayout,
     vision_layout,
 )
+from pallas_kernels.encoder_attention import blocked_segment_attention, window_attention
 
 jax.tree_util.register_dataclass(
     VisionLayout,
@@ -72,17 +79,6 @@ def vision_rope_angles(rope_hw: jax.Array, head_dim: int, theta: float) -> jax.A
     inv_freq = (1.0 / theta ** (np.arange(0, half, 2) / half)).astype(np.float32)  # [D/4]
     angles = rope_hw.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # [N, 2, D/4]
     return angles.reshape(rope_hw.shape[0], half)
-
-
-def segment_attention(q, k, v, segments: jax.Array, scale: float) -> jax.Array:
-    """Bidirectional attention of each row over the rows of its own segment.
-
-    ``q, k, v [N, H, D]``, ``segments [N]`` -> ``[N, H, D]``. Every row is in its own
-    segment, so no softmax row is empty. Scores and softmax in float32."""
-    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * scale
-    same = segments[:, None] == segments[None, :]  # [N, N]
-    probs = jax.nn.softmax(jnp.where(same[None], scores, -jnp.inf), axis=-1)
-    return jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), v)
 
 
 def _linear(cfg: Qwen2_5_VisionConfig, features: int, name: str) -> Linear:
@@ -116,9 +112,11 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Fused ``qkv``, 2-D rotary on q and k, segment-masked attention, ``proj``."""
+    """Fused ``qkv``, 2-D rotary on q and k, attention within each row's segment
+    (``full``: its frame, in query blocks; else its window), ``proj``."""
 
     config: Qwen2_5_VisionConfig
+    full: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, angles: jax.Array, segments: jax.Array) -> jax.Array:
@@ -126,7 +124,14 @@ class VisionAttention(nn.Module):
         n, h, d = x.shape[0], cfg.num_heads, cfg.head_dim
         qkv = _linear(cfg, 3 * cfg.hidden_size, "qkv")(x).reshape(n, 3, h, d)
         q, k = rotate(qkv[:, 0], angles), rotate(qkv[:, 1], angles)  # [N, H, D]
-        out = segment_attention(q, k, qkv[:, 2], segments, d**-0.5)
+        if self.full:
+            out = blocked_segment_attention(
+                q, k, qkv[:, 2], segments, sm_scale=d**-0.5, block=cfg.query_block
+            )
+        else:
+            out = window_attention(
+                q, k, qkv[:, 2], segments, sm_scale=d**-0.5, max_len=cfg.window_rows
+            )
         return _linear(cfg, cfg.hidden_size, "proj")(out.reshape(n, h * d))
 
 
@@ -147,11 +152,12 @@ class VisionBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
 
     config: Qwen2_5_VisionConfig
+    full: bool = False  # full attention (within each frame), else windows
 
     @nn.compact
     def __call__(self, x: jax.Array, angles: jax.Array, segments: jax.Array) -> jax.Array:
         cfg = self.config
-        attn = VisionAttention(cfg, name="attn")
+        attn = VisionAttention(cfg, self.full, name="attn")
         x = x + attn(RMSNorm(_NORM_EPS, dtype=cfg.dtype, name="norm1")(x), angles, segments)
         return x + VisionMLP(cfg, name="mlp")(RMSNorm(_NORM_EPS, dtype=cfg.dtype, name="norm2")(x))
 
@@ -191,7 +197,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
             for i in range(cfg.depth):
                 full = i in cfg.fullatt_block_indexes
                 segments = layout.frame_segments if full else layout.window_segments
-                x = VisionBlock(cfg, name=f"blocks_{i}")(x, angles, segments)
+                x = VisionBlock(cfg, full, name=f"blocks_{i}")(x, angles, segments)
             return PatchMerger(cfg, name="merger")(x)[layout.token_order]
 
     @staticmethod

@@ -68,11 +68,15 @@ class Qwen2_5_VisionConfig:
     """Base frequency of the 2-D rotary embedding."""
     dtype: Any = np.float32
     """Parameter and activation dtype (norms, rotary and softmax run in float32)."""
+    query_block: int = 512
+    """Query rows a full-attention block scores at once, against all the call's rows
+    (not the checkpoint's: it bounds the live scores to ``[heads, query_block, N]``)."""
 
     def __post_init__(self) -> None:
         sizes = (self.depth, self.hidden_size, self.intermediate_size, self.num_heads)
         sizes += (self.out_hidden_size, self.patch_size, self.temporal_patch_size)
-        if min(*sizes, self.in_channels, self.spatial_merge_size) <= 0:
+        sizes += (self.in_channels, self.spatial_merge_size, self.query_block)
+        if min(sizes) <= 0:
             raise ValueError(f"Qwen2.5-VL vision sizes must be positive: {self}")
         if self.hidden_size % self.num_heads or self.head_dim % 4:
             raise ValueError(
@@ -107,6 +111,11 @@ class Qwen2_5_VisionConfig:
     def window_units(self) -> int:
         """Side of an attention window in merged units (transformers' integer division)."""
         return self.window_size // self.spatial_merge_size // self.patch_size
+
+    @property
+    def window_rows(self) -> int:
+        """Patch rows of the largest attention window: ``window_units**2`` units."""
+        return self.window_units**2 * self.merge_unit
 
     @classmethod
     def from_hf(cls, vision_config: Any, dtype: Any = np.float32) -> Qwen2_5_VisionConfig:
