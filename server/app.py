@@ -52,6 +52,7 @@ from server.serving import ServerOptions, ServingContext
 from server.serving_chat import ChatHandler
 from server.serving_cohere import CohereEmbedHandler, CohereEmbedRequest
 from server.serving_completion import CompletionHandler
+from server.serving_decisions import add_decisions_routes
 from server.serving_embedding import EmbeddingHandler
 from server.serving_messages import add_messages_routes
 from server.serving_responses import add_responses_routes
@@ -177,7 +178,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: Any, args: Any) -> N
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler, args: Any) -> None:
-    """The OpenAI endpoints: completions, chat completions, models, responses."""
+    """The OpenAI endpoints: completions, chat completions, models, responses, decisions."""
     completions = CompletionHandler(ctx)
 
     @app.post("/v1/completions")
@@ -196,6 +197,7 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatHandler,
 
     stored = getattr(args, "max_stored_responses", 1024)
     add_responses_routes(app, ctx, chat, stored, _check_awake)  # /v1/responses, over chat
+    add_decisions_routes(app, ctx, chat, _check_awake)  # /v1/decisions: next-token reads
 
 
 def _check_awake(ctx: ServingContext) -> None:
