@@ -1,8 +1,9 @@
 """`jaxengine run-batch`: good and bad lines of an OpenAI batch file, end to end.
 
-One real process (default model, lazy compilation) runs a file that mixes valid
-completions and chat requests with every kind of bad line; the output has one line
-per input line, in order, each with the right status or error.
+One real process (the tiny model, `tiny_smollm2`, with lazy compilation) runs a file
+that mixes valid completions and chat requests with every kind of bad line; the output
+has one line per input line, in order, each with the right status or error, and the
+good completion is transformers' greedy text of the same model.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _line(custom_id: str, url: str, body: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def batch_output(smollm2_gguf, tmp_path_factory):
+def batch_output(tiny_smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("batch")
     lines = [
         json.dumps(GOOD_COMPLETION),
@@ -54,7 +55,16 @@ def batch_output(smollm2_gguf, tmp_path_factory):
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     cmd = [sys.executable, "-m", "jaxengine.cli.main", "run-batch", "-i", str(src), "-o"]
-    cmd += [str(dst), "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "4"]
+    cmd += [
+        str(dst),
+        "--model",
+        str(tiny_smollm2[0]),
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--max-num-seqs",
+        "4",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in dst.read_text().splitlines()]
@@ -67,14 +77,21 @@ def test_one_output_line_per_request_in_order(batch_output):
     assert all(r["id"].startswith("batch_req_") for r in batch_output)
 
 
-def test_good_lines_answer_like_the_server(batch_output):
+def test_good_lines_answer_like_the_server(batch_output, tiny_smollm2):
+    from transformers import AutoTokenizer
+
+    from tests.models.hf_reference import hf_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_smollm2[0])
+    prompt = tokenizer.encode(GOOD_COMPLETION["body"]["prompt"])
+    greedy = tokenizer.decode(hf_greedy(tiny_smollm2[1], prompt, 5), skip_special_tokens=True)
     completion, chat = batch_output[0], batch_output[7]
     for record in (completion, chat):
         assert record["error"] is None
         assert record["response"]["status_code"] == 200
     body = completion["response"]["body"]
     assert body["object"] == "text_completion"
-    assert body["choices"][0]["text"] == " Paris.\n\nThe"  # greedy, as the server
+    assert body["choices"][0]["text"] == greedy
     assert body["usage"]["completion_tokens"] == 5
     chat_body = chat["response"]["body"]
     assert chat_body["object"] == "chat.completion"

@@ -1,6 +1,8 @@
 """Async scheduling (``--async-scheduling``) against the shared synchronous engine.
 
-One engine with the shared engine's settings plus async scheduling: every step is
+Both on the tiny model (`tiny_llm`: async scheduling is about the scheduler and the
+step's inputs, not the weights). One engine with the shared engine's settings plus
+async scheduling: every step is
 scheduled and dispatched while the device runs the one before, with the token still
 in flight fed on device. Its outputs must be those of the synchronous engine for every
 sampling feature (seeded random draws, min_tokens, stop strings and token ids,
@@ -41,13 +43,13 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def async_llm(smollm2_gguf, xla_cache_dir):
+def async_llm(tiny_smollm2, xla_cache_dir):
     kwargs = {
         **small_llm_kwargs(xla_cache_dir),
         "async_scheduling": True,
         "num_gpu_blocks_override": 10,  # preempts under PARAMS (outputs must not change)
     }
-    llm = LLM(model=str(smollm2_gguf), **kwargs)
+    llm = LLM(model=str(tiny_smollm2[0]), **kwargs)
     yield llm
     llm.engine.shutdown()
 
@@ -78,17 +80,17 @@ def _results(outputs) -> list:
     ]
 
 
-def test_outputs_match_the_synchronous_engine(small_llm, async_llm):
+def test_outputs_match_the_synchronous_engine(tiny_llm, async_llm):
     engine = async_llm.engine
     submitted = _spy_submits(engine)
     preemptions = engine.get_stats().num_preemptions
-    expected = small_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    expected = tiny_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     got = async_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert _results(got) == _results(expected)
     assert sum(_fed(o) for o in submitted) > 0
     assert engine.get_stats().num_preemptions > preemptions  # the small cache preempts
     penalized = [SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3)] * 2
-    want = small_llm.generate(PROMPTS[:2], penalized, use_tqdm=False)
+    want = tiny_llm.generate(PROMPTS[:2], penalized, use_tqdm=False)
     submitted.clear()
     assert _results(async_llm.generate(PROMPTS[:2], penalized, use_tqdm=False)) == _results(want)
     assert sum(_fed(o) for o in submitted) == 0  # penalties read outputs on the host
@@ -96,9 +98,9 @@ def test_outputs_match_the_synchronous_engine(small_llm, async_llm):
     assert engine.get_stats().kv_cache_usage == 0.0
 
 
-def test_abort_while_its_step_is_in_flight(small_llm, async_llm):
+def test_abort_while_its_step_is_in_flight(tiny_llm, async_llm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    expected = small_llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    expected = tiny_llm.generate(PROMPTS[:3], params, use_tqdm=False)
     engine = async_llm.engine
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(f"abort-{i}", prompt, params)
