@@ -14,10 +14,15 @@ import pytest
 import transformers
 from PIL import Image
 
-from jaxengine import LLM, SamplingParams
-from tests.models.hf_reference import hf_greedy_images, reference_threads
+from jaxengine import LLM
+from tests.engine.vision_golden import (
+    TOP,
+    check_top_logprobs,
+    run_images,
+    top_logprobs_reference,
+)
+from tests.models.hf_reference import reference_threads
 
-MAX_TOKENS, TOP = 4, 5
 IMAGE = "<start_of_image>"
 
 
@@ -56,33 +61,7 @@ def reference(tiny_gemma3_vlm):
     folder, model = tiny_gemma3_vlm
     processor = transformers.AutoProcessor.from_pretrained(folder)
 
-    def generate(text: str, images: list) -> tuple[list[int], list[dict[int, float]]]:
-        tokens, rows = hf_greedy_images(model, processor, text, images, MAX_TOKENS)
-        tops = [row.topk(TOP) for row in rows]
-        return tokens, [dict(zip(i.tolist(), v.tolist(), strict=True)) for v, i in tops]
-
-    return generate
-
-
-def _run(llm: LLM, prompts: list[tuple[str, list]]):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP)
-    inputs = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in prompts]
-    return llm.generate(inputs, params, use_tqdm=False)
-
-
-def _check(outputs, prompts, reference) -> list[list[float]]:
-    """Asserts tokens and top-5 logprobs equal; returns our logprobs per prompt."""
-    ours_all = []
-    for request, (text, images) in zip(outputs, prompts, strict=True):
-        out = request.outputs[0]
-        tokens, tops = reference(text, images)
-        assert list(out.token_ids) == tokens
-        for step, top in zip(out.logprobs, tops, strict=True):
-            assert set(top) <= set(step)
-            np.testing.assert_allclose([step[t].logprob for t in top], list(top.values()),
-                                       rtol=0, atol=1e-4)  # fmt: skip
-        ours_all.append([step[t].logprob for step, t in zip(out.logprobs, tokens, strict=True)])
-    return ours_all
+    return top_logprobs_reference(model, processor)
 
 
 def test_batch_of_image_counts_matches_transformers(gemma3, reference):
@@ -92,7 +71,7 @@ def test_batch_of_image_counts_matches_transformers(gemma3, reference):
         (_chat(f"Describe {IMAGE} briefly"), [SQUARE]),
         (_chat(f"Describe {IMAGE} briefly"), [WIDE]),
     ]
-    logprobs = _check(_run(gemma3, prompts), prompts, reference)
+    logprobs = check_top_logprobs(run_images(gemma3, prompts), prompts, reference)
     assert np.max(np.abs(np.subtract(logprobs[2], logprobs[3]))) > 1e-3  # the image counts
     assert gemma3.engine.executor.compiles_after_warmup == 0
 
@@ -105,7 +84,7 @@ def test_a_chunk_never_ends_inside_an_image(gemma3, reference):
         n for n in range(1, 40) if _straddles(processor, _chat("x " * n + IMAGE), 32)
     )
     prompt = (_chat("x " * pad + IMAGE), [SQUARE])
-    _check(_run(gemma3, [prompt]), [prompt], reference)
+    check_top_logprobs(run_images(gemma3, [prompt]), [prompt], reference)
 
 
 def _straddles(processor, text: str, boundary: int) -> bool:
@@ -116,7 +95,7 @@ def _straddles(processor, text: str, boundary: int) -> bool:
 
 def test_same_image_hits_the_prefix_cache(gemma3, reference):
     prompt = (_chat(f"Look at {IMAGE} and tell me everything you can see"), [WIDE])
-    first = _run(gemma3, [prompt])[0]
-    again = _run(gemma3, [prompt])[0]
+    first = run_images(gemma3, [prompt])[0]
+    again = run_images(gemma3, [prompt])[0]
     assert again.num_cached_tokens > first.num_cached_tokens
-    _check([again], [prompt], reference)
+    check_top_logprobs([again], [prompt], reference)

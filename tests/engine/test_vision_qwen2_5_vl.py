@@ -26,9 +26,15 @@ from jaxengine.config.multimodal import MultiModalConfig
 from jaxengine.loader import LoadedModel
 from jaxengine.multimodal.qwen2_5_vl import load_processor
 from jaxengine.worker.images import encoder_runner, load_images
-from tests.models.hf_reference import hf_greedy_images, reference_threads
+from tests.engine.vision_golden import (
+    MAX_TOKENS,
+    TOP,
+    check_top_logprobs,
+    run_images,
+    top_logprobs_reference,
+)
+from tests.models.hf_reference import reference_threads
 
-MAX_TOKENS, TOP = 4, 5
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 ENGINE = dict(
     max_model_len=128,
@@ -91,33 +97,7 @@ def reference(tiny_qwen2_5_vl, processor):
     reference_threads()
     model = tiny_qwen2_5_vl[1]
 
-    def generate(text: str, images: list) -> tuple[list[int], list[dict[int, float]]]:
-        tokens, rows = hf_greedy_images(model, processor, text, images, MAX_TOKENS)
-        tops = [row.topk(TOP) for row in rows]
-        return tokens, [dict(zip(i.tolist(), v.tolist(), strict=True)) for v, i in tops]
-
-    return generate
-
-
-def _run(llm: LLM, prompts: list[tuple[str, list]]):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP)
-    inputs = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in prompts]
-    return llm.generate(inputs, params, use_tqdm=False)
-
-
-def _check(outputs, prompts, reference) -> list[list[float]]:
-    """Asserts tokens and top-5 logprobs equal; returns our logprobs per prompt."""
-    ours_all = []
-    for request, (text, images) in zip(outputs, prompts, strict=True):
-        out = request.outputs[0]
-        tokens, tops = reference(text, images)
-        assert list(out.token_ids) == tokens
-        for step, top in zip(out.logprobs, tops, strict=True):
-            assert set(top) <= set(step)
-            np.testing.assert_allclose([step[t].logprob for t in top], list(top.values()),
-                                       rtol=0, atol=1e-4)  # fmt: skip
-        ours_all.append([step[t].logprob for step, t in zip(out.logprobs, tokens, strict=True)])
-    return ours_all
+    return top_logprobs_reference(model, processor)
 
 
 def _image_span(processor, text: str, images: list) -> tuple[int, int]:
@@ -136,7 +116,7 @@ def test_batch_of_image_counts_matches_transformers(qwen, reference, processor):
     first, last = _image_span(processor, *PROMPTS[0])
     assert first < 32 <= last
     preempted = qwen.engine.get_stats().num_preemptions
-    logprobs = _check(_run(qwen, PROMPTS * 2), PROMPTS * 2, reference)
+    logprobs = check_top_logprobs(run_images(qwen, PROMPTS * 2), PROMPTS * 2, reference)
     assert qwen.engine.get_stats().num_preemptions > preempted
     assert np.max(np.abs(np.subtract(logprobs[2], logprobs[3]))) > 1e-3  # the image counts
     assert qwen.engine.executor.compiles_after_warmup == 0
@@ -146,7 +126,7 @@ def test_an_image_split_between_chunks(qwen, reference, processor):
     """Alone, the two-image prompt's second image starts in the first 32-token chunk
     and ends in the second: each chunk reads its part of the image's rows and
     positions."""
-    _check(_run(qwen, PROMPTS[:1]), PROMPTS[:1], reference)
+    check_top_logprobs(run_images(qwen, PROMPTS[:1]), PROMPTS[:1], reference)
 
 
 def test_same_image_hits_the_prefix_cache_another_misses(qwen, reference):
@@ -154,13 +134,13 @@ def test_same_image_hits_the_prefix_cache_another_misses(qwen, reference):
     past the hit are the image's M-RoPE ones); the same text with another image: only
     the pages before the image do."""
     text = _chat(f"Look at {IMAGE} and tell me everything you can see in it, please")
-    first = _run(qwen, [(text, [BIG])])[0]
-    again = _run(qwen, [(text, [BIG])])[0]
-    other = _run(qwen, [(text, [SQUARE])])[0]
+    first = run_images(qwen, [(text, [BIG])])[0]
+    again = run_images(qwen, [(text, [BIG])])[0]
+    other = run_images(qwen, [(text, [SQUARE])])[0]
     assert again.num_cached_tokens > first.num_cached_tokens
     assert other.num_cached_tokens < again.num_cached_tokens
     prompts = [(text, [BIG])] * 2 + [(text, [SQUARE])]
-    _check([first, again, other], prompts, reference)
+    check_top_logprobs([first, again, other], prompts, reference)
     assert qwen.engine.executor.compiles_after_warmup == 0
 
 
@@ -170,7 +150,7 @@ def test_chat_with_image_parts_is_the_rendered_prompt(qwen):
     parts = [{"type": "image_pil", "image_pil": WIDE}, {"type": "text", "text": "What?"}]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     chat = qwen.chat([{"role": "user", "content": parts}], params, use_tqdm=False)
-    (direct,) = _run(qwen, [(_chat(f"{IMAGE}What?"), [WIDE])])
+    (direct,) = run_images(qwen, [(_chat(f"{IMAGE}What?"), [WIDE])])
     assert chat[0].prompt_token_ids == direct.prompt_token_ids
     assert chat[0].outputs[0].token_ids == direct.outputs[0].token_ids
 
