@@ -8,6 +8,7 @@ selected hidden states to vocabulary logits.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -81,14 +82,65 @@ class DecoderModel(nn.Module):
             if image_embeds is not None:
                 embeds, mask = image_embeds
                 x = jnp.where(mask[:, None], embeds.astype(x.dtype), x)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers[start:stop], kv_caches, strict=True):
-            x, kv_cache = layer(x, positions, kv_cache, md)
-            new_caches.append(kv_cache)
-        return (self.norm(x) if last else x), tuple(new_caches)
+        x, new_caches = run_layers(self, self.layers[start:stop], x, positions, kv_caches, md)
+        return (self.norm(x) if last else x), new_caches
 
     def attend(self, x):
         return self.embed_tokens.attend(x)
+
+
+def run_layers(parent, layers, x, positions, kv_caches, md):
+    """``x`` through ``layers`` in order, each with its own KV cache; returns ``(x,
+    new caches)``.
+
+    Layers of one kind (`layer_kind`: their class and fields) share one traced body:
+    each is called through one `jax.jit` of the layer's pure apply with that layer's
+    variables, so JAX traces and lowers the body once per kind rather than once per
+    layer (a 30-layer model's step traces one layer), and XLA inlines the calls, so
+    the compiled step is the same program. Under ``init``, or in a pass that collects
+    intermediates (``--calculate-kv-scales``), the layers run as plain submodules.
+    """
+    if parent.is_initializing() or parent.is_mutable_collection("intermediates"):
+        new_caches = []
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            x, kv_cache = layer(x, positions, kv_cache, md)
+            new_caches.append(kv_cache)
+        return x, tuple(new_caches)
+    bodies: dict[Any, Any] = {}
+    new_caches = []
+    for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        kind = layer_kind(layer)
+        if kind not in bodies:
+            bodies[kind] = _layer_body(layer.clone(parent=None))
+        x, kv_cache = bodies[kind](layer.variables, x, positions, kv_cache, md)
+        new_caches.append(kv_cache)
+    return x, tuple(new_caches)
+
+
+def _layer_body(template: nn.Module):
+    """One jitted apply of ``template`` (an unbound layer), named ``decoder_layer`` in
+    the lowered module and in profiles."""
+
+    def decoder_layer(variables, x, positions, kv_cache, md):
+        return template.apply(variables, x, positions, kv_cache, md)
+
+    return jax.jit(decoder_layer)
+
+
+def layer_kind(layer: nn.Module) -> tuple:
+    """What makes two layer modules trace the same body: their class and every
+    field but the name and parent (unhashable values by identity, since the layers of
+    one model share the same ``attention_kwargs`` object)."""
+    fields = [f.name for f in dataclasses.fields(layer) if f.name not in ("parent", "name")]
+    return (type(layer), *(_hashable(getattr(layer, name)) for name in fields))
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
 
 
 class CausalLM(nn.Module):
