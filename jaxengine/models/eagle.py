@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jaxengine.models.layers.basic import Embed, Linear, float32_dots
 from jaxengine.models.layers.config import TransformerConfig
-from jaxengine.models.layers.decoder import DecoderLayer
+from jaxengine.models.layers.decoder import DecoderLayer, run_layers
 from jaxengine.models.layers.metadata import AttentionMetadata
 
 
@@ -48,11 +48,7 @@ class EagleModel(nn.Module):
     def __call__(self, token_ids, positions, hidden, kv_caches, md):
         x = jnp.concatenate([self.embed_tokens(token_ids), hidden.astype(self.config.dtype)], -1)
         x = self.fc(x)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, positions, kv_cache, md)
-            new_caches.append(kv_cache)
-        return x, tuple(new_caches)
+        return run_layers(self, self.layers, x, positions, kv_caches, md)
 
 
 class EagleHead(nn.Module):
