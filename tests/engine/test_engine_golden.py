@@ -24,7 +24,7 @@ import logging
 import pytest
 
 from jaxengine import LLM, SamplingParams
-from tests.models.hf_reference import hf_greedy
+from tests.models.hf_reference import hf_greedy_batch
 
 NEW_TOKENS = 24
 PREAMBLE = (
@@ -85,7 +85,7 @@ def expected(prompts, reference):
     def get(name: str):
         if name not in made:
             model = reference(name)[1]
-            made[name] = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+            made[name] = hf_greedy_batch(model, prompts, NEW_TOKENS)
         return made[name]
 
     return get

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from jaxengine import LLM, SamplingParams
-from tests.models.hf_reference import hf_greedy
+from tests.models.hf_reference import hf_greedy, hf_greedy_batch
 from tests.torch_fallback.conftest import CONFIGS, ENGINE_KWARGS, PROMPTS
 
 NEW_TOKENS = 8
@@ -66,7 +66,7 @@ def test_smollm2_gguf_through_transformers_loader(smollm2_gguf, smollm2_hf, smol
     from tests.engine.test_engine_golden import PREAMBLE, QUESTIONS
 
     prompts = [smollm2_tokenizer.encode(PREAMBLE + q) for q in QUESTIONS[:3]]
-    want = [hf_greedy(smollm2_hf, p, 16) for p in prompts]
+    want = hf_greedy_batch(smollm2_hf, prompts, 16)
     kwargs = {**ENGINE_KWARGS, "skip_tokenizer_init": False, "max_model_len": 256}
     llm = LLM(model=str(smollm2_gguf), **{**kwargs, "num_gpu_blocks_override": 64})
     try:
