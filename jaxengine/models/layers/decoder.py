@@ -100,19 +100,17 @@ def run_layers(parent, layers, x, positions, kv_caches, md):
     the compiled step is the same program. Under ``init``, or in a pass that collects
     intermediates (``--calculate-kv-scales``), the layers run as plain submodules.
     """
-    if parent.is_initializing() or parent.is_mutable_collection("intermediates"):
-        new_caches = []
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, positions, kv_cache, md)
-            new_caches.append(kv_cache)
-        return x, tuple(new_caches)
+    shared = not (parent.is_initializing() or parent.is_mutable_collection("intermediates"))
     bodies: dict[Any, Any] = {}
     new_caches = []
     for layer, kv_cache in zip(layers, kv_caches, strict=True):
-        kind = layer_kind(layer)
-        if kind not in bodies:
-            bodies[kind] = _layer_body(layer.clone(parent=None))
-        x, kv_cache = bodies[kind](layer.variables, x, positions, kv_cache, md)
+        if shared:
+            kind = layer_kind(layer)
+            if kind not in bodies:
+                bodies[kind] = _layer_body(layer.clone(parent=None))
+            x, kv_cache = bodies[kind](layer.variables, x, positions, kv_cache, md)
+        else:
+            x, kv_cache = layer(x, positions, kv_cache, md)
         new_caches.append(kv_cache)
     return x, tuple(new_caches)
 
