@@ -43,6 +43,7 @@ from jaxengine.config.arg_utils import (
 )
 from jaxengine.config.attention import AttentionBackendName
 from jaxengine.config.cache import BlockSize, CacheDType, PrefixCachingHashAlgo
+from jaxengine.config.compilation import CudagraphMode
 from jaxengine.config.guided_decoding import add_guided_decoding_flags, with_guided_decoding
 from jaxengine.config.load import LoadFormat
 from jaxengine.config.lora import LoRADType
@@ -185,6 +186,7 @@ class EngineArgs:
     compilation_cache_dir: str = _default("compilation_cache_dir")
     enable_compilation_cache: bool = _default("enable_compilation_cache")
     background_compile: bool = _default("background_compile")
+    cudagraph_mode: CudagraphMode | None = _default("cudagraph_mode")
     # AttentionConfig
     attention_backend: AttentionBackendName = _default("attention_backend")
     # StructuredOutputsConfig

@@ -1,7 +1,8 @@
 """A simple greedy decoding loop over the paged KV cache, without a scheduler.
 
 All prompts prefill together in one ragged step, then decode one token per request per
-step, through the engine's own step function (`runner.step`). Pages are handed out
+step, through the engine's own step function (`runner.step`; on CPU its PIECEWISE
+pieces, `runner.piecewise`, as a CPU engine runs them). Pages are handed out
 sequentially (page 0 stays the null page). The golden model tests use it to check the
 forward alone; it compiles one step per distinct token count, so it is not for serving.
 """
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.runner.batch import SeqChunk, pack_batch
+from jaxengine.runner.piecewise import Pieces, resolve_mode
 from jaxengine.runner.step import make_step, step_inputs
 
 
@@ -25,6 +28,9 @@ class GreedyLoop:
         self.module, self.config, self.params = module, config, params
         self.page_size = page_size
 
+        self._pieces = None
+        if resolve_mode(module, None, jax.default_backend()) == "PIECEWISE":
+            self._pieces = Pieces(module, len(config.layers), None, with_logits=True)
         self._step = make_step(module)  # the engine's step function
 
     def generate(
@@ -58,9 +64,7 @@ class GreedyLoop:
             )
             buffers, spec = step_inputs(batch)
             no_feed = np.zeros(num_reqs, np.int32)
-            logits, _, kv_caches = self._step(
-                self.params, kv_caches, buffers, no_feed, None, spec=spec
-            )
+            logits, kv_caches = self._run(kv_caches, buffers, spec, no_feed)
             logits = np.asarray(logits)
             if return_logits:
                 all_logits.append(logits)
@@ -69,3 +73,13 @@ class GreedyLoop:
                 seqs[r].append(token)
                 outputs[r].append(token)
         return (outputs, all_logits) if return_logits else outputs
+
+    def _run(self, kv_caches, buffers, spec, no_feed):
+        if self._pieces is None:
+            logits, _, kv_caches = self._step(
+                self.params, kv_caches, buffers, no_feed, None, spec=spec
+            )
+            return logits, kv_caches
+        fns, buffers = self._pieces.jitted(spec), jax.device_put(buffers)
+        logits, _, kv_caches = self._pieces.run(fns, self.params, kv_caches, buffers, no_feed, None)
+        return logits, kv_caches

@@ -28,7 +28,7 @@ import numpy as np
 from jaxengine.runner.attention_backend import AttentionBackend
 from jaxengine.runner.batch import PackedBatch
 from jaxengine.runner.program import abstract_output, zero_caches
-from jaxengine.runner.step import make_prompt_logprobs, make_swap_fns, step_inputs
+from jaxengine.runner.step import logits_at, make_prompt_logprobs, make_swap_fns, step_inputs
 from jaxengine.runner.transfer import unpack_tree
 from sharding.placement import Placement
 
@@ -56,8 +56,7 @@ def make_stage(module: Any, layers: range, first: bool, last: bool, logits_shard
         )
         if not last:
             return hidden, kv_caches
-        logits = module.apply({"params": params}, hidden[logits_indices], method="compute_logits")
-        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+        logits = logits_at(module, params, hidden, logits_indices, logits_sharding)
         return (logits, hidden), kv_caches
 
     return jax.jit(fn, donate_argnums=(1,), static_argnames=("spec",))

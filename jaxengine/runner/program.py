@@ -184,21 +184,25 @@ class SingleStage:
         self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any, images: Any = None
     ) -> None:
         buffers, spec = step_inputs(batch)
-        compiled = self._compile(
-            "step",
-            spec,
-            lambda: self._step.lower(params, caches, buffers, fed_ids, images, spec=spec),
-        )
-        self._steps[spec] = compiled
+        hidden = self._precompile_step(params, caches, buffers, spec, fed_ids, images)
         if self.pooling:
             return
-        hidden = abstract_output(compiled, compiled.out_info[1], 1)
         targets = np.zeros(batch.token_ids.shape[0], np.int32)
         self._prompt_lps[targets.shape[0]] = self._compile(
             "prompt_logprobs",
             targets.shape[0],
             lambda: self._prompt_lp.lower(params, hidden, targets),
         )
+
+    def _precompile_step(self, params, caches, buffers, spec, fed_ids, images) -> Any:
+        """Compiles the step for ``spec``; returns its hidden states' abstract value."""
+        compiled = self._compile(
+            "step",
+            spec,
+            lambda: self._step.lower(params, caches, buffers, fed_ids, images, spec=spec),
+        )
+        self._steps[spec] = compiled
+        return abstract_output(compiled, compiled.out_info[1], 1)
 
     def kv_amax(self, params: Params, caches: Caches, batch: PackedBatch, run: bool = True) -> Any:
         buffers, spec = step_inputs(batch)
@@ -229,11 +233,12 @@ def single_stage(
     k: int,
     store: ExecutableStore | None = None,
     pooling: bool = False,
+    program: type[SingleStage] = SingleStage,
 ) -> SingleStage:
     """``module``'s program on one tensor group: its attention (``module_kwargs``:
     the attention backend's kernels) and, for a model with experts, its MoE run per
-    shard by ``plan``."""
+    shard by ``plan``; ``program``: `SingleStage` (FULL) or `runner.piecewise`'s."""
     kwargs = {"attention_kwargs": plan.attention_kwargs(module_kwargs)}
     if hasattr(module, "moe_kwargs"):  # (an encoder has no experts)
         kwargs["moe_kwargs"] = plan.moe_kwargs()
-    return SingleStage(module.clone(**kwargs), num_layers, plan, k, store, pooling)
+    return program(module.clone(**kwargs), num_layers, plan, k, store, pooling)

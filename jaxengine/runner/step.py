@@ -54,16 +54,28 @@ def make_step(module: Any, logits_sharding: Any = None, with_logits: bool = True
         token_ids = fed_token_ids(token_ids, feed_rows, fed_ids)
         args = (token_ids, positions, kv_caches, md)
         if images is not None:
-            args += ((images[jnp.maximum(md.image_rows, 0)], md.image_rows >= 0),)
+            args += (image_embeds(images, md),)
         hidden, kv_caches = module.apply({"params": params}, *args)
         if not with_logits:
             return None, hidden, kv_caches
-        logits = module.apply({"params": params}, hidden[logits_indices], method="compute_logits")
-        if logits_sharding is not None:
-            logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-        return logits, hidden, kv_caches
+        return logits_at(module, params, hidden, logits_indices, logits_sharding), hidden, kv_caches
 
     return jax.jit(step, donate_argnums=(1,), static_argnames=("spec",))
+
+
+def image_embeds(images: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+    """The forward's ``image_embeds`` of a step: each token's row of the encoder's
+    output ``images`` and where one applies (``md.image_rows`` >= 0)."""
+    return images[jnp.maximum(md.image_rows, 0)], md.image_rows >= 0
+
+
+def logits_at(module: Any, params: Any, hidden: jax.Array, rows: jax.Array, sharding: Any):
+    """The logits ``[R, V]`` of ``hidden``'s ``rows``, placed by ``sharding`` (None:
+    where XLA leaves them)."""
+    logits = module.apply({"params": params}, hidden[rows], method="compute_logits")
+    if sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, sharding)
+    return logits
 
 
 def make_classifier(module: Any):

@@ -302,7 +302,8 @@ def build_worker(
     settings = _runner_settings(config, model, kv_size, limits, dtype, heads, eos, pooler)
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
     store = executable_store(config, loaded, backend, images and images.encoder.config)
-    program = stage_program(loaded, placement, backend, k, store, pooling=pooler is not None)
+    mode = config.compilation_config.cudagraph_mode
+    program = stage_program(loaded, placement, backend, k, store, pooler is not None, mode)
     sampler = SamplerFunctions(
         model.vocab_size,
         max_logprobs=mc.max_logprobs,

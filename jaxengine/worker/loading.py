@@ -21,6 +21,7 @@ from jaxengine.models.layers.lora import LoRASpec
 from jaxengine.multimodal.processor import images_both_ways
 from jaxengine.runner.attention_backend import AttentionBackend, select_attention_backend
 from jaxengine.runner.executables import ExecutableStore, setup_compilation_cache
+from jaxengine.runner.piecewise import program_class
 from jaxengine.runner.program import StageProgram, single_stage
 from sharding.placement import Placement
 
@@ -118,9 +119,11 @@ def stage_program(
     k: int,
     store: ExecutableStore | None = None,
     pooling: bool = False,
+    cudagraph_mode: str | None = None,
 ) -> StageProgram:
     """One tensor group's program, or the pipeline's stages (or the PyTorch model's);
-    ``pooling``: a pooling model's (hidden states only, one tensor group)."""
+    ``pooling``: a pooling model's (hidden states only, one tensor group);
+    ``cudagraph_mode``: a single stage's FULL or PIECEWISE step (`runner.piecewise`)."""
     if is_torch(loaded):
         from torch_fallback.loader import torch_device
         from torch_fallback.program import TorchProgram
@@ -137,12 +140,9 @@ def stage_program(
             loaded.logical_axes,
             loaded.config.tie_word_embeddings,
         )
+    plan = placement.plans[0]
+    program = program_class(loaded.module, cudagraph_mode, plan)
+    layers = len(loaded.config.layers)
     return single_stage(
-        loaded.module,
-        len(loaded.config.layers),
-        placement.plans[0],
-        backend.module_kwargs(),
-        k,
-        store,
-        pooling,
+        loaded.module, layers, plan, backend.module_kwargs(), k, store, pooling, program
     )

@@ -108,8 +108,10 @@ CONDITIONS = {
     ),
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "max_num_seqs_1": dict(max_num_seqs=1, compile_token_buckets=[1, 16, 64]),
-    # the Pallas kernels inside the real step (interpret mode on CPU)
-    "pallas_kernels": dict(attention_backend="pallas"),
+    # the Pallas kernels inside the real step (interpret mode on CPU), compiled FULL as
+    # on the accelerators the kernels are for (every other condition: PIECEWISE, the
+    # CPU default; `test_piecewise.py` checks the two agree)
+    "pallas_kernels": dict(attention_backend="pallas", cudagraph_mode="FULL"),
     # the next step scheduled while the device runs the previous one, its in-flight
     # tokens fed on device, over 3 tensor devices, with pages swapped out and back
     "async_preempt_swap_tp3": dict(

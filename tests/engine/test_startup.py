@@ -38,7 +38,10 @@ def test_background_compile_then_a_restart_from_stored_executables(
     first.engine.shutdown()
     stored = Counter(p.name.split("-")[0] for p in (tmp_path / "executables").iterdir())
     variants = len(runner.sampler.variants)
-    assert stored == {"step": 3, "prompt_logprobs": 3, "sampler": 2 * variants}  # R = 4, 8
+    # per token bucket the PIECEWISE step's pieces (`runner.piecewise`: the CPU default)
+    # and the prompt logprobs; per request bucket (R = 4, 8) every sampler variant
+    pieces = {"step.embed": 3, "step.layer0": 3, "step.head": 3}
+    assert stored == {**pieces, "prompt_logprobs": 3, "sampler": 2 * variants}
 
     loaded = []
     load = ExecutableStore.load

@@ -33,7 +33,8 @@ def test_auto_falls_back_and_jax_refuses(checkpoints, gpt2, caplog):
     with caplog.at_level(logging.INFO, logger="jaxengine.executor.build"):
         native = LLM(model=llama, **AUTO)
     try:
-        assert type(native.engine.executor.runner.program).__name__ == "SingleStage"
+        program = type(native.engine.executor.runner.program).__name__
+        assert program in ("SingleStage", "PiecewiseStage")  # (PIECEWISE: the CPU default)
         assert "--model-impl auto: using transformers" not in caplog.text
     finally:
         native.shutdown()

@@ -115,6 +115,7 @@ VALID_FLAGS = [
     (["--compilation-cache-dir", "/tmp/xla"], "compilation_cache_dir", "/tmp/xla"),
     (["--no-enable-compilation-cache"], "enable_compilation_cache", False),
     (["--background-compile"], "background_compile", True),
+    (["--cudagraph-mode", "FULL"], "cudagraph_mode", "FULL"),
     (["--async-scheduling"], "async_scheduling", True),
     (["--attention-backend", "reference"], "attention_backend", "reference"),
     (["--structured-outputs-config", '{"backend": "guidance"}'], "structured_outputs_config",

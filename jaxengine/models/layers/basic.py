@@ -7,6 +7,7 @@ parameter carries logical axis names (`sharding/` maps them onto a mesh).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -29,14 +30,19 @@ def float32_dots(method):
 
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
-        cfg = self.config
-        matmul = cfg.dtype if cfg.matmul_dtype is None else cfg.matmul_dtype
-        if jnp.dtype(cfg.dtype) != jnp.float32 or jnp.dtype(matmul) != jnp.float32:
-            return method(self, *args, **kwargs)
-        with jax.default_matmul_precision("float32"):
+        with matmul_precision(self.config):
             return method(self, *args, **kwargs)
 
     return wrapped
+
+
+def matmul_precision(cfg: Any) -> contextlib.AbstractContextManager:
+    """`float32_dots`'s context for a model of config ``cfg``: full-float32 dots for a
+    float32 model, nothing otherwise."""
+    matmul = cfg.dtype if cfg.matmul_dtype is None else cfg.matmul_dtype
+    if jnp.dtype(cfg.dtype) != jnp.float32 or jnp.dtype(matmul) != jnp.float32:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision("float32")
 
 
 def _normal(std: float = _INIT_STD):

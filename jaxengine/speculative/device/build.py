@@ -11,6 +11,7 @@ from jaxengine.loader import LoadedModel
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.runner.kv_sizing import bytes_per_block, cache_dtype
 from jaxengine.runner.model_runner import RunnerSettings
+from jaxengine.runner.piecewise import program_class
 from jaxengine.runner.program import abstract_like, single_stage
 from jaxengine.speculative import Proposer
 from jaxengine.speculative.device.draft import DraftProposer, DraftSettings
@@ -82,7 +83,10 @@ def make_proposer(
     if sc.method == "eagle":
         return eagle_proposer(draft, draft_settings, target)
     plan, backend = draft.placement.plans[0], draft.backend
-    program = single_stage(draft.loaded.module, len(model.layers), plan, backend.module_kwargs(), 1)
+    mode = config.compilation_config.cudagraph_mode
+    cls = program_class(draft.loaded.module, mode, plan)
+    kwargs = backend.module_kwargs()
+    program = single_stage(draft.loaded.module, len(model.layers), plan, kwargs, 1, program=cls)
     return DraftProposer(program, draft.loaded.params, draft_settings)
 
 
