@@ -10,11 +10,17 @@ host logits-processor path). The engine's custom logits processors
 the row count, so they add no variant. Their code is the user's, outside what the
 `ExecutableStore` hashes, so an engine with processors stores no sampler executables
 (the built-in thinking-budget processor, `reasoning.budget_processor`, is hashed).
+
+The structured-output bitmask is its own small program (`apply_token_bitmask`, one
+per row count): a batch with constrained rows runs it on the logits, then the variant
+without the mask. So the masked variants cost one program per row count, not a second
+compile of every variant; the logprobs still see the masked logits, as in vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -23,6 +29,7 @@ import numpy as np
 
 from jaxengine.runner.executables import compile_ahead
 from jaxengine.runner.logits_processors import ProcessorBatch
+from jaxengine.runner.sampler import apply_token_bitmask
 from jaxengine.runner.sampling_metadata import (
     SamplerFlags,
     SamplingBatch,
@@ -68,6 +75,8 @@ class SamplerFunctions:
         self.store = None if self.processors.custom else store
         self._sampler = make_sampler(max_num_seqs, logits_sharding, self.processors.processors)
         self._compiled: dict[tuple, Any] = {}  # (metadata spec, flags) -> executable
+        self._mask = jax.jit(apply_token_bitmask)
+        self._masks: dict[int, Any] = {}  # rows -> compiled mask
         self.variants = sampler_variants(vocab_size, max_logprobs, logprobs_mode, max_model_len)
 
     def to_device(self, logits: np.ndarray):
@@ -77,6 +86,11 @@ class SamplerFunctions:
         return jax.device_put(logits, self.logits_sharding)
 
     def sample(self, logits, metadata, flags: SamplerFlags):
+        if flags.token_bitmask:  # the mask first, then the variant without it
+            rows = metadata.token_bitmask.shape[0]
+            logits = self._masks.get(rows, self._mask)(logits, metadata.token_bitmask)
+            metadata = metadata._replace(token_bitmask=np.zeros((rows, 0), np.int32))
+            flags = dataclasses.replace(flags, token_bitmask=False)
         buffers, spec = pack_tree(metadata)
         compiled = self._compiled.get((spec, flags))
         if compiled is not None:
@@ -84,19 +98,37 @@ class SamplerFunctions:
         return self._sampler(logits, buffers, spec=spec, flags=flags)
 
     def warm(self, num_reqs: int, flags: SamplerFlags) -> None:
-        """Compiles (or loads) the variant ``flags`` for ``num_reqs`` rows."""
+        """Compiles (or loads) the variant ``flags`` for ``num_reqs`` rows (with the
+        bitmask: the mask program and the variant without it)."""
+        logits = self._abstract_logits(num_reqs)
+        if flags.token_bitmask:
+            self._warm_mask(num_reqs, logits)
+            flags = dataclasses.replace(flags, token_bitmask=False)
         metadata = SamplingBatch([], num_reqs, self.vocab_size).to_metadata(flags)
         metadata = metadata._replace(processor_states=self.processors.template(num_reqs))
         buffers, spec = pack_tree(metadata)
-        logits = jax.ShapeDtypeStruct((num_reqs, self.vocab_size), jnp.float32)
-        if self.logits_sharding is not None:
-            logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self.logits_sharding)
+        key = (spec, flags)
+        if key in self._compiled:
+            return
 
         def lower():
             return self._sampler.lower(logits, buffers, spec=spec, flags=flags)
 
-        key = (spec, flags)
         self._compiled[key] = compile_ahead(self.store, "sampler", key, lower)
+
+    def _warm_mask(self, num_reqs: int, logits) -> None:
+        if num_reqs in self._masks:
+            return
+        bitmask = jax.ShapeDtypeStruct((num_reqs, -(-self.vocab_size // 32)), jnp.int32)
+        key = (num_reqs, self.vocab_size)
+        lower = functools.partial(self._mask.lower, logits, bitmask)
+        self._masks[num_reqs] = compile_ahead(self.store, "sampler.mask", key, lower)
+
+    def _abstract_logits(self, num_reqs: int) -> jax.ShapeDtypeStruct:
+        shape = (num_reqs, self.vocab_size)
+        if self.logits_sharding is None:
+            return jax.ShapeDtypeStruct(shape, jnp.float32)
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.logits_sharding)
 
 
 def sampler_variants(
@@ -104,7 +136,8 @@ def sampler_variants(
 ) -> list[SamplerFlags]:
     """Greedy; greedy with logprobs; temperature + filters; everything; and each
     again with the structured-output bitmask (a batch mixing constrained and free
-    requests runs one of those and compiles nothing).
+    requests runs one of those and compiles nothing; the masked ones are the mask
+    program followed by their unmasked twin, `SamplerFunctions`).
 
     "Everything" also gathers `logprob_token_ids`: a batch naming ids runs it. Its
     ranks sort the vocabulary only in steps where a row names ids (`lax.cond`), so

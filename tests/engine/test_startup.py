@@ -37,11 +37,14 @@ def test_background_compile_then_a_restart_from_stored_executables(
     assert first.engine.executor.compiles_after_warmup == 0
     first.engine.shutdown()
     stored = Counter(p.name.split("-")[0] for p in (tmp_path / "executables").iterdir())
-    variants = len(runner.sampler.variants)
+    unmasked = sum(not f.token_bitmask for f in runner.sampler.variants)
     # per token bucket the PIECEWISE step's pieces (`runner.piecewise`: the CPU default)
     # and the prompt logprobs; per request bucket (R = 4, 8) every sampler variant
+    # without the grammar bitmask, and the bitmask's program (the masked variants run it
+    # before their unmasked twin)
     pieces = {"step.embed": 3, "step.layer0": 3, "step.head": 3}
-    assert stored == {**pieces, "prompt_logprobs": 3, "sampler": 2 * variants}
+    samplers = {"sampler": 2 * unmasked, "sampler.mask": 2}
+    assert stored == {**pieces, "prompt_logprobs": 3, **samplers}
 
     loaded = []
     load = ExecutableStore.load
