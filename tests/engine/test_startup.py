@@ -21,11 +21,14 @@ def test_background_compile_then_a_restart_from_stored_executables(
     tiny_smollm2, xla_cache_dir, tmp_path, monkeypatch
 ):
     model = str(tiny_smollm2[0])  # the stored programs, not the weights, are under test
-    # buckets no other test compiles, so JAX's persistent cache cannot answer them and
-    # the first engine compiles (and stores) every step itself
+    # token and request buckets no other test compiles (R = 3, 6), so neither JAX's
+    # persistent cache nor its in-memory one (the sampler's bitmask program depends on R
+    # and the vocabulary alone) can answer them: the first engine compiles, and stores,
+    # every program itself
     kwargs = {
         **small_llm_kwargs(xla_cache_dir),
-        "compile_token_buckets": [4, 12, 32],
+        "max_num_seqs": 6,
+        "compile_token_buckets": [3, 12, 32],
         "compilation_cache_dir": str(tmp_path),
     }
     first = LLM(model=model, background_compile=True, **kwargs)
@@ -39,7 +42,7 @@ def test_background_compile_then_a_restart_from_stored_executables(
     stored = Counter(p.name.split("-")[0] for p in (tmp_path / "executables").iterdir())
     unmasked = sum(not f.token_bitmask for f in runner.sampler.variants)
     # per token bucket the PIECEWISE step's pieces (`runner.piecewise`: the CPU default)
-    # and the prompt logprobs; per request bucket (R = 4, 8) every sampler variant
+    # and the prompt logprobs; per request bucket (R = 3, 6) every sampler variant
     # without the grammar bitmask, and the bitmask's program (the masked variants run it
     # before their unmasked twin)
     pieces = {"step.embed": 3, "step.layer0": 3, "step.head": 3}
