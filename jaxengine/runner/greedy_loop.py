@@ -30,7 +30,7 @@ class GreedyLoop:
 
         self._pieces = None
         if resolve_mode(module, None, jax.default_backend()) == "PIECEWISE":
-            self._pieces = Pieces(module, len(config.layers), None, with_logits=True)
+            self._pieces = Pieces(module, None, with_logits=True)
         self._step = make_step(module)  # the engine's step function
 
     def generate(

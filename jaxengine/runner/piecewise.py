@@ -47,8 +47,7 @@ def _stage(module, *args):
 class Pieces:
     """The jitted pieces of one model's step (unbound: ``spec`` static)."""
 
-    def __init__(self, module: Any, num_layers: int, pinned: Any, with_logits: bool) -> None:
-        self.num_layers = num_layers
+    def __init__(self, module: Any, pinned: Any, with_logits: bool) -> None:
         layers = module.bind({"params": {}}).model.layers
         kinds = [layer_kind(layer) for layer in layers]
         unique = list(dict.fromkeys(kinds))  # in order of first use
@@ -63,7 +62,7 @@ class Pieces:
             )
             for template in templates
         ]
-        head = functools.partial(self._head, module, num_layers, pinned, with_logits)
+        head = functools.partial(self._head, module, len(layers), pinned, with_logits)
         self.head = jax.jit(head, static_argnames="spec")
 
     def jitted(self, spec: Any) -> tuple:
@@ -132,7 +131,7 @@ class PiecewiseStage(SingleStage):
 
     def __init__(self, module: Any, num_layers: int, plan: Any, k: int, store=None, pooling=False):
         super().__init__(module, num_layers, plan, k, store, pooling)
-        self._pieces = Pieces(module, num_layers, self._logits_sharding, not pooling)
+        self._pieces = Pieces(module, self._logits_sharding, not pooling)
         self._placed = None if plan is None else plan.replicated
         self._compiled: dict[Any, tuple] = {}  # batch spec -> (embed, [layer per kind], head)
 

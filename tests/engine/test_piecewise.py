@@ -74,8 +74,8 @@ def test_one_layer_program_per_kind_of_layer():
     each layer called through its own kind's."""
     config = copy.deepcopy(KINDS["gemma3"][0])  # the shared-body check's model
     config.layer_types = ["sliding_attention"] * 2 + ["full_attention", "sliding_attention"]
-    module, model_config = get_model(config, jnp.float32)
-    pieces = Pieces(module, len(model_config.layers), None, with_logits=True)
+    module, _ = get_model(config, jnp.float32)
+    pieces = Pieces(module, None, with_logits=True)
     assert len(pieces.layers) == 2
     assert pieces.kind_of == [0, 0, 1, 0]
 
