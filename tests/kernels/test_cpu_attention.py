@@ -33,7 +33,7 @@ BLOCKS = {"default": {}, "small": dict(kv_chunk=8, block_q=4)}
 
 
 @functools.cache
-def jitted(blocks: str, sm_scale: float, sliding_window, soft_cap):
+def jitted_kernel(blocks: str, sm_scale: float, sliding_window, soft_cap):
     return jax.jit(
         functools.partial(
             cpu.ragged_paged_attention,
@@ -45,9 +45,15 @@ def jitted(blocks: str, sm_scale: float, sliding_window, soft_cap):
     )
 
 
+def jitted(fn, **static):
+    """``fn`` jitted with its static arguments, as the engine runs it: one compile per
+    batch, where running it op by op compiles each of its operations."""
+    return jax.jit(functools.partial(fn, **static))
+
+
 def run_jitted(blocks: str):
     def kernel(*args, sm_scale, sliding_window, soft_cap):
-        return jitted(blocks, sm_scale, sliding_window, soft_cap)(*args)
+        return jitted_kernel(blocks, sm_scale, sliding_window, soft_cap)(*args)
 
     return kernel
 
@@ -101,10 +107,9 @@ def test_one_compile_serves_every_batch_of_a_shape():
 def test_bidirectional_matches_reference(shape, seed):
     """``causal=False`` (an encoder's attention over its request's keys)."""
     batch = build(shape, seed)
-    kernel = functools.partial(cpu.ragged_paged_attention, causal=False)
     args = batch.args(jax.numpy.float32, None)
-    want = reference_attention(*args, **batch.kwargs(), causal=False)
-    got = kernel(*args, **batch.kwargs())
+    want = jitted(reference_attention, causal=False, **batch.kwargs())(*args)
+    got = jitted(cpu.ragged_paged_attention, causal=False, **batch.kwargs())(*args)
     real = batch.num_real_tokens
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
     np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)
@@ -119,8 +124,9 @@ def test_image_spans_match_reference(shape, seed, blocks):
     batch = build(shape, seed)
     ends = jax.numpy.asarray(image_spans(batch, seed))
     args = batch.args(jax.numpy.float32, None)
-    want = reference_attention(*args, **batch.kwargs(), attend_until=ends)
-    got = cpu.ragged_paged_attention(*args, **batch.kwargs(), attend_until=ends, **BLOCKS[blocks])
+    want = jitted(reference_attention, **batch.kwargs())(*args, attend_until=ends)
+    kernel = jitted(cpu.ragged_paged_attention, **batch.kwargs(), **BLOCKS[blocks])
+    got = kernel(*args, attend_until=ends)
     real = batch.num_real_tokens
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
     np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)
