@@ -6,6 +6,8 @@ import copy
 import os
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 import transformers
 
@@ -15,6 +17,26 @@ def reference_threads() -> None:
     the two cores, and two OpenMP threads on a busy core spin at each barrier (the
     golden test's SmolLM2 references took 518 s on a worker instead of about 20)."""
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+
+class PlainArrayGGUFReader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` reading through a plain ndarray view of its memory map.
+
+    The reader parses a file's metadata element by element (Gemma 3's 262k-token
+    vocabulary: about a million small reads), and every read of an ``np.memmap`` runs
+    numpy's Python-level ``memmap.__getitem__`` and ``__array_finalize__``: 20 s for
+    Gemma 3's header against 6 s through the plain view of the same mapped bytes (a
+    script; the same fields and tensors). The tests put this class in
+    ``gguf.GGUFReader`` (`tests/conftest.py`), where transformers' GGUF loader finds it;
+    the engine reads GGUF files with its own parser (`jaxengine.loader.gguf_io`)."""
+
+    @property
+    def data(self):
+        return self._plain
+
+    @data.setter
+    def data(self, mapped) -> None:
+        self._plain = mapped.view(np.ndarray)  # the mapping stays alive as its base
 
 
 def hf_from_gguf(path: Path, cache_dir: Path):
