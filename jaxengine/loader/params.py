@@ -12,6 +12,7 @@ q/k/v and gate/up tensors are concatenated into them here, once.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -80,15 +81,18 @@ def is_quantized(dtype: Any) -> bool:
 def dummy_params(
     module: nn.Module, config: TransformerConfig, seed: int = 0, shardings: Any = None
 ) -> Any:
-    """Random parameters of the right shapes and dtypes, initialized on device.
+    """Random parameters of the right shapes and dtypes.
 
     Leaf by leaf, as the layers initialize them (normal(0, 0.02) weights, zero biases,
-    RMSNorm scales of 1, or 0 with Gemma's +1 offset), each in its own small program
-    with XLA's RngBitGenerator ("rbg" keys): the whole model's init in one program, or
-    threefry's counters, hold several times the weights' bytes in temporaries (over
-    20 GiB for a 4-layer Llama-3-8B). With ``shardings`` (a `NamedSharding` per leaf)
-    each device computes only its own shard. Dummy weights are for profiling: the
-    values are reproducible for one layout, not across layouts.
+    RMSNorm scales of 1, or 0 with Gemma's +1 offset). A leaf of at most
+    `HOST_FILL_MAX` values is drawn on the host (numpy) and placed: no program to
+    compile per leaf shape. A larger one is drawn on device, each in its own small
+    program with XLA's RngBitGenerator ("rbg" keys): the whole model's init in one
+    program, or threefry's counters, hold several times the weights' bytes in
+    temporaries (over 20 GiB for a 4-layer Llama-3-8B). With ``shardings`` (a
+    `NamedSharding` per leaf) each device holds, and for large leaves computes, only
+    its own shard. Dummy weights are for profiling: the values are reproducible for
+    one layout, not across layouts.
     """
     boxed = abstract_params(module, config)
     abstract, logical = nn.unbox(boxed), logical_axes(boxed)
@@ -101,9 +105,21 @@ def dummy_params(
     for i, ((path, leaf), spec, sharding) in enumerate(zip(flat, specs, placed, strict=True)):
         name = getattr(path[-1], "key", str(path[-1]))
         kind = _dummy_kind(name, tuple(spec), leaf.dtype, config.quantization)
+        if math.prod(leaf.shape) <= HOST_FILL_MAX:
+            rng = np.random.default_rng((seed, i))
+            draw = functools.partial(_host_draw, rng, leaf.shape)
+            values = _dummy_values(np, draw, leaf.shape, np.dtype(leaf.dtype), kind, norm_value)
+            leaves.append(place(values, leaf.dtype, sharding))
+            continue
         fill = _dummy_fill(leaf.shape, np.dtype(leaf.dtype).name, kind, norm_value, sharding)
         leaves.append(fill(jax.random.fold_in(key, i)))
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+HOST_FILL_MAX = 1 << 22
+"""Dummy leaves of at most this many values (16 MiB in float32) are drawn with numpy:
+a tiny model's init otherwise compiled a program for each of its leaf shapes (about
+0.2 s each on CPU, more than the values take to draw)."""
 
 
 _DUMMY_SIDE = {
@@ -133,25 +149,43 @@ def _dummy_kind(name: str, spec: tuple, dtype: Any, scheme: Any) -> str:
     return "normal"
 
 
+def _dummy_values(xp, draw, shape: tuple, dtype: Any, kind: str, norm_value: float):
+    """A leaf of `_dummy_kind` ``kind`` with the array module ``xp`` (numpy or jax.numpy);
+    ``draw("normal")`` gives standard normal float32 values, ``draw("int4")`` uniform
+    integers in [0, 256)."""
+    if kind == "zeros":
+        return xp.zeros(shape, dtype)
+    if kind == "norm":
+        return xp.full(shape, norm_value, dtype)
+    if kind == "ones":
+        return xp.ones(shape, dtype)
+    if kind in _DUMMY_SIDE:
+        return xp.full(shape, _DUMMY_SIDE[kind], dtype)
+    if kind == "int4":
+        return draw("int4").astype(dtype)
+    normal = draw("normal")
+    if kind == "quantized":  # q * DUMMY_QUANT_SCALE ~ normal(0, DUMMY_STD), clipped
+        return xp.clip(xp.round(normal * DUMMY_STD / DUMMY_QUANT_SCALE), -127, 127).astype(dtype)
+    return (DUMMY_STD * normal).astype(dtype)
+
+
+def _host_draw(rng: np.random.Generator, shape: tuple, what: str) -> np.ndarray:
+    if what == "int4":
+        return rng.integers(0, 256, shape, dtype=np.int32)
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def _device_draw(key: jax.Array, shape: tuple, what: str) -> jax.Array:
+    if what == "int4":
+        return jax.random.randint(key, shape, 0, 256, jnp.int32)
+    return jax.random.normal(key, shape, jnp.float32)
+
+
 @functools.cache
 def _dummy_fill(shape: tuple, dtype: str, kind: str, norm_value: float, sharding: Any):
     def fill(key):
-        if kind == "zeros":
-            return jnp.zeros(shape, dtype)
-        if kind == "norm":
-            return jnp.full(shape, norm_value, dtype)
-        if kind == "ones":
-            return jnp.ones(shape, dtype)
-        if kind in _DUMMY_SIDE:
-            return jnp.full(shape, _DUMMY_SIDE[kind], dtype)
-        if kind == "int4":
-            return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(dtype)
-        normal = jax.random.normal(key, shape, jnp.float32)
-        if kind == "quantized":  # q * DUMMY_QUANT_SCALE ~ normal(0, DUMMY_STD), clipped
-            return jnp.clip(jnp.round(normal * DUMMY_STD / DUMMY_QUANT_SCALE), -127, 127).astype(
-                dtype
-            )
-        return (DUMMY_STD * normal).astype(dtype)
+        draw = functools.partial(_device_draw, key, shape)
+        return _dummy_values(jnp, draw, shape, dtype, kind, norm_value)
 
     return jax.jit(fill, out_shardings=sharding)
 
