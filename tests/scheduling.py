@@ -33,10 +33,9 @@ GROUP_SECONDS = {
     # test_structured_outputs.py's ratio (165 s here, 360 s there); start-up, data
     # parallel, golden_real and loader_gguf_real re-estimated after their moves to
     # the tiny model and to the run's shared transformers references
-    "tests/server/test_structured_outputs.py": 165,
+    "smollm2_server": 200,  # test_structured_outputs.py's 165 and the beam chat tests
     "server-dp2": 88,
     "server-dp1": 67,
-    "smollm2_server": 63,
     "tests/sharding/test_parallel_engine.py": 108,
     "tests/engine/test_spec_decode.py": 96,
     "tests/models/test_golden_real.py": 60,

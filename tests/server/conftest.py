@@ -225,22 +225,23 @@ def vllm_extras_server(tiny_smollm2, tmp_path_factory) -> Server:
     stop_server(running)
 
 
-SMOLLM2_FLAGS = [
-    "--api-key", API_KEY,
-    "--served-model-name", MODEL, ALIAS,
-    "--max-model-len", "512",
-    "--max-num-seqs", "8",
-    "--max-num-batched-tokens", "32",
-    "--compile-token-buckets", "32",
-    "--disable-uvicorn-access-log",
+TOOL_TEMPLATE = Path(__file__).with_name("tool_chat_template.jinja")
+TOOL_FLAGS = [
+    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--chat-template", str(TOOL_TEMPLATE),
 ]  # fmt: skip
-"""`smollm2_server`'s flags: one compiled step (SmolLM2's 30 layers take ~8 s each)."""
+"""Tool calling: the hermes parser and a ChatML template that renders tools (for
+messages without tools it renders as SmolLM2's own template)."""
+SMOLLM2_FLAGS = [*with_flags(SERVER_FLAGS, {"--max-model-len": "1024"}), *TOOL_FLAGS]
+"""`smollm2_server`'s flags: SERVER_FLAGS with a longer context, and tool calling."""
 
 
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_gguf, tmp_path_factory) -> Server:
     """A server (dp1) of SmolLM2-135M-Instruct's real weights, for the tests about what
-    the real model answers (a beam that ends on EOS) rather than the API."""
+    the real model answers rather than the API: structured outputs and tool calls that
+    close (test_structured_outputs.py), a chat beam that ends on EOS
+    (test_beam_search_server.py)."""
     log_path = tmp_path_factory.mktemp("server-smollm2") / "server.log"
     running = start_server(log_path, [str(smollm2_gguf), *SMOLLM2_FLAGS])
     yield running
@@ -257,14 +258,8 @@ def async_client(server):
     return server.async_client(max_retries=0, timeout=120)
 
 
-TOOL_TEMPLATE = Path(__file__).with_name("tool_chat_template.jinja")
-AGENT_FLAGS = [
-    *SERVER_FLAGS,
-    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-    "--chat-template", str(TOOL_TEMPLATE),
-]  # fmt: skip
-"""`agents_server`'s flags: SERVER_FLAGS plus tool calling (hermes, a ChatML template
-that renders tools)."""
+AGENT_FLAGS = [*SERVER_FLAGS, *TOOL_FLAGS]
+"""`agents_server`'s flags: SERVER_FLAGS plus tool calling."""
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,11 @@
 """Structured outputs and tool calling against a real `jaxengine serve` (the default model).
 
-One server for the module, with auto tool choice (the hermes parser) and a ChatML
-template that renders tools (`tool_chat_template.jinja`). Outputs are sampled at
-temperature 1 over several seeds, so the constraint (not the model's habits) is what
-makes them conform: JSON that validates against its schema, text that fully matches
-its regex or grammar, one of the choices, tool calls whose arguments validate.
-Requests over seeds run concurrently (the engine batches them).
+On the session's SmolLM2 server (`smollm2_server`), with auto tool choice (the hermes
+parser) and a ChatML template that renders tools (`tool_chat_template.jinja`). Outputs
+are sampled at temperature 1 over several seeds, so the constraint (not the model's
+habits) is what makes them conform: JSON that validates against its schema, text that
+fully matches its regex or grammar, one of the choices, tool calls whose arguments
+validate. Requests over seeds run concurrently (the engine batches them).
 """
 
 from __future__ import annotations
@@ -13,32 +13,23 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, SERVER_FLAGS, start_server, stop_server, with_flags
+from tests.server.conftest import MODEL
 from tests.server.test_errors import check_error, still_serves
 
-TEMPLATE = Path(__file__).with_name("tool_chat_template.jinja")
 SEEDS = range(4)
 MAX_TOKENS = 200
 
 
-def _flags() -> list[str]:
-    flags = with_flags(SERVER_FLAGS, {"--max-model-len": "1024"})
-    tools = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    return [*flags, *tools, "--chat-template", str(TEMPLATE)]
-
-
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server-structured") / "server.log"
-    running = start_server(log_path, _flags())
-    yield running
-    stop_server(running)
+def server(smollm2_server):
+    """The session's SmolLM2 server (`tests/server/conftest.py`: auto tool choice with
+    the hermes parser, a ChatML template that renders tools)."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")
