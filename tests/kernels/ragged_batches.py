@@ -141,10 +141,15 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @functools.cache
+def jitted(fn: Callable, **static) -> Callable:
+    """``fn`` jitted with its static keyword arguments, as the engine runs it: one
+    compile per batch shape, where running it op by op compiles each of its operations."""
+    return jax.jit(functools.partial(fn, **static))
+
+
 def jitted_reference(**kwargs) -> Callable:
-    """The reference jitted for one set of static arguments: one compile per batch
-    shape, where running it op by op compiles each of its operations."""
-    return jax.jit(functools.partial(reference.ragged_paged_attention, **kwargs))
+    """The reference jitted for one set of static arguments (`jitted`)."""
+    return jitted(reference.ragged_paged_attention, **kwargs)
 
 
 def check_kernel(
@@ -159,9 +164,7 @@ def check_kernel(
     dtype = jnp.dtype(dtype_name)
     args = batch.args(dtype, cache_dtype)
     want = np.asarray(jitted_reference(**batch.kwargs())(*args), np.float32)
-    # jitted as the engine runs it: one compile per batch, where running the kernel's
-    # wrapper op by op compiles each of its operations
-    got = jax.jit(functools.partial(kernel, **batch.kwargs(), **kernel_kwargs))(*args)
+    got = jitted(kernel, **batch.kwargs(), **kernel_kwargs)(*args)
     assert got.shape == batch.q.shape and got.dtype == dtype
     got = np.asarray(got.astype(jnp.float32))
     assert np.isfinite(got).all(), "NaN or inf in the output"

@@ -17,10 +17,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention import cpu
-from pallas_kernels.ragged_paged_attention.reference import (
-    ragged_paged_attention as reference_attention,
+from tests.kernels.ragged_batches import (
+    Shape,
+    build,
+    check_kernel,
+    image_spans,
+    jitted,
+    jitted_reference,
+    shapes,
 )
-from tests.kernels.ragged_batches import Shape, build, check_kernel, image_spans, shapes
 
 DECODE = Shape(16, 2, 4, 128, (1,) * 5, (3, 17, 40, 64, 0), 2, 3, None, None)
 LONG_CHUNK = Shape(8, 1, 3, 64, (1, 2, 24), (9, 30, 70), 0, 0, None, 30.0)
@@ -32,30 +37,7 @@ SMOLLM2_MIXED = Shape(16, 3, 3, 64, (1, 1, 20, 1), (40, 0, 35, 17), 1, 2, None, 
 BLOCKS = {"default": {}, "small": dict(kv_chunk=8, block_q=4)}
 
 
-@functools.cache
-def jitted_kernel(blocks: str, sm_scale: float, sliding_window, soft_cap):
-    return jax.jit(
-        functools.partial(
-            cpu.ragged_paged_attention,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-            **BLOCKS[blocks],
-        )
-    )
-
-
-def jitted(fn, **static):
-    """``fn`` jitted with its static arguments, as the engine runs it: one compile per
-    batch, where running it op by op compiles each of its operations."""
-    return jax.jit(functools.partial(fn, **static))
-
-
-def run_jitted(blocks: str):
-    def kernel(*args, sm_scale, sliding_window, soft_cap):
-        return jitted_kernel(blocks, sm_scale, sliding_window, soft_cap)(*args)
-
-    return kernel
+KERNELS = {name: functools.partial(cpu.ragged_paged_attention, **b) for name, b in BLOCKS.items()}
 
 
 @settings(max_examples=5, deadline=None)
@@ -72,14 +54,14 @@ def run_jitted(blocks: str):
 @example(shape=SMOLLM2_MIXED, seed=4, blocks="small", dtype="float32")
 @example(shape=SMOLLM2_MIXED, seed=5, blocks="default", dtype="bfloat16")
 def test_matches_reference(shape, seed, blocks, dtype):
-    check_kernel(run_jitted(blocks), build(shape, seed), dtype)
+    check_kernel(KERNELS[blocks], build(shape, seed), dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("shape", [DECODE, SMOLLM2_MIXED], ids=["decode", "mixed"])
 def test_fp8_cache_matches_reference(shape, cache_dtype):
     """``--kv-cache-dtype fp8``: 8-bit pages gathered as bytes, widened after."""
-    check_kernel(run_jitted("small"), build(shape, 11), "float32", cache_dtype)
+    check_kernel(KERNELS["small"], build(shape, 11), "float32", cache_dtype)
 
 
 def test_one_compile_serves_every_batch_of_a_shape():
@@ -108,7 +90,7 @@ def test_bidirectional_matches_reference(shape, seed):
     """``causal=False`` (an encoder's attention over its request's keys)."""
     batch = build(shape, seed)
     args = batch.args(jax.numpy.float32, None)
-    want = jitted(reference_attention, causal=False, **batch.kwargs())(*args)
+    want = jitted_reference(causal=False, **batch.kwargs())(*args)
     got = jitted(cpu.ragged_paged_attention, causal=False, **batch.kwargs())(*args)
     real = batch.num_real_tokens
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
@@ -124,9 +106,8 @@ def test_image_spans_match_reference(shape, seed, blocks):
     batch = build(shape, seed)
     ends = jax.numpy.asarray(image_spans(batch, seed))
     args = batch.args(jax.numpy.float32, None)
-    want = jitted(reference_attention, **batch.kwargs())(*args, attend_until=ends)
-    kernel = jitted(cpu.ragged_paged_attention, **batch.kwargs(), **BLOCKS[blocks])
-    got = kernel(*args, attend_until=ends)
+    want = jitted_reference(**batch.kwargs())(*args, attend_until=ends)
+    got = jitted(KERNELS[blocks], **batch.kwargs())(*args, attend_until=ends)
     real = batch.num_real_tokens
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
     np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)
