@@ -14,6 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+HEALTH_POLL_S = 0.2
+"""How often a starting server's /health is asked (a poll costs a refused connection)."""
+
 
 def child_env(**extra: str) -> dict[str, str]:
     """The test's environment for a child, minus its device count (children set theirs)."""
@@ -72,7 +75,7 @@ def wait_healthy(url: str, children: Children, timeout: float) -> None:
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
-        time.sleep(1.0)
+        time.sleep(HEALTH_POLL_S)
     pytest.fail(f"{url} was not healthy after {timeout:.0f}s\n{children.logs()}")
 
 

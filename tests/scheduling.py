@@ -5,8 +5,11 @@ so a fixture shared by the group is built once. The groups:
 
 - the tests of one module, by default (module fixtures are built once);
 - the tests against one shared server process (``server-dp1``, ``server-dp2``,
-  ``vllm_extras_server``, ``smollm2_server``), whichever module they are in: a second
-  worker would start its own;
+  ``vllm_extras_server``, ``smollm2_server``, ``agents_server``), whichever module
+  they are in: a second worker would start its own;
+- the tests of each session engine of `tests/engine/conftest.py` (``small_llm``,
+  ``tiny_llm``), whichever module they are in: the other worker would build its own
+  (SmolLM2's is about 20 s);
 - one group per test in `SPLIT_MODULES`: modules whose tests each build their own
   engine (tens of seconds each) and share only cheap fixtures, so both workers can
   take them.
@@ -20,10 +23,10 @@ from __future__ import annotations
 
 import pytest
 
-SERVER_FIXTURES = ("server", "vllm_extras_server", "smollm2_server")
+SERVER_FIXTURES = ("server", "vllm_extras_server", "smollm2_server", "agents_server")
+ENGINE_FIXTURES = ("small_llm", "tiny_llm")
 SPLIT_MODULES = (
     "tests/engine/test_engine_golden.py",
-    "tests/engine/test_quantization.py",
     "tests/kernels/test_pallas_attention.py",
 )
 GROUP_SECONDS = {
@@ -46,23 +49,23 @@ GROUP_SECONDS = {
     "tests/models/test_golden_tiny.py": 63,
     "tests/kernels/test_cpu_attention.py": 62,
     "tests/torch_fallback/test_golden.py": 62,
-    "tests/engine/test_async_scheduling.py": 55,
     "tests/engine/test_data_parallel.py": 35,
     "tests/lora/test_smollm2.py": 52,
     "tests/unit/test_loader_gguf_real.py": 40,
     "tests/integrations/test_tunix.py": 45,  # a Tunix GRPO step beside a tiny engine
     "tests/unit/test_gguf_config.py": 55,  # measured beside other load (2 cores busy)
     "tests/unit/test_no_torch.py": 45,  # idem; a torch-less SmolLM2 engine compiling
-    "tests/engine/test_structured_outputs.py": 51,
     "vllm_extras_server": 42,
+    # the engines' groups (2026-11-28, from the per-module times of a -n 2 run)
+    "small_llm": 290,  # structured outputs, quantization, beam search, LLM API, rollout
+    "tiny_llm": 180,  # async scheduling, rollout, no-recompile, thinking budget, ...
+    "agents_server": 35,  # responses, Anthropic messages, decisions: 45 s with two starts
     "tests/cli/test_run_batch.py": 49,
-    "tests/engine/test_beam_search.py": 47,
     "tests/lora/test_tiny.py": 47,
     "tests/engine/test_pooling.py": 39,
     "tests/models/test_fused_projections.py": 38,
     "tests/unit/test_bench_structured.py": 37,
     "tests/models/test_quantized_checkpoints.py": 37,
-    "tests/engine/test_async_llm.py": 37,
     "tests/kernels/test_encoder_attention.py": 33,
     "tests/sharding/test_engine_lifetime.py": 31,
     "tests/kernels/test_reference_attention.py": 31,
@@ -83,7 +86,7 @@ def group_of(item: pytest.Item) -> str:
     params = item.callspec.params if hasattr(item, "callspec") else {}
     if "server" in params:  # tests/server/conftest.py's shared server, by replica count
         return f"server-dp{params['server']}"
-    for name in SERVER_FIXTURES[1:]:
+    for name in (*SERVER_FIXTURES[1:], *ENGINE_FIXTURES):
         if name in fixtures:
             return name
     module = item.nodeid.split("::", 1)[0]

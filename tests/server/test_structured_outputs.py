@@ -412,12 +412,24 @@ def streamed_calls(chunks) -> tuple[dict[int, dict], list[str]]:
 
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
-def test_streamed_forced_tool_calls(server, client, tool_choice):
+def test_streamed_forced_tool_calls(server, tool_choice):
     """The joined argument fragments are the arguments of the same seeded request
-    unstreamed."""
-    for seed in (11, 12):
-        whole = _tool_request(client, tool_choice, seed).choices[0].message.tool_calls
-        calls, finishes = streamed_calls(_tool_request(client, tool_choice, seed, stream=True))
+    unstreamed (the four requests at once: a seeded row's tokens do not depend on
+    its neighbours)."""
+    seeds = (11, 12)
+
+    async def streamed(client, seed):
+        chunks = await _tool_request(client, tool_choice, seed, stream=True)
+        return [chunk async for chunk in chunks]
+
+    def requests(client):
+        wholes = [_tool_request(client, tool_choice, seed) for seed in seeds]
+        return wholes + [streamed(client, seed) for seed in seeds]
+
+    outs = run_all(server, requests)
+    for whole, chunks in zip(outs[: len(seeds)], outs[len(seeds) :], strict=True):
+        whole = whole.choices[0].message.tool_calls
+        calls, finishes = streamed_calls(chunks)
         assert finishes == ["tool_calls"]
         assert [c["name"] for c in calls.values()] == [c.function.name for c in whole]
         assert [c["args"] for c in calls.values()] == [c.function.arguments for c in whole]
