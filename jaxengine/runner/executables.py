@@ -11,8 +11,9 @@ same program. The file name is a hash of:
 
 - everything that shapes the program: the resolved `EngineConfig` (model, dtype,
   every flag), the parameters' shapes and dtypes, the function's name and static
-  argument, and the environment variables that change tracing (``JAXENGINE_*``,
-  ``XLA_FLAGS``);
+  argument, and what changes tracing or compilation: the environment variables
+  ``JAXENGINE_*``, ``JAX_*`` and ``XLA_FLAGS``, and JAX's
+  ``jax_disable_most_optimizations`` however it was set;
 - the code that traces it: the source of ``jaxengine``, ``pallas_kernels`` and
   ``sharding`` (so an edited checkout never runs a stale program);
 - the runtime: jax and jaxlib versions, the platform and its devices.
@@ -69,10 +70,11 @@ def jaxlib_version() -> str:
 def runtime_description() -> str:
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAXENGINE_", "XLA_")))
-    return repr(
-        (jax.__version__, jaxlib_version(), jax.default_backend(), kinds, len(devices), env)
+    env = sorted(
+        (k, v) for k, v in os.environ.items() if k.startswith(("JAXENGINE_", "JAX_", "XLA_"))
     )
+    runtime = (jax.__version__, jaxlib_version(), jax.default_backend(), kinds, len(devices))
+    return repr((*runtime, env, jax.config.values.get("jax_disable_most_optimizations")))
 
 
 class ExecutableStore:

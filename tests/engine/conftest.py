@@ -1,11 +1,13 @@
 """The engine tests' shared engines, each built once per worker: SmolLM2 (`small_llm`)
-and the tiny model (`tiny_llm`)."""
+and the tiny model (`tiny_llm`). Their users decode enough tokens that both compile
+with XLA's full optimization (tests/xla_effort.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from jaxengine import LLM
+from tests.xla_effort import optimized
 
 
 def small_llm_kwargs(xla_cache_dir: str) -> dict:
@@ -24,7 +26,8 @@ def small_llm_kwargs(xla_cache_dir: str) -> dict:
 @pytest.fixture(scope="session")
 def small_llm(smollm2_gguf, xla_cache_dir):
     """One engine with `small_llm_kwargs`, shared by the engine tests."""
-    engine = LLM(model=str(smollm2_gguf), **small_llm_kwargs(xla_cache_dir))
+    with optimized():
+        engine = LLM(model=str(smollm2_gguf), **small_llm_kwargs(xla_cache_dir))
     yield engine
     engine.engine.shutdown()
 
@@ -34,6 +37,7 @@ def tiny_llm(tiny_smollm2, xla_cache_dir):
     """`small_llm_kwargs` on the tiny model (SmolLM2's tokenizer, two random layers):
     the shared engine of the tests about scheduling, compilation and the `LLM` surface
     rather than the weights."""
-    engine = LLM(model=str(tiny_smollm2[0]), **small_llm_kwargs(xla_cache_dir))
+    with optimized():
+        engine = LLM(model=str(tiny_smollm2[0]), **small_llm_kwargs(xla_cache_dir))
     yield engine
     engine.engine.shutdown()

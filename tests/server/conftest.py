@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from tests.processes import HEALTH_POLL_S, free_port
+from tests.xla_effort import OPTIMIZED
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -184,7 +185,8 @@ def server(request, tiny_smollm2, tmp_path_factory) -> Server:
     log_path = tmp_path_factory.mktemp(f"server-dp{dp}") / "server.log"
     flags = [str(tiny_smollm2[0]), *SERVER_FLAGS, "--data-parallel-size", str(dp)]
     flags.append("--enable-sleep-mode")
-    running = start_server(log_path, flags, num_cpu_devices=dp, environ=DEV_MODE)
+    environ = {**DEV_MODE, **OPTIMIZED}  # many tests' tokens (tests/xla_effort.py)
+    running = start_server(log_path, flags, num_cpu_devices=dp, environ=environ)
     running.data_parallel_size = dp
     yield running
     stop_server(running)
@@ -253,7 +255,8 @@ def smollm2_server(smollm2_gguf, tmp_path_factory) -> Server:
     close (test_structured_outputs.py), a chat beam that ends on EOS
     (test_beam_search_server.py)."""
     log_path = tmp_path_factory.mktemp("server-smollm2") / "server.log"
-    running = start_server(log_path, [str(smollm2_gguf), *SMOLLM2_FLAGS])
+    # SmolLM2's 30 layers decode most of these tests' time (tests/xla_effort.py)
+    running = start_server(log_path, [str(smollm2_gguf), *SMOLLM2_FLAGS], environ=OPTIMIZED)
     yield running
     stop_server(running)
 

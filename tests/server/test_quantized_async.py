@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from tests.server.conftest import MODEL, SERVER_FLAGS, start_server, stop_server, with_flags
+from tests.xla_effort import OPTIMIZED
 
 FLAGS = ["--quantization", "int8", "--kv-cache-dtype", "fp8", "--async-scheduling"]
 ONE_BUCKET = {
@@ -30,7 +31,8 @@ def _flags() -> list[str]:
 @pytest.fixture(scope="module")
 def server(smollm2_gguf, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server-quantized") / "server.log"
-    running = start_server(log_path, _flags())
+    # SmolLM2's decoding is most of this test's time (tests/xla_effort.py)
+    running = start_server(log_path, _flags(), environ=OPTIMIZED)
     yield running
     stop_server(running)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -44,6 +45,19 @@ def test_store_saves_loads_without_tracing_and_recompiles_a_corrupt_file(tmp_pat
     compiled = ExecutableStore(tmp_path, "program A").compile("fn", 5, lower)
     assert len(lowered) == 4
     np.testing.assert_allclose(compiled(jnp.ones(5), x), np.arange(5.0) + OFFSET)
+
+
+def test_the_optimization_level_is_part_of_a_stored_programs_identity(tmp_path):
+    """A program stored at JAX's minimal optimization is not loaded by an engine that
+    would compile it fully optimized (tests/xla_effort.py switches between the two)."""
+    from tests.xla_effort import optimized
+
+    names = {}
+    for level, context in (("as set", contextlib.nullcontext), ("optimized", optimized)):
+        with context():
+            names[level] = ExecutableStore(tmp_path, "program A")._path("fn", 5)
+    assert jax.config.values["jax_disable_most_optimizations"]  # the tests' default, restored
+    assert names["as set"] != names["optimized"]
 
 
 def test_store_keeps_its_directory_under_its_size_limit(tmp_path):
