@@ -6,8 +6,10 @@ tiny model: XLA's optimization passes cost more there than they save. So every t
 process, and every process it starts, compiles with JAX's
 ``jax_disable_most_optimizations`` (``MINIMAL``, set by tests/conftest.py before jax
 is imported): a tiny engine's compilation 6.0 -> 3.7 s, its decoding about 1.5x
-slower. The same semantics: the programs compute the same operations, and every
-golden check holds at either level.
+slower. The same operations either way, rounded differently: every check against a
+reference holds at either level, but an engine compared token for token (logprobs
+included) with a shared engine is built at that engine's level (`async_llm` of
+tests/engine/test_async_scheduling.py).
 
 The engines many tests share decode enough tokens that full optimization pays for
 itself: the session engines of tests/engine/conftest.py (built inside `optimized()`)

@@ -17,6 +17,7 @@ import pytest
 
 from jaxengine import LLM, SamplingParams
 from tests.engine.conftest import small_llm_kwargs
+from tests.xla_effort import optimized
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,8 @@ def async_llm(tiny_smollm2, xla_cache_dir):
         "async_scheduling": True,
         "num_gpu_blocks_override": 10,  # preempts under PARAMS (outputs must not change)
     }
-    llm = LLM(model=str(tiny_smollm2[0]), **kwargs)
+    with optimized():  # compared token for token, logprobs too, with `tiny_llm`'s
+        llm = LLM(model=str(tiny_smollm2[0]), **kwargs)
     yield llm
     llm.engine.shutdown()
 
