@@ -12,8 +12,10 @@ included) with a shared engine is built at that engine's level (`async_llm` of
 tests/engine/test_async_scheduling.py).
 
 The engines many tests share decode enough tokens that full optimization pays for
-itself: the session engines of tests/engine/conftest.py (built inside `optimized()`)
-and the shared servers of tests/server/conftest.py (started with ``OPTIMIZED``).
+itself: the session engines of tests/engine/conftest.py and the SmolLM2 engines of
+tests/engine/test_quantization.py and test_rollout.py (built inside `optimized()`),
+the shared servers of tests/server/conftest.py and the SmolLM2 server of
+test_quantized_async.py (started with ``OPTIMIZED``).
 tests/README.md has the measurements behind the split.
 """
 

@@ -19,6 +19,7 @@ from jaxengine.loader import GGUF_PACKED_ENV
 from jaxengine.models.layers.quant import SUFFIXES
 from tests.engine.conftest import small_llm_kwargs
 from tests.engine.test_engine_golden import OTHERS, PREAMBLE, QUESTIONS
+from tests.xla_effort import optimized
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +83,8 @@ def float32_outputs(small_llm) -> tuple[list[dict], list[list[int]]]:
 def test_greedy_outputs_agree_with_float32(method, float32_outputs, smollm2_gguf, xla_cache_dir):
     prompts, want = float32_outputs
     params = PARAMS
-    with pytest.MonkeyPatch.context() as patch:
+    # SmolLM2's 30 layers decode 16 prompts: fully optimized (tests/xla_effort.py)
+    with pytest.MonkeyPatch.context() as patch, optimized():
         patch.setenv(GGUF_PACKED_ENV, "1" if method == "gguf_packed" else "0")
         llm = LLM(model=str(smollm2_gguf), **CASES[method], **small_llm_kwargs(xla_cache_dir))
     try:

@@ -19,6 +19,7 @@ from jaxengine.engine.rollout import EngineSleepingError
 from jaxengine.loader import checkpoint_tensors
 from jaxengine.loader.errors import CheckpointError
 from tests.engine.conftest import small_llm_kwargs
+from tests.xla_effort import optimized
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -61,7 +62,8 @@ def test_dummy_engine_fed_smollm2_weights_answers_as_the_checkpoint(
 ):
     want = tokens(small_llm)
     kwargs = {**small_llm_kwargs(xla_cache_dir), "enforce_eager": True}
-    with LLM(str(smollm2_gguf), load_format="dummy", **kwargs) as llm:
+    # SmolLM2's 30 layers, compared token for token with small_llm's (tests/xla_effort.py)
+    with optimized(), LLM(str(smollm2_gguf), load_format="dummy", **kwargs) as llm:
         assert tokens(llm) != want
         assert llm.update_weights(tensors_of(small_llm)) > 0
         assert tokens(llm) == want
