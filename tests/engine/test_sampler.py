@@ -19,6 +19,7 @@ from jaxengine.runner.sampler import (
     prompt_logprobs_jit,
     sample_jit,
 )
+from jaxengine.runner.sampler_functions import sampler_variants
 from jaxengine.runner.sampling_metadata import (
     SamplerFlags,
     SamplingBatch,
@@ -307,6 +308,27 @@ def test_larger_variant_gives_the_same_tokens() -> None:
     np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="does not cover"):
         batch.to_metadata(SamplerFlags(all_greedy=True))
+
+
+def test_temperature_alone_runs_the_variant_that_sorts_nothing() -> None:
+    """vLLM's default request (temperature 1, no top-k/top-p) picks the precompiled
+    variant without filters, and samples what the full-sort variant samples; a
+    top-p row still picks the sort."""
+    variants = sampler_variants(V, max_logprobs=20, mode="raw_logprobs", max_model_len=64)
+    rows = [_row(seed=i, temperature=1.0, out=[i]) for i in range(3)] + [None]
+    batch = SamplingBatch([*rows, _row(seed=9, temperature=0.7, logprobs=2)], 8, V)
+    picked = pick_variant(batch.required_flags(), variants)
+    assert picked.filter_width == 0 and not picked.all_greedy
+    sort = pick_variant(
+        SamplingBatch([_row(temperature=1.0, top_p=0.9)], 8, V).required_flags(), variants
+    )
+    assert sort.filter_width == V
+    logits = _logits(8)
+    a = sample_jit(logits, batch.to_metadata(picked), flags=picked)
+    b = sample_jit(logits, batch.to_metadata(sort), flags=sort)
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    np.testing.assert_array_equal(a.logprobs.topk_ids, b.logprobs.topk_ids)
+    np.testing.assert_allclose(a.logprobs.sampled_logprob, b.logprobs.sampled_logprob)
 
 
 def test_host_logits_processors() -> None:
