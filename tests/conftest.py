@@ -18,10 +18,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_ONE_THREAD}".strip()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.xla_effort import MINIMAL  # noqa: E402
+from tests.xla_effort import FLAG  # noqa: E402
 
-for _name, _value in MINIMAL.items():  # minimal XLA optimization (tests/xla_effort.py)
-    os.environ.setdefault(_name, _value)
+os.environ.setdefault(FLAG, "1")  # minimal XLA optimization (tests/xla_effort.py)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

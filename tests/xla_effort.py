@@ -4,12 +4,12 @@ Most engines a test builds (a golden condition, a parallel layout, a kernel chec
 server of one module) compile a handful of programs and run them for a few steps of a
 tiny model: XLA's optimization passes cost more there than they save. So every test
 process, and every process it starts, compiles with JAX's
-``jax_disable_most_optimizations`` (``MINIMAL``, set by tests/conftest.py before jax
-is imported): a tiny engine's compilation 6.0 -> 3.7 s, its decoding about 1.5x
-slower. The same operations either way, rounded differently: every check against a
-reference holds at either level, but an engine compared token for token (logprobs
-included) with a shared engine is built at that engine's level (`async_llm` of
-tests/engine/test_async_scheduling.py).
+``jax_disable_most_optimizations`` (``FLAG`` set to "1" by tests/conftest.py before
+jax is imported, unless the environment sets it): a tiny engine's compilation 6.0 ->
+3.7 s, its decoding about 1.5x slower. The same operations either way, rounded
+differently: every check against a reference holds at either level, but an engine
+compared token for token (logprobs included) with a shared engine is built at that
+engine's level (`async_llm` of tests/engine/test_async_scheduling.py).
 
 The engines many tests share decode enough tokens that full optimization pays for
 itself: the session engines of tests/engine/conftest.py and the SmolLM2 engines of
@@ -25,8 +25,6 @@ import contextlib
 from collections.abc import Iterator
 
 FLAG = "JAX_DISABLE_MOST_OPTIMIZATIONS"
-MINIMAL = {FLAG: "1"}
-"""The test processes' default (tests/conftest.py)."""
 OPTIMIZED = {FLAG: "0"}
 """The environment of a shared server: XLA's full optimization."""
 
