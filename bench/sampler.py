@@ -13,7 +13,6 @@ that `pick_variant` gives such a batch. Run it alone on the machine.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxengine.benchmarks.common import describe_run, format_table, machine_info
-from jaxengine.runner.sampler import sample
+from jaxengine.runner.sampler import sample_jit
 from jaxengine.runner.sampler_functions import sampler_variants
 from jaxengine.runner.sampling_metadata import SamplingBatch, SamplingRow, pick_variant
 from jaxengine.sampling_params import SamplingParams
@@ -43,13 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
 def time_variant(flags, batch: SamplingBatch, logits, steps: int) -> tuple[float, float]:
     """(compile s, ms per step) of one variant on ``batch``."""
     metadata = batch.to_metadata(flags)
-    fn = jax.jit(functools.partial(sample, flags=flags))
     start = time.perf_counter()
-    jax.block_until_ready(fn(logits, metadata))
+    jax.block_until_ready(sample_jit(logits, metadata, flags=flags))
     compiled = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
-        jax.block_until_ready(fn(logits, metadata))
+        jax.block_until_ready(sample_jit(logits, metadata, flags=flags))
     return compiled, (time.perf_counter() - start) / steps * 1000
 
 
