@@ -27,7 +27,10 @@
 Each row's key is `fold_in(threefry(seed), step)` and its noise is drawn per row
 (vmap over keys), so a row's token does not depend on the other rows or its slot.
 Without top-k/top-p rows (`filter_width == 0`) nothing is sorted; with top-k-only
-rows the filter uses `lax.top_k(logits, filter_width)` instead of a full sort.
+rows the filter uses `lax.top_k(logits, filter_width)` instead of a full sort. A
+filter variant sorts only in steps where a random row asks top-k or top-p
+(`lax.cond`; padding rows ask neither), so a batch of temperature-only requests
+that runs it pays for no sort.
 """
 
 from __future__ import annotations
@@ -175,7 +178,12 @@ def filter_logits(
     logits = apply_min_p(logits, md.min_p)
     logits = apply_processors(logits, md, processors, invariant=True)
     if flags.filter_width:
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, flags.filter_width)
+        asked = ((md.top_k > 0) | (md.top_p < 1.0)) & (md.temperature > 0)  # [R]
+
+        def top_k_top_p(x: jax.Array) -> jax.Array:
+            return apply_top_k_top_p(x, md.top_k, md.top_p, flags.filter_width)
+
+        logits = jax.lax.cond(jnp.any(asked), top_k_top_p, lambda x: x, logits)
     return logits
 
 

@@ -134,15 +134,15 @@ class SamplerFunctions:
 def sampler_variants(
     vocab: int, max_logprobs: int, mode: str, max_model_len: int
 ) -> list[SamplerFlags]:
-    """Greedy; greedy with logprobs; temperature without top-k/top-p; temperature
-    + filters; everything; and each again with the structured-output bitmask (a batch
-    mixing constrained and free requests runs one of those and compiles nothing; the
-    masked ones are the mask program followed by their unmasked twin,
-    `SamplerFunctions`).
+    """Greedy; greedy with logprobs; temperature + filters; everything; and each
+    again with the structured-output bitmask (a batch mixing constrained and free
+    requests runs one of those and compiles nothing; the masked ones are the mask
+    program followed by their unmasked twin, `SamplerFunctions`).
 
-    Temperature alone (vLLM's default request, temperature 1) sorts nothing: the
-    filter variants sort the whole vocabulary every step, which on a CPU costs
-    several times the rest of the sampler (bench/README.md).
+    The filter variants sort the whole vocabulary only in steps where a random row
+    asks top-k or top-p (`sampler.filter_logits`): temperature alone (vLLM's default
+    request, temperature 1) runs them without the sort, which on a CPU costs several
+    times the rest of the sampler (bench/README.md), and needs no program of its own.
 
     "Everything" also gathers `logprob_token_ids`: a batch naming ids runs it. Its
     ranks sort the vocabulary only in steps where a row names ids (`lax.cond`), so
@@ -151,7 +151,6 @@ def sampler_variants(
     base = [
         SamplerFlags(all_greedy=True, logprobs_mode=mode),
         SamplerFlags(all_greedy=True, num_logprobs=k, logprobs_mode=mode),
-        SamplerFlags(num_logprobs=k, logprobs_mode=mode),
         SamplerFlags(filter_width=vocab, num_logprobs=k, logprobs_mode=mode),
         SamplerFlags(
             filter_width=vocab,

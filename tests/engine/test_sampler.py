@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxengine.runner import sampler
 from jaxengine.runner.sampler import (
     apply_token_bitmask,
     filter_logits,
@@ -310,25 +311,41 @@ def test_larger_variant_gives_the_same_tokens() -> None:
         batch.to_metadata(SamplerFlags(all_greedy=True))
 
 
-def test_temperature_alone_runs_the_variant_that_sorts_nothing() -> None:
-    """vLLM's default request (temperature 1, no top-k/top-p) picks the precompiled
-    variant without filters, and samples what the full-sort variant samples; a
-    top-p row still picks the sort."""
+def test_temperature_alone_skips_the_sort_of_the_filter_variant(monkeypatch) -> None:
+    """vLLM's default request (temperature 1, no top-k/top-p) runs the precompiled
+    filter variant without its sort (`lax.cond`): no top-k/top-p step runs, and it
+    samples what a variant without filters samples; a top-p row in the same variant
+    sorts in that step only."""
+    sorts = []
+    top_k_top_p = sampler.apply_top_k_top_p
+
+    def counted(logits, top_k, top_p, width):
+        jax.debug.callback(lambda: sorts.append(1))
+        return top_k_top_p(logits, top_k, top_p, width)
+
+    monkeypatch.setattr(sampler, "apply_top_k_top_p", counted)
+    fresh = jax.jit(sampler.sample, static_argnames="flags")  # traced with `counted`
     variants = sampler_variants(V, max_logprobs=20, mode="raw_logprobs", max_model_len=64)
     rows = [_row(seed=i, temperature=1.0, out=[i]) for i in range(3)] + [None]
     batch = SamplingBatch([*rows, _row(seed=9, temperature=0.7, logprobs=2)], 8, V)
     picked = pick_variant(batch.required_flags(), variants)
-    assert picked.filter_width == 0 and not picked.all_greedy
-    sort = pick_variant(
-        SamplingBatch([_row(temperature=1.0, top_p=0.9)], 8, V).required_flags(), variants
-    )
-    assert sort.filter_width == V
+    assert picked.filter_width == V and not picked.all_greedy
     logits = _logits(8)
-    a = sample_jit(logits, batch.to_metadata(picked), flags=picked)
-    b = sample_jit(logits, batch.to_metadata(sort), flags=sort)
+    a = jax.block_until_ready(fresh(logits, batch.to_metadata(picked), flags=picked))
+    assert sorts == []
+    plain = replace(picked, filter_width=0)
+    b = fresh(logits, batch.to_metadata(plain), flags=plain)
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
     np.testing.assert_array_equal(a.logprobs.topk_ids, b.logprobs.topk_ids)
     np.testing.assert_allclose(a.logprobs.sampled_logprob, b.logprobs.sampled_logprob)
+    top_p = SamplingBatch([*rows, _row(seed=9, temperature=0.7, top_p=0.5)], 8, V)
+    assert picked.covers(top_p.required_flags())
+    out = jax.block_until_ready(fresh(logits, top_p.to_metadata(picked), flags=picked))
+    assert sorts == [1]
+    kept = np.sort(_logits(8)[4] / 0.7)[::-1]
+    probs = np.exp(kept - kept.max()) / np.exp(kept - kept.max()).sum()
+    nucleus = np.argsort(-_logits(8)[4])[: int(np.sum(np.cumsum(probs) - probs < 0.5))]
+    assert int(out.token_ids[4]) in nucleus
 
 
 def test_host_logits_processors() -> None:
