@@ -33,6 +33,7 @@ from jaxengine.version import __version__
 from server import envs
 from server.anthropic_errors import anthropic_error_response, is_messages_path
 from server.dev_routes import add_dev_routes
+from server.disconnect import DisconnectMiddleware
 from server.errors import APIError, error_response, log_error_stacks, validation_message
 from server.extra_routes import add_extra_routes, respond
 from server.http_limits import HeaderCountLimitMiddleware
@@ -378,6 +379,7 @@ def _add_middleware(app: FastAPI, args: Any) -> None:
         _add_user_middleware(app, path)
     if getattr(args, "otlp_traces_endpoint", None):
         app.add_middleware(TraceHeadersMiddleware)  # each request's traceparent, for spans
+    app.add_middleware(DisconnectMiddleware)  # a client gone: no answer, no error log
     # outermost: checked before anything else runs
     app.add_middleware(HeaderCountLimitMiddleware, max_count=args.h11_max_header_count)
 

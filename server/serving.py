@@ -26,6 +26,7 @@ from jaxengine.lora import LoRAAdapterNotFoundError, LoRARequest
 from jaxengine.multimodal.media import MediaSettings
 from jaxengine.outputs import RequestOutput
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
+from server.disconnect import ClientDisconnected
 from server.errors import APIError, error_body, log_error_stack
 from server.lora import ServingModels
 from server.output_log import logged_outputs
@@ -273,7 +274,7 @@ async def merge_async_iterators(
 
 async def until_disconnected(raw_request: Request | None, work: Awaitable[T]) -> T:
     """Awaits ``work``, cancelling it (which aborts its engine requests) if the
-    client disconnects first; then raises `asyncio.CancelledError`."""
+    client disconnects first; then raises `ClientDisconnected` (a `CancelledError`)."""
     task = asyncio.ensure_future(work)
     if raw_request is None:
         return await task
@@ -285,7 +286,7 @@ async def until_disconnected(raw_request: Request | None, work: Awaitable[T]) ->
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             watcher.cancel()
-            raise asyncio.CancelledError("client disconnected")
+            raise ClientDisconnected("client disconnected")
         watcher.cancel()
     return task.result()
 

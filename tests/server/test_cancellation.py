@@ -2,7 +2,8 @@
 
 100 requests whose clients time out after half a second, and streams closed after
 their first chunk, leave the server answering a new request within 5 seconds, with
-no request running or waiting and no KV page held (read from `/metrics`).
+no request running or waiting and no KV page held (read from `/metrics`), and no
+error logged for them.
 """
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ async def _close_streams_early(server, count: int) -> int:
     return closed
 
 
+def _asgi_errors(server) -> int:
+    return server.log_path.read_text(errors="replace").count("Exception in ASGI application")
+
+
 def test_timed_out_clients_are_aborted(server):
+    errors = _asgi_errors(server)
     timed_out = asyncio.run(_time_out_many(server, 100))
     assert timed_out == 100  # 256 tokens each cannot finish in half a second
     quick = server.client(max_retries=0, timeout=5.0)
@@ -77,6 +83,7 @@ def test_timed_out_clients_are_aborted(server):
     assert m["jaxengine:num_requests_waiting"] == 0
     assert m["jaxengine:kv_cache_usage_perc"] == 0  # no page is leaked
     assert server.get("/load").json() == {"server_load": 0}
+    assert _asgi_errors(server) == errors  # a client gone is no application error
 
 
 def test_closed_streams_are_aborted(server):
