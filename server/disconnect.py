@@ -6,6 +6,9 @@ as for any cancellation (a stored response is marked cancelled, ...). It then en
 `DisconnectMiddleware`, which lets the request end quietly, as vLLM's handlers do
 (without it the ASGI server would log each one as an application error with its
 traceback). A cancellation that is not a disconnect (the server shutting down) goes on.
+The handler runs in the request's own task (the app's middleware is pure ASGI), so
+the exception reaches the middleware as raised: a task boundary would turn it into a
+plain cancellation.
 """
 
 from __future__ import annotations

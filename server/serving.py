@@ -281,14 +281,20 @@ async def until_disconnected(raw_request: Request | None, work: Awaitable[T]) ->
     watcher = asyncio.ensure_future(_wait_disconnect(raw_request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            watcher.cancel()
-            raise ClientDisconnected("client disconnected")
-        watcher.cancel()
+    except BaseException:  # this handler cancelled (the server stopping): the same
+        await _cancel(task, watcher)
+        raise
+    if not task.done():
+        await _cancel(task, watcher)
+        raise ClientDisconnected("client disconnected")
+    watcher.cancel()
     return task.result()
+
+
+async def _cancel(task: asyncio.Future, watcher: asyncio.Future) -> None:
+    watcher.cancel()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _wait_disconnect(raw_request: Request) -> None:
