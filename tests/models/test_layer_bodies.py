@@ -19,6 +19,8 @@ import transformers
 from jaxengine.loader.params import abstract_params, init_inputs
 from jaxengine.models import get_model
 from jaxengine.models.layers.decoder import layer_kind
+from pallas_kernels.kv_cache_update import reference as kv_update
+from pallas_kernels.ragged_paged_attention import reference
 
 SMALL = dict(
     vocab_size=64,
@@ -65,3 +67,27 @@ def test_layer_kind_tells_apart_what_changes_the_body():
     kinds = [layer_kind(layer) for layer in layers]
     assert kinds[0] == kinds[2] and kinds[1] == kinds[3]
     assert kinds[0] != kinds[1]
+
+
+@pytest.mark.parametrize("family", sorted(KINDS))
+def test_the_shape_pass_traces_no_attention_and_finds_the_same_parameters(family):
+    """`abstract_params` traces stand-ins for the attention and cache write (they hold
+    no parameters); the tree is the one the model's own attention gives."""
+    calls = []
+
+    def attention(*args, **kwargs):
+        calls.append(1)
+        return reference.ragged_paged_attention(*args, **kwargs)
+
+    kwargs = {"attention_fn": attention, "update_fn": kv_update.update_kv_cache}
+    module, config = get_model(KINDS[family][0], jnp.float32, attention_kwargs=kwargs)
+    own = jax.eval_shape(
+        lambda: module.init(jax.random.key(0), *init_inputs(config), method="forward_and_logits")
+    )["params"]
+    assert calls  # the model's own attention, traced
+    calls.clear()
+    shapes = abstract_params(module, config)
+    assert calls == []
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), own
+    )
