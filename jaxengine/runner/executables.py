@@ -31,11 +31,14 @@ cache hit, and otherwise the next start takes the persistent cache's path again.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
 import os
 import pickle
+import threading
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE_PACKAGES = ("jaxengine", "pallas_kernels", "sharding")
 MAX_BYTES = 2 << 30  # the store's size limit: about a hundred engine configurations
+PROCESS_PROGRAMS = 256  # executables `process_shared` keeps (the least recently used go)
 
 
 @functools.cache
@@ -147,6 +151,31 @@ def compile_ahead(store: ExecutableStore | None, name: str, key: Any, lower) -> 
     if store is None:
         return lower().compile()
     return store.compile(name, key, lower)
+
+
+_shared: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+_shared_lock = threading.Lock()
+
+
+def process_shared(key: Hashable, build: Callable[[], Any]) -> Any:
+    """``build()``'s executable, built once per process for ``key`` and handed to every
+    engine of the process that asks for the same key: a second `LLM` in a notebook,
+    an RL loop's fresh engine, an engine's own restart skip tracing, lowering and the
+    cache lookup of programs the first one compiled. ``key`` must name the whole
+    program (function, shapes, placement); JAX's optimization setting is added here.
+    An executable is immutable and runs on the devices it was compiled for, so
+    engines can share it."""
+    key = (key, jax.config.values.get("jax_disable_most_optimizations"))
+    with _shared_lock:
+        if (compiled := _shared.get(key)) is not None:
+            _shared.move_to_end(key)
+            return compiled
+    compiled = build()
+    with _shared_lock:
+        _shared[key] = compiled
+        while len(_shared) > PROCESS_PROGRAMS:
+            _shared.popitem(last=False)
+    return compiled
 
 
 def _prune(directory: Path, max_bytes: int) -> None:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.runner.executables import compile_ahead
+from jaxengine.runner.executables import compile_ahead, process_shared
 from jaxengine.runner.logits_processors import ProcessorBatch
 from jaxengine.runner.sampler import apply_token_bitmask
 from jaxengine.runner.sampling_metadata import (
@@ -74,6 +74,7 @@ class SamplerFunctions:
         self.processors = processors or ProcessorBatch(())
         self.store = None if self.processors.custom else store
         self._sampler = make_sampler(max_num_seqs, logits_sharding, self.processors.processors)
+        self._program = (vocab_size, max_num_seqs, logits_sharding)  # what shapes every variant
         self._compiled: dict[tuple, Any] = {}  # (metadata spec, flags) -> executable
         self._mask = jax.jit(apply_token_bitmask)
         self._masks: dict[int, Any] = {}  # rows -> compiled mask
@@ -114,7 +115,7 @@ class SamplerFunctions:
         def lower():
             return self._sampler.lower(logits, buffers, spec=spec, flags=flags)
 
-        self._compiled[key] = compile_ahead(self.store, "sampler", key, lower)
+        self._compiled[key] = self._compile("sampler", key, lower)
 
     def _warm_mask(self, num_reqs: int, logits) -> None:
         if num_reqs in self._masks:
@@ -122,7 +123,17 @@ class SamplerFunctions:
         bitmask = jax.ShapeDtypeStruct((num_reqs, -(-self.vocab_size // 32)), jnp.int32)
         key = (num_reqs, self.vocab_size)
         lower = functools.partial(self._mask.lower, logits, bitmask)
-        self._masks[num_reqs] = compile_ahead(self.store, "sampler.mask", key, lower)
+        self._masks[num_reqs] = self._compile("sampler.mask", key, lower)
+
+    def _compile(self, name: str, key: tuple, lower) -> Any:
+        """``lower().compile()`` through the store, shared by the process's engines
+        (`process_shared`) when no logits processor is traced in: the program is then
+        fixed by the vocabulary, the slots, the placement and ``key``."""
+        build = functools.partial(compile_ahead, self.store, name, key, lower)
+        if self.processors:
+            return build()
+        device = jax.config.values.get("jax_default_device")
+        return process_shared((name, key, *self._program, device), build)
 
     def _abstract_logits(self, num_reqs: int) -> jax.ShapeDtypeStruct:
         shape = (num_reqs, self.vocab_size)

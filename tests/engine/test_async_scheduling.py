@@ -121,3 +121,13 @@ def test_abort_while_its_step_is_in_flight(tiny_llm, async_llm):
     for rid, want in (("abort-0", expected[0]), ("abort-2", expected[2])):
         assert finished[rid].outputs[0].token_ids == want.outputs[0].token_ids
     assert engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_the_sampler_programs_are_the_other_engines(async_llm, tiny_llm):
+    """Two engines of one process with the same vocabulary, slots and placement run the
+    same sampler executables: the second built traced and compiled none of them
+    (`runner.executables.process_shared`)."""
+    ours = async_llm.engine.executor.runner.sampler._compiled
+    theirs = tiny_llm.engine.executor.runner.sampler._compiled
+    assert ours.keys() == theirs.keys() and len(ours) > 1
+    assert all(ours[key] is theirs[key] for key in ours)

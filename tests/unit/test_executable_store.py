@@ -114,3 +114,24 @@ def test_listeners_survive_another_library_clearing_them(tmp_path):
     with guard.watching():
         ExecutableStore(tmp_path, "program").compile("fn", 7, lambda: fn.lower(x))
     assert guard.total == 1 and len(list(tmp_path.iterdir())) == 1
+
+
+def test_process_shared_builds_once_per_key_and_optimization_level(monkeypatch):
+    from jaxengine.runner import executables
+    from tests.xla_effort import optimized
+
+    monkeypatch.setattr(executables, "_shared", type(executables._shared)())
+    monkeypatch.setattr(executables, "PROCESS_PROGRAMS", 2)
+    built = []
+
+    def build(name):
+        built.append(name)
+        return object()
+
+    first = executables.process_shared("a", lambda: build("a"))
+    assert executables.process_shared("a", lambda: build("a again")) is first
+    with optimized():  # tests run at the minimal level (tests/xla_effort.py)
+        assert executables.process_shared("a", lambda: build("a other level")) is not first
+    executables.process_shared("b", lambda: build("b"))  # the oldest entry goes
+    assert executables.process_shared("a", lambda: build("a evicted")) is not first
+    assert built == ["a", "a other level", "b", "a evicted"]
