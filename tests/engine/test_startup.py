@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from jaxengine import LLM, SamplingParams
+from jaxengine.runner import executables
 from jaxengine.runner.executables import ExecutableStore
 from tests.engine.conftest import small_llm_kwargs
 
@@ -49,6 +50,9 @@ def test_background_compile_then_a_restart_from_stored_executables(
     samplers = {"sampler": 2 * unmasked, "sampler.mask": 2}
     assert stored == {**pieces, "prompt_logprobs": 3, **samplers}
 
+    # a restart is a new process: none of the first engine's executables in memory
+    # (`executables.process_shared` would hand its sampler programs to the second)
+    monkeypatch.setattr(executables, "_shared", type(executables._shared)())
     loaded = []
     load = ExecutableStore.load
     monkeypatch.setattr(
