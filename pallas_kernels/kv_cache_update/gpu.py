@@ -32,7 +32,9 @@ def _kernel(slots_ref, new_ref, cache_ref, out_ref, *, row: int, chunk: int):
     for start in range(0, row, chunk):
         cols = start + jnp.arange(chunk, dtype=jnp.int32)
         ok = cols < row
-        values = plgpu.load(new_ref.at[t, jnp.minimum(cols, row - 1)], mask=ok, other=0)
+        # no fill value: a masked lane is never stored (and Triton's lowering casts no
+        # integer fill to an 8-bit float: an fp8 cache failed to compile on a GPU)
+        values = plgpu.load(new_ref.at[t, jnp.minimum(cols, row - 1)], mask=ok)
         # unclamped columns: interpret mode's masked store writes the old value back, so
         # a masked lane must not share an address with a kept one (past the row: dropped)
         plgpu.store(out_ref.at[target, cols], values, mask=ok & keep)

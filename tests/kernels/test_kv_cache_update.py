@@ -60,6 +60,16 @@ def test_writes_exactly_its_slots(name, dtype, num_tokens, hkv, head_dim):
 @pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_an_fp8_cache_stores_rounded_saturated_values(name, cache_dtype):
+    _check_fp8_write(IMPLEMENTATIONS[name], cache_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_an_fp8_cache_on_gpu(cache_dtype):
+    _check_fp8_write(gpu.update_kv_cache, cache_dtype)
+
+
+def _check_fp8_write(update, cache_dtype) -> None:
     dtype = jnp.dtype(cache_dtype)
     largest = float(jnp.finfo(dtype).max)
     cache = jnp.zeros((4, 8, 4, 16), dtype)
@@ -67,7 +77,7 @@ def test_an_fp8_cache_stores_rounded_saturated_values(name, cache_dtype):
     k = rng.standard_normal((3, 2, 16)).astype(np.float32)
     v = rng.standard_normal((3, 2, 16)).astype(np.float32)
     k[0, 0, :4] = [1e6, -1e6, 2 * largest, 500.0]  # past the format's range: saturate
-    out = IMPLEMENTATIONS[name](cache, jnp.asarray(k), jnp.asarray(v), jnp.array([9, 17, 30]))
+    out = update(cache, jnp.asarray(k), jnp.asarray(v), jnp.array([9, 17, 30]))
     flat = np.asarray(out.astype(jnp.float32)).reshape(32, 4, 16)
     want_k = np.clip(k, -largest, largest).astype(dtype).astype(np.float32)
     np.testing.assert_array_equal(flat[[9, 17, 30], 0::2], want_k)
@@ -76,9 +86,11 @@ def test_an_fp8_cache_stores_rounded_saturated_values(name, cache_dtype):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_kernel_lowers_for_its_device(platform):
-    """Each kernel lowers to its custom call (Mosaic / Triton), Llama-3-8B layout, bf16."""
-    cache = jax.ShapeDtypeStruct((2048, 16, 16, 128), jnp.bfloat16)
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_kernel_lowers_for_its_device(platform, cache_dtype):
+    """Each kernel lowers to its custom call (Mosaic / Triton), Llama-3-8B layout, bf16
+    values into a bf16 or an fp8 cache (``--kv-cache-dtype fp8``)."""
+    cache = jax.ShapeDtypeStruct((2048, 16, 16, 128), cache_dtype)
     new = jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((512,), jnp.int32)
     fn = tpu.update_kv_cache if platform == "tpu" else gpu.update_kv_cache

@@ -106,11 +106,13 @@ def test_block_tables():
     assert gpu.choose_blocks(64, 64, 32, 128).block_m == 32  # one token's 32 heads
 
 
-def _abstract(num_tokens, num_reqs, max_pages, hq=32, hkv=8, head_dim=128, dtype=jnp.bfloat16):
+def _abstract(
+    num_tokens, num_reqs, max_pages, hq=32, hkv=8, head_dim=128, dtype=jnp.bfloat16, cache=None
+):
     i32 = jnp.int32
     return (
         jax.ShapeDtypeStruct((num_tokens, hq, head_dim), dtype),
-        jax.ShapeDtypeStruct((4096, 16, 2 * hkv, head_dim), dtype),
+        jax.ShapeDtypeStruct((4096, 16, 2 * hkv, head_dim), cache or dtype),
         jax.ShapeDtypeStruct((num_reqs,), i32),
         jax.ShapeDtypeStruct((num_reqs, max_pages), i32),
         jax.ShapeDtypeStruct((num_reqs + 1,), i32),
@@ -125,6 +127,7 @@ def _abstract(num_tokens, num_reqs, max_pages, hq=32, hkv=8, head_dim=128, dtype
         (_abstract(64, 64, 128), {}),  # decode batch, Llama-3-8B layout
         (_abstract(512, 16, 128), dict(sliding_window=256, soft_cap=50.0)),  # mixed
         (_abstract(64, 8, 32, hq=8, hkv=1, head_dim=256, dtype=jnp.float32), {}),
+        (_abstract(64, 64, 128, cache=jnp.float8_e4m3fn), {}),  # --kv-cache-dtype fp8
     ],
 )
 def test_lowers_for_its_device(platform, args, options):
@@ -145,3 +148,10 @@ def test_matches_reference_on_tpu(shape, seed):
 @given(shape=shapes(), seed=st.integers(0, 2**31 - 1))
 def test_matches_reference_on_gpu(dtype, shape, seed):
     check_kernel(gpu.ragged_paged_attention, build(shape, seed), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("shape", [DECODE, LONG_CHUNK, WINDOWED], ids=["decode", "chunk", "window"])
+def test_fp8_cache_matches_reference_on_gpu(cache_dtype, shape):
+    check_kernel(gpu.ragged_paged_attention, build(shape, 7), "bfloat16", cache_dtype)
