@@ -74,7 +74,7 @@ class SamplerFunctions:
         self.processors = processors or ProcessorBatch(())
         self.store = None if self.processors.custom else store
         self._sampler = make_sampler(max_num_seqs, logits_sharding, self.processors.processors)
-        self._program = (vocab_size, max_num_seqs, logits_sharding)  # what shapes every variant
+        self.max_num_seqs = max_num_seqs
         self._compiled: dict[tuple, Any] = {}  # (metadata spec, flags) -> executable
         self._mask = jax.jit(apply_token_bitmask)
         self._masks: dict[int, Any] = {}  # rows -> compiled mask
@@ -133,7 +133,8 @@ class SamplerFunctions:
         if self.processors:
             return build()
         device = jax.config.values.get("jax_default_device")
-        return process_shared((name, key, *self._program, device), build)
+        program = (name, key, self.vocab_size, self.max_num_seqs, self.logits_sharding, device)
+        return process_shared(program, build)
 
     def _abstract_logits(self, num_reqs: int) -> jax.ShapeDtypeStruct:
         shape = (num_reqs, self.vocab_size)
