@@ -3,7 +3,7 @@
 Inside, a kernel sees plain per-device arrays: its query heads ``[T, Hq/tp, D]`` and
 its slice of the cache ``[P, S, 2 * Hkv/tp, D]``, so the reference, the Mosaic and the
 Triton kernels run unchanged, with no collective. Page tables and the other metadata
-are replicated.
+are replicated; attention sinks (``sinks [Hq]``, gpt-oss) split with the query heads.
 
 With fewer KV heads than tensor devices the projections produce every KV head on
 every device (their weights are replicated) and each device keeps the one head its
@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 HEADS = P(None, "tensor", None)  # [T, H, D]
 CACHE = P(None, None, "tensor", None)  # [pages, page_size, 2 * H, D]
+SINKS = P("tensor")  # [Hq]: attention sinks, as the query heads
 META = P()
 
 
@@ -46,17 +47,21 @@ def shard_attention_fns(attention_kwargs: dict, mesh: Mesh, num_kv_heads: int) -
     )
 
     def attention(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, **kwargs):
-        def local(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs):
+        sinks = kwargs.pop("sinks", None)  # [Hq]: split with the query heads
+
+        def local(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, sinks):
+            extra = {} if sinks is None else {"sinks": sinks}
             return attention_fn(
-                q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, **kwargs
+                q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, **kwargs, **extra
             )
 
+        sinks_spec = None if sinks is None else SINKS
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(HEADS, CACHE, META, META, META, META),
+            in_specs=(HEADS, CACHE, META, META, META, META, sinks_spec),
             out_specs=HEADS,
             check_vma=False,
-        )(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs)
+        )(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, sinks)
 
     return {**attention_kwargs, "attention_fn": attention, "update_fn": update}

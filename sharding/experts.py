@@ -23,22 +23,23 @@ SCALES = P("tensor", None)  # [E, out]: quantized experts' per-row scales
 def expert_parallel_fn(mesh: Mesh):
     """An ``experts_fn`` for `SparseMoE` running each expert shard on its device."""
 
-    def fn(x, weights, experts, w_gate, w_up, w_down, *, act, scales=None):
-        def local(x, weights, experts, w_gate, w_up, w_down, scales):
+    def fn(x, weights, experts, w_gate, w_up, w_down, *, act, scales=None, biases=None, glu=None):
+        def local(x, weights, experts, w_gate, w_up, w_down, scales, biases):
             first = jax.lax.axis_index("tensor") * w_gate.shape[0]
             out = routed_experts(
                 x, weights, experts, w_gate, w_up, w_down, act=act, first_expert=first,
-                scales=scales,
+                scales=scales, biases=biases, glu=glu,
             )  # fmt: skip
             return jax.lax.psum(out, "tensor")
 
         scale_specs = None if scales is None else (SCALES,) * 3
+        bias_specs = None if biases is None else (SCALES,) * 3  # [E, out] by expert too
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(), P(), P(), EXPERTS, EXPERTS, EXPERTS, scale_specs),
+            in_specs=(P(), P(), P(), EXPERTS, EXPERTS, EXPERTS, scale_specs, bias_specs),
             out_specs=P(),
             check_vma=False,
-        )(x, weights, experts, w_gate, w_up, w_down, scales)
+        )(x, weights, experts, w_gate, w_up, w_down, scales, biases)
 
     return fn

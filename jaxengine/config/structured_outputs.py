@@ -36,7 +36,7 @@ class StructuredOutputsConfig:
     additionalProperties keyword allow no extra keys), "enable_in_reasoning" (apply the
     constraint inside the reasoning section too), "reasoning_parser"."""
     reasoning_parser: str = ""
-    """Reasoning parser of the model ("deepseek_r1", "qwen3", or one registered by
+    """Reasoning parser of the model ("deepseek_r1", "qwen3", "glm45", or one registered by
     --reasoning-parser-plugin): the server returns the text between the think
     markers as `reasoning_content`, and structured outputs apply after it."""
     reasoning_parser_plugin: str = ""

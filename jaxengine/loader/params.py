@@ -42,6 +42,14 @@ def checkpoint_names(module: nn.Module) -> NameMapper:
     return getattr(type(module), "hf_param_path", hf_param_path)
 
 
+def family_tensors(module: nn.Module, config: TransformerConfig, tensors: Iterable) -> Iterable:
+    """The checkpoint's ``(name, array)`` pairs as ``module``'s names expect them: its
+    class's static ``split_tensors(tensors, config)`` first where the family defines one
+    (a checkpoint that fuses what the model holds apart, `models.phi3`)."""
+    split = getattr(type(module), "split_tensors", None)
+    return tensors if split is None else split(tensors, config)
+
+
 def init_inputs(config: TransformerConfig) -> tuple:
     """Smallest valid forward inputs (one token, one page), for init and shapes."""
     page = kv_cache_shape(config, 1, 1)
@@ -80,6 +88,16 @@ def _cache_unchanged(kv_cache: jax.Array, *args: Any) -> jax.Array:
 
 SHAPES_ONLY = {"attention_fn": _attention_shape, "update_fn": _cache_unchanged}
 """`abstract_params`' attention: the shapes of the backends' functions, no work."""
+
+
+def placed_shapes(abstract: Any, shardings: Any) -> Any:
+    """``abstract``'s shapes with each leaf's sharding (None: unplaced): the
+    parameters of a compile-only engine."""
+    if shardings is None:
+        return abstract
+    return jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
 
 
 def logical_axes(abstract: Any) -> Any:
@@ -261,7 +279,7 @@ def params_from_tensors(
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], set] = {}
     names = checkpoint_names(module)
-    for name, array in tensors:
+    for name, array in family_tensors(module, config, tensors):
         slot = tensor_slot(names(name), name, array, config, shapes, source)
         if slot is None:
             continue

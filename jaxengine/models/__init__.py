@@ -21,9 +21,15 @@ from typing import Any
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",
+    "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "GptOssForCausalLM": "gpt_oss",
     "Gemma3ForCausalLM": "gemma3",
     "Idefics3ForConditionalGeneration": "idefics3",
     "Gemma3ForConditionalGeneration": "gemma3",
@@ -36,9 +42,15 @@ _ARCHITECTURES: dict[str, str] = {
 _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
+    "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "bert": "BertModel",
     "idefics3": "Idefics3ForConditionalGeneration",
@@ -98,8 +110,21 @@ def get_model(hf_config: Any, dtype: Any, attention_kwargs: dict | None = None):
 
     if not config.num_labels:
         config = dataclasses.replace(config, num_labels=hf_config.num_labels)
-    layer_cls = getattr(family, causal).layer_cls
-    return SequenceClassifier(config, layer_cls, attention_kwargs=attention_kwargs), config
+    causal_cls = getattr(family, causal)
+    classifier = _with_checkpoint_hooks(SequenceClassifier, causal_cls, arch)
+    return classifier(config, causal_cls.layer_cls, attention_kwargs=attention_kwargs), config
+
+
+_CHECKPOINT_HOOKS = ("hf_param_path", "split_tensors")
+"""A family class's static methods that read its checkpoint (`loader.params`)."""
+
+
+def _with_checkpoint_hooks(base: type, family_cls: type, name: str) -> type:
+    """``base`` itself, or a subclass named ``name`` carrying ``family_cls``'s own
+    checkpoint hooks (Mixtral's names, Phi-3's fused tensors): a classifier reads the
+    same checkpoint layout as its family's causal LM."""
+    hooks = {k: v for k, v in vars(family_cls).items() if k in _CHECKPOINT_HOOKS}
+    return type(name, (base,), hooks) if hooks else base
 
 
 def image_encoder(hf_config: Any, dtype: Any) -> Any:

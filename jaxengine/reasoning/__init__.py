@@ -21,6 +21,7 @@ from jaxengine.reasoning.base import (
 )
 from jaxengine.reasoning.think import (
     DeepSeekR1ReasoningParser,
+    Glm45ReasoningParser,
     Qwen3ReasoningParser,
     ThinkingParser,
 )
@@ -42,6 +43,7 @@ def import_reasoning_parser_plugin(path: str) -> None:
 __all__ = [
     "REASONING_PARSERS",
     "DeepSeekR1ReasoningParser",
+    "Glm45ReasoningParser",
     "Qwen3ReasoningParser",
     "ReasoningParser",
     "ReasoningStream",

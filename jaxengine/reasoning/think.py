@@ -1,4 +1,4 @@
-"""`<think>...</think>` reasoning parsers: `deepseek_r1` and `qwen3`.
+"""`<think>...</think>` reasoning parsers: `deepseek_r1`, `qwen3` and `glm45`.
 
 Text rules (the same in `extract` and in the concatenated stream deltas):
 
@@ -15,6 +15,11 @@ Text rules (the same in `extract` and in the concatenated stream deltas):
   that text back once sent as content: it streams such an output verbatim as content.
   This is the one case where stream and `extract` differ; use `deepseek_r1` for models
   whose prompt opens the think block (as Qwen recommends for its -Thinking models).
+* `glm45` (GLM-4.5 / 4.6): `qwen3`'s rules, except that newlines before the leading
+  `<think>` are dropped with it (GLM writes `\n<think>` after `<|assistant|>`); an output
+  whose first other character is not `<think>` keeps its leading newlines as content.
+  With thinking off, GLM's template closes an empty think block in the prompt, and
+  the output is content.
 
 Token side: the reasoning has ended when the last think marker among the ids is
 `</think>`. Pass the prompt ids too (prompt + output) to see a think block that the
@@ -46,8 +51,9 @@ def _none(text: str) -> str | None:
 class ThinkStream(ReasoningStream):
     """Streaming state of a `ThinkingParser` (modes: start, reasoning, content, plain)."""
 
-    def __init__(self, implicit: bool) -> None:
+    def __init__(self, implicit: bool, newlines_before_start: bool = False) -> None:
         self._implicit = implicit  # no leading <think>: reasoning (True) or content
+        self._skip = "\n" if newlines_before_start else ""  # dropped before a <think>
         self._mode = "start"
         self._buf = ""  # text not yet classified (a partial marker at most)
         self._newlines = ""  # trailing newlines of the reasoning, held back
@@ -77,11 +83,12 @@ class ThinkStream(ReasoningStream):
 
     def _start(self, final: bool) -> bool:
         """Decides the mode from the first characters; False to wait for more."""
-        if self._buf.startswith(START):
-            self._buf = self._buf[len(START) :]
+        head = self._buf.lstrip(self._skip) if self._skip else self._buf
+        if head.startswith(START):
+            self._buf = head[len(START) :]
             self._mode = "reasoning"
-        elif START.startswith(self._buf) and not final:
-            return False  # "", "<", "<th", ... may still become <think>
+        elif START.startswith(head) and not final:
+            return False  # "", "<", "<th", ... (after newlines) may still become <think>
         else:
             self._mode = "reasoning" if self._implicit else "plain"
         return True
@@ -120,6 +127,8 @@ class ThinkingParser(ReasoningParser):
     `<think>` is reasoning (the prompt opened the block) or content."""
 
     implicit: bool = True
+    newlines_before_start: bool = False
+    """Newlines before a leading `<think>` are dropped with it (`glm45`)."""
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
@@ -153,8 +162,9 @@ class ThinkingParser(ReasoningParser):
         return list(output_token_ids[end + 1 :]) if end >= 0 else []
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
-        thinking = text.startswith(START)
-        body = text[len(START) :] if thinking else text
+        head = text.lstrip("\n") if self.newlines_before_start else text
+        thinking = head.startswith(START)
+        body = head[len(START) :] if thinking else text
         pos = body.find(END)
         if pos < 0:
             if thinking or self.implicit:
@@ -163,7 +173,7 @@ class ThinkingParser(ReasoningParser):
         return _none(body[:pos].strip("\n")), _none(body[pos + len(END) :].lstrip("\n"))
 
     def stream(self) -> ThinkStream:
-        return ThinkStream(self.implicit)
+        return ThinkStream(self.implicit, self.newlines_before_start)
 
 
 @register_reasoning_parser("deepseek_r1")
@@ -180,3 +190,12 @@ class Qwen3ReasoningParser(ThinkingParser):
 
     name = "qwen3"
     implicit = False
+
+
+@register_reasoning_parser("glm45")
+class Glm45ReasoningParser(ThinkingParser):
+    """GLM-4.5 / 4.6: a thinking turn starts its output with `\n<think>`."""
+
+    name = "glm45"
+    implicit = False
+    newlines_before_start = True

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.loader.params import (
     checkpoint_names,
+    family_tensors,
     is_quantized,
     leaf_at,
     place,
@@ -86,7 +87,7 @@ def plan_update(
     names = checkpoint_names(layout.module)
     plan: dict[Path, list[Piece]] = {}
     seen: set[str] = set()
-    for name, value in _items(weights):
+    for name, value in family_tensors(layout.module, layout.config, _items(weights)):
         if name in seen:
             raise CheckpointError(f"tensor {name!r} is given twice")
         seen.add(name)

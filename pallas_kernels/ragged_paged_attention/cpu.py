@@ -31,6 +31,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.reference import chunk_start, join_sinks
+
 _MASKED = -1e30  # finite, so an all-masked chunk gives no NaN
 
 
@@ -49,11 +51,15 @@ def ragged_paged_attention(
     block_q: int | None = None,
     causal: bool = True,
     attend_until: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
-    As `reference.ragged_paged_attention` (``causal`` False: bidirectional;
-    ``attend_until``: each token's last key, for image tokens that attend both ways).
+    As `reference.ragged_paged_attention` (``sinks`` [Hq]: attention sinks, joining
+    each row's denominator after its last chunk; ``causal`` False: bidirectional;
+    ``attend_until``: each token's last key, for image tokens that attend both ways;
+    ``attention_chunk_size``: chunked local attention, keys of the token's own chunk).
     ``kv_chunk`` (tokens, rounded to whole pages) is the context walked per step;
     ``block_q`` the query rows of a prefill tile (default 128; 32 for ``causal``
     False: an encoder's requests are short, and a tile never spans two of them).
@@ -69,6 +75,10 @@ def ragged_paged_attention(
     qg = q.astype(jnp.float32) * sm_scale
     qg = qg.reshape(num_tokens, two_hkv // 2, group, head_dim)  # [T, Hkv, G, D]
     spec = dict(pages_per_chunk=pages_per_chunk, sliding_window=sliding_window, soft_cap=soft_cap)
+    if attention_chunk_size is not None:
+        spec["attention_chunk_size"] = attention_chunk_size
+    if sinks is not None:
+        spec["sinks"] = sinks.reshape(two_hkv // 2, group)  # [Hkv, G]
     out = jnp.zeros((num_tokens + 1,) + qg.shape[1:], jnp.float32)  # row T: dropped writes
     ends = None if attend_until is None else jnp.append(attend_until, -1)  # row T: none
     args = (qg, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, spec)
@@ -139,13 +149,27 @@ def _tiles(seq_lens, qsl, num_seqs, num_tokens, block_q, causal):
     return tiles_end[-1], req, rows, jnp.where(ok, pos, -1)
 
 
-def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_cap, q_end=None):
+def _attend(
+    q,
+    q_pos,
+    kv_cache,
+    pages,
+    *,
+    pages_per_chunk,
+    sliding_window,
+    soft_cap,
+    q_end=None,
+    attention_chunk_size=None,
+    sinks=None,
+):
     """Rows ``q`` [N, B, Hkv, G, D] (scaled, float32) at positions ``q_pos`` [N, B]
     (-1: padding) over the KV of page rows ``pages`` [N, M]; returns [N, B, Hkv, G, D].
-    ``q_end`` [N, B]: each row's last key (default its position).
+    ``q_end`` [N, B]: each row's last key (default its position). ``sinks`` [Hkv, G]:
+    attention sinks (`reference.join_sinks`), or None.
 
-    Walks context chunks from the earliest any row can see (its sliding window) to the
-    last (the causal end); each chunk's pages are gathered once per page row.
+    Walks context chunks from the earliest any row can see (its sliding window, its
+    attention chunk's start) to the last (the causal end); each chunk's pages are
+    gathered once per page row.
     """
     n, b, num_kv_heads, group, head_dim = q.shape
     chunk_len = pages_per_chunk * kv_cache.shape[1]
@@ -154,9 +178,10 @@ def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_
     last = jnp.max(q_end)
     stop = (last + chunk_len) // chunk_len  # 0 when every row is padding
     start = 0
-    if sliding_window is not None:
-        earliest = jnp.min(jnp.where(valid, q_pos, last)) - sliding_window + 1
-        start = jnp.minimum(jnp.maximum(earliest, 0) // chunk_len, stop)
+    first_key = _first_keys(q_pos, sliding_window, attention_chunk_size)  # [N, B] or None
+    if first_key is not None:
+        earliest = jnp.min(jnp.where(valid, first_key, jnp.maximum(last, 0)))
+        start = jnp.minimum(earliest // chunk_len, stop)
     qt = q.transpose(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * b, head_dim)
 
     heads = 2 * jnp.arange(num_kv_heads)[None, :, None]  # K of head h at 2h, V at 2h + 1
@@ -177,6 +202,8 @@ def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_
         mask = kv_pos[None, None, :] <= q_end[:, :, None]  # [N, B, L]
         if sliding_window is not None:
             mask &= q_pos[:, :, None] - kv_pos[None, None, :] < sliding_window
+        if attention_chunk_size is not None:
+            mask &= kv_pos[None, None, :] >= chunk_start(q_pos, attention_chunk_size)[..., None]
         mask = jnp.broadcast_to(mask[:, None, None], (n, 1, group, b, chunk_len))
         mask = mask.reshape(n, 1, group * b, chunk_len)
         s = jnp.where(mask, s, _MASKED)
@@ -193,10 +220,24 @@ def _attend(q, q_pos, kv_cache, pages, *, pages_per_chunk, sliding_window, soft_
         jnp.zeros(shape, jnp.float32),
         jnp.zeros(shape + (head_dim,), jnp.float32),
     )
-    _, denom, acc = jax.lax.fori_loop(start, stop, body, init)
+    m, denom, acc = jax.lax.fori_loop(start, stop, body, init)
+    if sinks is not None:  # rows are (g, b), g-major: each query head's sink b times
+        denom, acc = join_sinks(m, denom, acc, jnp.repeat(sinks, b, axis=1))
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
     out = out.reshape(n, num_kv_heads, group, b, head_dim).transpose(0, 3, 1, 2, 4)
     return jnp.where(valid[..., None, None, None], out, 0.0)
+
+
+def _first_keys(q_pos, sliding_window, attention_chunk_size):
+    """Each row's first visible key (>= 0) under its sliding window and attention
+    chunk, or None when neither limits it."""
+    first = None
+    if sliding_window is not None:
+        first = jnp.maximum(q_pos - sliding_window + 1, 0)
+    if attention_chunk_size is not None:
+        start = chunk_start(q_pos, attention_chunk_size)
+        first = start if first is None else jnp.maximum(first, start)
+    return first
 
 
 def _gatherable(kv_cache: jax.Array) -> jax.Array:

@@ -135,6 +135,8 @@ def _kernel(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    attention_chunk_size: int | None = None,
+    sinks_ref=None,  # [Hq] float32 (`_kernel_with_sinks`)
 ):
     del zeros_ref  # the same buffer as o_ref
     num_reqs = seq_lens_ref.shape[0]
@@ -177,6 +179,10 @@ def _kernel(
     lo = jnp.zeros_like(hi)
     if sliding_window is not None:
         lo = jnp.maximum(ctx + (start - q_start) - sliding_window + 1, 0)
+    if attention_chunk_size is not None:  # the first row's chunk starts earliest
+        first_pos = ctx + (start - q_start)
+        lo = jnp.maximum(lo, first_pos - first_pos % attention_chunk_size)
+        chunk_lo = q_pos - q_pos % attention_chunk_size  # [BM]; q_pos >= 0
     lo = (lo // block_n) * block_n
     trips = jnp.where(end > start, pl.cdiv(hi - lo, block_n), 0)
 
@@ -207,6 +213,8 @@ def _kernel(
         mask = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         if sliding_window is not None:
             mask &= q_pos[:, None] - n[None, :] < sliding_window
+        if attention_chunk_size is not None:
+            mask &= n[None, :] >= chunk_lo[:, None]
         s = jnp.where(mask, s, _MASKED)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
@@ -225,7 +233,10 @@ def _kernel(
         jnp.zeros((block_m,), jnp.float32),
         jnp.zeros((block_m, d_pad), jnp.float32),
     )
-    _, denom, acc = jax.lax.fori_loop(0, trips, kv_step, init)
+    m_last, denom, acc = jax.lax.fori_loop(0, trips, kv_step, init)
+    if sinks_ref is not None:  # row m's query head is h * G + m % G
+        sink = plgpu.load(sinks_ref.at[h * group + m % group])  # [BM]
+        denom, acc = reference.join_sinks(m_last, denom, acc, sink)
     out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
     plgpu.store(
         o_ref.at[o_row[:, None], d],
@@ -234,12 +245,19 @@ def _kernel(
     )
 
 
+def _kernel_with_sinks(*refs, **kwargs):
+    """`_kernel` with one more input after the aliased zeros: the sinks."""
+    inputs, sinks_ref, o_ref = refs[:7], refs[7], refs[8]
+    _kernel(*inputs, o_ref, sinks_ref=sinks_ref, **kwargs)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
         "sm_scale",
         "sliding_window",
         "soft_cap",
+        "attention_chunk_size",
         "block_m",
         "block_n",
         "num_warps",
@@ -264,16 +282,21 @@ def ragged_paged_attention(
     num_stages: int | None = None,
     interpret: bool = False,
     causal: bool = True,
+    attention_chunk_size: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
     Semantics of `reference.ragged_paged_attention`: float32 accumulation, ``q``'s dtype
     out, padding tokens exactly zero. ``interpret=True`` runs the kernel on CPU.
+    ``attention_chunk_size``: chunked local attention, keys of the token's own chunk.
+    ``sinks`` [Hq]: attention sinks, joining each row's denominator after its KV loop.
     """
     if not causal:  # an encoder's bidirectional attention: the reference runs it
         return reference.ragged_paged_attention(
             q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, causal=False,
+            sinks=sinks,
         )  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, two_hkv, _ = kv_cache.shape
@@ -303,8 +326,13 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        attention_chunk_size=attention_chunk_size,
     )
     flat = jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype)
+    extra = ()
+    if sinks is not None:  # after the aliased zeros, so the alias keeps its index
+        extra = (sinks.astype(jnp.float32).reshape(num_q_heads),)
+        kernel = functools.partial(_kernel_with_sinks, **kernel.keywords)
     out = pl.pallas_call(
         kernel,
         out_shape=flat,
@@ -325,5 +353,6 @@ def ragged_paged_attention(
         query_start_loc.astype(jnp.int32),
         jnp.asarray(num_seqs, jnp.int32).reshape(1),
         jnp.zeros(flat.shape, q.dtype),
+        *extra,
     )
     return out.reshape(q.shape)

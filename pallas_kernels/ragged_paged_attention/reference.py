@@ -31,6 +31,26 @@ import jax.numpy as jnp
 _MASKED = -1e30  # finite, so an all-masked chunk gives no NaN
 
 
+def chunk_start(q_pos: jax.Array, chunk_size: int) -> jax.Array:
+    """The first key a token at ``q_pos`` sees under chunked local attention: the start
+    of its chunk, ``(q_pos // C) * C`` (padding positions, -1, clamp to 0)."""
+    return (jnp.maximum(q_pos, 0) // chunk_size) * chunk_size
+
+
+def join_sinks(
+    m: jax.Array, denom: jax.Array, acc: jax.Array, sinks: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The online-softmax state after the attention sinks join it (gpt-oss): each row's
+    sink logit adds ``exp(sink - m')`` to the denominator and nothing to the values,
+    where ``m'`` is the running max ``m`` updated with the sink. ``m``, ``denom`` and
+    ``sinks`` broadcast together (``[..., rows]``), ``acc`` is ``[..., rows, D]``;
+    returns the new ``(denom, acc)``. A sink of -inf changes nothing."""
+    sinks = sinks.astype(jnp.float32)
+    m_new = jnp.maximum(m, sinks)
+    alpha = jnp.exp(m - m_new)
+    return denom * alpha + jnp.exp(sinks - m_new), acc * alpha[..., None]
+
+
 def _token_layout(query_start_loc, seq_lens, num_seqs, num_tokens):
     """For each flat token: its request, its absolute position, whether it is real."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -57,10 +77,17 @@ def ragged_paged_attention(
     pages_per_chunk: int = 4,
     causal: bool = True,
     attend_until: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
-    ``sliding_window`` w keeps keys with ``q_pos - kv_pos < w``; ``soft_cap`` c maps
+    ``sinks`` ``[Hq]`` (gpt-oss's attention sinks): a learned logit per query head that
+    joins each token's softmax denominator and carries no value, so the weights of the
+    token's keys sum to less than one; None: no sink (a sink of -inf is the same).
+    ``sliding_window`` w keeps keys with ``q_pos - kv_pos < w``; ``attention_chunk_size``
+    C (chunked local attention, Llama 4) keeps keys in the token's own chunk,
+    ``kv_pos >= (q_pos // C) * C`` (both may apply); ``soft_cap`` c maps
     scores to ``c * tanh(s / c)`` after scaling. ``causal`` False (an encoder): every
     token attends to all ``seq_lens[r]`` keys of its request, as if it were the last.
     ``attend_until`` ``[T]`` (the tokens of an image that attend both ways, Gemma 3):
@@ -106,6 +133,8 @@ def ragged_paged_attention(
         mask = kv_pos[None, :] <= q_end[:, None]  # [T, L]
         if sliding_window is not None:
             mask &= q_pos[:, None] - kv_pos[None, :] < sliding_window
+        if attention_chunk_size is not None:
+            mask &= kv_pos[None, :] >= chunk_start(q_pos, attention_chunk_size)[:, None]
         mask = mask[:, None, None, :]
         s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
@@ -121,7 +150,9 @@ def ragged_paged_attention(
         jnp.zeros(shape, jnp.float32),
         jnp.zeros(shape + (head_dim,), jnp.float32),
     )
-    _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    m, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    if sinks is not None:
+        denom, acc = join_sinks(m, denom, acc, sinks.reshape(num_kv_heads, group))
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -20,7 +20,9 @@ padding tokens) come out as zeros.
 Layout. Queries travel as ``[Hkv, G, T, D]`` (one transpose in the wrapper), so each
 KV head's ``G`` query heads form a ``[G * block_q, D]`` tile with the token axis on
 sublanes. The cache keeps the engine's ``[P, S, 2 * Hkv, D]`` layout in HBM; a page
-copy moves ``[S, 2 * heads_per_block, D]``.
+copy moves ``[S, 2 * heads_per_block, D]``. Attention sinks (optional, gpt-oss) come in
+as one more VMEM block ``[heads_per_block, G, 128]`` (each query head's sink on every
+lane) and join the denominators once, when the output tile is written.
 
 Block sizes (`choose_blocks`), from the shapes, overridable by keyword:
 
@@ -72,6 +74,7 @@ def vmem_bytes(blocks: Blocks, group: int, page_size: int, head_dim: int, dtype)
     """VMEM one grid step needs: two KV buffers, double-buffered q and out, state."""
     item = np.dtype(dtype).itemsize
     hb, bq = blocks.heads_per_block, blocks.block_q
+    head_dim = -(-head_dim // 128) * 128  # VMEM tiles pad the lane axis to 128
     kv = 2 * blocks.pages_per_block * page_size * 2 * hb * head_dim * item
     q_out = 2 * 2 * hb * group * bq * head_dim * item
     state = hb * group * bq * (head_dim + 2 * 128) * 4
@@ -138,6 +141,8 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     max_pages: int,
+    attention_chunk_size: int | None = None,
+    sinks_ref=None,  # [hb, G, 128] f32 VMEM, lanes equal: the sinks (`_kernel_with_sinks`)
 ):
     hb, group, bq, head_dim = q_ref.shape
     _, ppb, page_size, _, _ = kv_buf.shape
@@ -175,12 +180,18 @@ def _kernel(
         kv_lo = 0
         if sliding_window is not None:
             kv_lo = jnp.maximum(ctx + (t_first - q_start) - sliding_window + 1, 0)
+        if attention_chunk_size is not None:  # the first row's chunk starts earliest
+            kv_lo = jnp.maximum(
+                kv_lo, _chunk_start(ctx + (t_first - q_start), attention_chunk_size)
+            )
         first_page = jax.lax.div(kv_lo, page_size)  # kv_lo >= 0: no floor fix-up
         num_pages = pl.cdiv(kv_hi, page_size) - first_page
         num_kv_blocks = pl.cdiv(num_pages, ppb)
 
         in_req = (row_tok >= q_start) & (row_tok < q_end)
         q_pos = ctx + row_tok - q_start
+        if attention_chunk_size is not None:  # rows outside the request: masked anyway
+            chunk_lo = _chunk_start(jnp.maximum(q_pos, 0), attention_chunk_size)
 
         for copy in page_copies(req, first_page, 0, 0):
             copy.start()
@@ -203,6 +214,8 @@ def _kernel(
             v_ok = (first_page + b * ppb) * page_size + v_row < kv_hi
             if sliding_window is not None:
                 mask &= q_pos - kv_pos < sliding_window
+            if attention_chunk_size is not None:
+                mask &= kv_pos >= chunk_lo
             for h in range(hb):
                 _online_softmax_step(
                     q_ref[h].reshape(rows, head_dim),
@@ -223,10 +236,43 @@ def _kernel(
 
     jax.lax.fori_loop(first_ref[q_blk], last_ref[q_blk] + 1, one_request, 0)
 
+    if sinks_ref is not None:
+        _finish_with_sinks(m_sc, l_sc, acc_sc, sinks_ref, o_ref)
+        return
     for h in range(hb):
         denom = l_sc[h][:, :1]
         out = jnp.where(denom > 0, acc_sc[h] / jnp.where(denom > 0, denom, 1.0), 0.0)
         o_ref[h] = out.reshape(group, bq, head_dim).astype(o_ref.dtype)
+
+
+def _finish_with_sinks(m_sc, l_sc, acc_sc, sinks_ref, o_ref):
+    """The output tile when attention sinks join each row's denominator
+    (`reference.join_sinks`): per KV head and query head ``g``, the score rows
+    ``g * bq ...`` share one sink (``sinks_ref[h, g]``, lanes equal)."""
+    hb, group, bq, _ = o_ref.shape
+    for h in range(hb):
+        for g in range(group):
+            rows = pl.ds(g * bq, bq)
+            m_prev, denom = m_sc[h, rows, :][:, :1], l_sc[h, rows, :][:, :1]  # [bq, 1]
+            sink = sinks_ref[h, pl.ds(g, 1), :][:, :1]  # [1, 1]
+            m_next = jnp.maximum(m_prev, sink)
+            alpha = jnp.exp(m_prev - m_next)
+            denom = denom * alpha + jnp.exp(sink - m_next)
+            safe = jnp.where(denom > 0, denom, 1.0)  # 0 only for a sink of -inf and no key
+            out = jnp.where(denom > 0, acc_sc[h, rows, :] * alpha / safe, 0.0)
+            o_ref[h, g] = out.astype(o_ref.dtype)
+
+
+def _kernel_with_sinks(*refs, **kwargs):
+    """`_kernel` with one more input after the cache: the sinks' VMEM block."""
+    prefetch, (q_ref, kv_hbm, sinks_ref, o_ref), scratch = refs[:5], refs[5:9], refs[9:]
+    _kernel(*prefetch, q_ref, kv_hbm, o_ref, *scratch, sinks_ref=sinks_ref, **kwargs)
+
+
+def _chunk_start(pos, chunk_size: int):
+    """``(pos // C) * C`` for ``pos >= 0`` (scalar or vector), as
+    `reference.chunk_start`."""
+    return pos - jax.lax.rem(pos, jnp.asarray(chunk_size, pos.dtype))
 
 
 def _online_softmax_step(q, k, v, mask, m_ref, l_ref, acc_ref, *, sm_scale, soft_cap):
@@ -264,6 +310,7 @@ def _online_softmax_step(q, k, v, mask, m_ref, l_ref, acc_ref, *, sm_scale, soft
         "sm_scale",
         "sliding_window",
         "soft_cap",
+        "attention_chunk_size",
         "block_q",
         "pages_per_block",
         "heads_per_block",
@@ -288,12 +335,17 @@ def ragged_paged_attention(
     vmem_limit_bytes: int = DEFAULT_VMEM_LIMIT,
     interpret: bool = False,
     causal: bool = True,
+    attention_chunk_size: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``."""
+    """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
+    ``attention_chunk_size``: chunked local attention; ``sinks`` [Hq]: attention sinks,
+    joining each row's denominator at the end (`reference.ragged_paged_attention`)."""
     if not causal:  # an encoder's bidirectional attention: the reference runs it
         return reference.ragged_paged_attention(
             q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, causal=False,
+            sinks=sinks,
         )  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_hkv, _ = kv_cache.shape
@@ -335,14 +387,22 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         max_pages=max_pages,
+        attention_chunk_size=attention_chunk_size,
     )
+    in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY)]
+    extra = ()
+    if sinks is not None:  # [Hkv, G, 128]: query head (h, g)'s sink on every lane
+        per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)
+        extra = (jnp.broadcast_to(per_head, (num_kv_heads, group, 128)),)
+        in_specs.append(pl.BlockSpec((hb, group, 128), lambda h, i, *_: (h, 0, 0)))
+        kernel = functools.partial(_kernel_with_sinks, **kernel.keywords)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_kv_heads // hb, num_blocks),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM(
@@ -368,6 +428,7 @@ def ragged_paged_attention(
         last,
         q4,
         kv_cache,
+        *extra,
     )
     out = out[:, :, :num_tokens].transpose(2, 0, 1, 3).reshape(q.shape)
     return out

@@ -1,7 +1,8 @@
 """`pythonic`: a Python list of calls, `[get_weather(city="Paris"), f2(x=1)]`.
 
 The format of Llama 3.2 / 4 with the pythonic templates (optionally inside
-`<|python_start|>` ... `<|python_end|>`). The list must start the output (after
+`<|python_start|>` ... `<|python_end|>`); `llama4_pythonic` is vLLM's name for it
+with Llama 4 (the same parser). The list must start the output (after
 whitespace); text after it is content. Arguments are keyword arguments whose values
 are Python literals (`ast.literal_eval`: strings, numbers, True/False/None, lists,
 tuples, dicts); anything else makes the output plain content. Nothing is executed.
@@ -215,3 +216,10 @@ class PythonicToolParser(ToolParser):
 
     def stream(self, request: Any = None) -> PythonicStream:
         return PythonicStream(self.make_id)
+
+
+@register_tool_parser("llama4_pythonic")
+class Llama4PythonicToolParser(PythonicToolParser):
+    """vLLM's ``--tool-call-parser llama4_pythonic``: Llama 4's pythonic calls, which
+    its template wraps in `<|python_start|>` ... `<|python_end|>` (special tokens, kept
+    in the text by `adjust_request`); the parsing is `pythonic`'s."""

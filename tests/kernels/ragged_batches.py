@@ -38,6 +38,7 @@ class Shape:
     pad_tokens: int  # padding tokens after the last real one
     sliding_window: int | None
     soft_cap: float | None
+    attention_chunk_size: int | None = None  # chunked local attention (Llama 4)
 
 
 @st.composite
@@ -58,6 +59,7 @@ def shapes(draw, head_dims=(64, 128, 256), page_sizes=(8, 16, 32)) -> Shape:
         pad_tokens=draw(st.integers(0, 5)),
         sliding_window=draw(st.one_of(st.none(), st.integers(1, 48))),
         soft_cap=draw(st.one_of(st.none(), st.just(2.0), st.just(30.0))),
+        attention_chunk_size=draw(st.one_of(st.none(), st.sampled_from([3, 8, 16, 32]))),
     )
 
 
@@ -74,6 +76,7 @@ class Batch:
     sm_scale: float
     sliding_window: int | None
     soft_cap: float | None
+    attention_chunk_size: int | None = None
 
     def args(self, dtype=jnp.float32, cache_dtype=None) -> tuple:
         """The arguments in ``dtype`` (the cache in ``cache_dtype`` when given: an
@@ -88,10 +91,14 @@ class Batch:
         )
 
     def kwargs(self) -> dict:
+        chunked = {}
+        if self.attention_chunk_size is not None:
+            chunked["attention_chunk_size"] = self.attention_chunk_size
         return dict(
             sm_scale=self.sm_scale,
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,
+            **chunked,
         )
 
     @property
@@ -130,6 +137,7 @@ def build(shape: Shape, seed: int, extra_pages: int = 3) -> Batch:
         sm_scale=d**-0.5,
         sliding_window=shape.sliding_window,
         soft_cap=shape.soft_cap,
+        attention_chunk_size=shape.attention_chunk_size,
     )
 
 
@@ -152,19 +160,32 @@ def jitted_reference(**kwargs) -> Callable:
     return jitted(reference.ragged_paged_attention, **kwargs)
 
 
+def random_sinks(batch: Batch, seed: int, scale: float = 3.0) -> np.ndarray:
+    """``[Hq]`` float32 attention sinks for ``batch``: normal draws times ``scale``
+    (large enough to take much of a row's probability mass)."""
+    num_q_heads = batch.q.shape[1]
+    return (scale * np.random.default_rng(seed).standard_normal(num_q_heads)).astype(np.float32)
+
+
 def check_kernel(
-    kernel, batch: Batch, dtype_name: str, cache_dtype: str | None = None, **kernel_kwargs
+    kernel,
+    batch: Batch,
+    dtype_name: str,
+    cache_dtype: str | None = None,
+    sinks: np.ndarray | None = None,
+    **kernel_kwargs,
 ) -> float:
     """Runs `kernel` and the reference on `batch`; asserts closeness; returns the error.
 
     Both see the same inputs (rounded to the dtype; the cache to ``cache_dtype`` when
-    given); the reference accumulates in float32 like the kernels. Padding tokens
-    must come out as exact zeros.
+    given; ``sinks`` [Hq], attention sinks, when given); the reference accumulates in
+    float32 like the kernels. Padding tokens must come out as exact zeros.
     """
     dtype = jnp.dtype(dtype_name)
     args = batch.args(dtype, cache_dtype)
-    want = np.asarray(jitted_reference(**batch.kwargs())(*args), np.float32)
-    got = jitted(kernel, **batch.kwargs(), **kernel_kwargs)(*args)
+    extra = {} if sinks is None else {"sinks": jnp.asarray(sinks)}
+    want = np.asarray(jitted_reference(**batch.kwargs())(*args, **extra), np.float32)
+    got = jitted(kernel, **batch.kwargs(), **kernel_kwargs)(*args, **extra)
     assert got.shape == batch.q.shape and got.dtype == dtype
     got = np.asarray(got.astype(jnp.float32))
     assert np.isfinite(got).all(), "NaN or inf in the output"

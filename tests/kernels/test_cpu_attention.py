@@ -24,6 +24,8 @@ from tests.kernels.ragged_batches import (
     image_spans,
     jitted,
     jitted_reference,
+    random_sinks,
+    relative_error,
     shapes,
 )
 
@@ -33,6 +35,10 @@ WINDOWED = Shape(16, 2, 2, 256, (7, 1), (33, 50), 1, 0, 5, 2.0)
 ALL_PADDING = Shape(8, 1, 1, 64, (0,), (0,), 3, 4, None, None)
 # SmolLM2's heads: 9 query heads over 3 KV heads
 SMOLLM2_MIXED = Shape(16, 3, 3, 64, (1, 1, 20, 1), (40, 0, 35, 17), 1, 2, None, None)
+# chunked local attention (Llama 4): prefill chunks crossing chunk boundaries, decodes
+# at a chunk's first and last position, a window inside the chunks
+CHUNKED = Shape(8, 2, 2, 64, (21, 1, 1, 9), (3, 16, 31, 40), 1, 2, None, None, 16)
+CHUNKED_WINDOW = Shape(4, 1, 4, 64, (30, 1, 7), (5, 23, 0), 0, 3, 5, None, 8)
 
 BLOCKS = {"default": {}, "small": dict(kv_chunk=8, block_q=4)}
 
@@ -53,6 +59,9 @@ KERNELS = {name: functools.partial(cpu.ragged_paged_attention, **b) for name, b 
 @example(shape=ALL_PADDING, seed=3, blocks="default", dtype="float32")
 @example(shape=SMOLLM2_MIXED, seed=4, blocks="small", dtype="float32")
 @example(shape=SMOLLM2_MIXED, seed=5, blocks="default", dtype="bfloat16")
+@example(shape=CHUNKED, seed=12, blocks="small", dtype="float32")
+@example(shape=CHUNKED, seed=13, blocks="default", dtype="float32")
+@example(shape=CHUNKED_WINDOW, seed=14, blocks="small", dtype="float32")
 def test_matches_reference(shape, seed, blocks, dtype):
     check_kernel(KERNELS[blocks], build(shape, seed), dtype)
 
@@ -111,3 +120,27 @@ def test_image_spans_match_reference(shape, seed, blocks):
     real = batch.num_real_tokens
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
     np.testing.assert_array_equal(np.asarray(got)[real:], 0.0)
+
+
+@settings(max_examples=4, deadline=None)
+@given(shape=shapes(), seed=st.integers(0, 2**31 - 1), blocks=st.sampled_from(sorted(BLOCKS)))
+@example(shape=SMOLLM2_MIXED, seed=20, blocks="small")
+@example(shape=WINDOWED, seed=21, blocks="default")
+@example(shape=CHUNKED, seed=22, blocks="small")
+@example(shape=ALL_PADDING, seed=23, blocks="default")
+def test_sinks_match_reference(shape, seed, blocks):
+    """Attention sinks (gpt-oss) in both passes (last tokens and prefill tiles)."""
+    batch = build(shape, seed)
+    check_kernel(KERNELS[blocks], batch, "float32", sinks=random_sinks(batch, seed))
+
+
+def test_sinks_of_minus_infinity_are_no_sinks():
+    batch = build(SMOLLM2_MIXED, 24)
+    kernel = jitted(KERNELS["small"], **batch.kwargs())
+    plain = np.asarray(kernel(*batch.args()))
+    hq, real = batch.q.shape[1], batch.num_real_tokens
+    np.testing.assert_array_equal(
+        np.asarray(kernel(*batch.args(), sinks=np.full(hq, -np.inf, np.float32))), plain
+    )
+    finite = np.asarray(kernel(*batch.args(), sinks=random_sinks(batch, 24)))
+    assert relative_error(finite[:real], plain[:real]) > 1e-3

@@ -26,6 +26,7 @@ from tests.kernels.ragged_batches import (
     build,
     check_kernel,
     lowers_for,
+    random_sinks,
     relative_error,
     shapes,
 )
@@ -36,6 +37,10 @@ DECODE = Shape(16, 2, 4, 128, (1,) * 5, (3, 17, 40, 64, 0), 2, 3, None, None)
 LONG_CHUNK = Shape(8, 1, 3, 64, (1, 2, 24), (9, 30, 70), 0, 0, None, 30.0)
 WINDOWED = Shape(16, 2, 2, 256, (7, 1), (33, 50), 1, 0, 5, 2.0)
 ALL_PADDING = Shape(8, 1, 1, 64, (0,), (0,), 3, 4, None, None)
+# chunked local attention (Llama 4): prefills crossing chunk boundaries, decodes at a
+# chunk's first and last position; chunks smaller and larger than a KV block
+CHUNKED = Shape(8, 2, 2, 64, (21, 1, 1, 9), (3, 16, 31, 40), 1, 2, None, None, 16)
+CHUNKED_WINDOW = Shape(4, 1, 4, 64, (30, 1, 7), (5, 23, 0), 0, 3, 5, None, 8)
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))
@@ -46,6 +51,8 @@ ALL_PADDING = Shape(8, 1, 1, 64, (0,), (0,), 3, 4, None, None)
 @example(shape=LONG_CHUNK, seed=1)
 @example(shape=WINDOWED, seed=2)
 @example(shape=ALL_PADDING, seed=3)
+@example(shape=CHUNKED, seed=4)
+@example(shape=CHUNKED_WINDOW, seed=5)
 def test_matches_reference(platform, dtype, shape, seed):
     check_kernel(KERNELS[platform], build(shape, seed), dtype, interpret=True)
 
@@ -56,6 +63,36 @@ def test_matches_reference(platform, dtype, shape, seed):
 def test_fp8_cache_matches_reference(platform, cache_dtype, shape):
     """``--kv-cache-dtype fp8``: the kernels widen the 8-bit pages after loading them."""
     check_kernel(KERNELS[platform], build(shape, 7), "float32", cache_dtype, interpret=True)
+
+
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+@settings(max_examples=2, deadline=None)  # 2 random batches beside the 4 fixed ones
+@given(shape=shapes(), seed=st.integers(0, 2**31 - 1))
+@example(shape=DECODE, seed=30)
+@example(shape=LONG_CHUNK, seed=31)
+@example(shape=WINDOWED, seed=32)
+@example(shape=CHUNKED, seed=33)
+def test_sinks_match_reference(platform, shape, seed):
+    """Attention sinks (gpt-oss): each score row's sink joins its denominator at the end."""
+    batch = build(shape, seed)
+    sinks = random_sinks(batch, seed)
+    check_kernel(KERNELS[platform], batch, "float32", sinks=sinks, interpret=True)
+
+
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+def test_sinks_of_minus_infinity_are_no_sinks(platform):
+    """A sink of -inf is no sink; finite sinks change the output (bfloat16 too)."""
+    batch = build(LONG_CHUNK, 31)
+    kernel = functools.partial(KERNELS[platform], **batch.kwargs(), interpret=True)
+    plain = np.asarray(kernel(*batch.args()))
+    hq, real = batch.q.shape[1], batch.num_real_tokens
+    minus_inf = kernel(*batch.args(), sinks=jnp.full((hq,), -jnp.inf))
+    np.testing.assert_allclose(np.asarray(minus_inf), plain, rtol=1e-6, atol=1e-6)
+    finite = np.asarray(kernel(*batch.args(), sinks=jnp.asarray(random_sinks(batch, 31))))
+    assert relative_error(finite[:real], plain[:real]) > 1e-3
+    check_kernel(
+        KERNELS[platform], batch, "bfloat16", sinks=random_sinks(batch, 32), interpret=True
+    )
 
 
 # Small blocks: q blocks span requests, requests span many KV blocks.
@@ -69,6 +106,25 @@ SMALL_BLOCKS = {
 def test_small_blocks_cross_request_and_page_boundaries(platform):
     batch = build(Shape(8, 2, 2, 64, (5, 1, 11, 1), (12, 30, 3, 0), 1, 2, 10, None), 7)
     check_kernel(KERNELS[platform], batch, "float32", interpret=True, **SMALL_BLOCKS[platform])
+
+
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+def test_small_blocks_cross_attention_chunks(platform):
+    """Chunked attention with several KV blocks per chunk and q blocks spanning chunk
+    boundaries: the first page block a row needs starts mid-request."""
+    batch = build(Shape(8, 2, 2, 64, (19, 1, 11, 1), (12, 40, 3, 31), 1, 2, None, None, 24), 8)
+    check_kernel(KERNELS[platform], batch, "float32", interpret=True, **SMALL_BLOCKS[platform])
+
+
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+def test_small_blocks_with_sinks(platform):
+    """Sinks with q blocks spanning requests (TPU: score rows of several requests in
+    one block, each with its head's sink) and one KV head per block."""
+    batch = build(Shape(8, 2, 2, 64, (5, 1, 11, 1), (12, 30, 3, 0), 1, 2, 10, None), 33)
+    sinks = random_sinks(batch, 33)
+    check_kernel(
+        KERNELS[platform], batch, "float32", sinks=sinks, interpret=True, **SMALL_BLOCKS[platform]
+    )
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))
@@ -128,11 +184,26 @@ def _abstract(
         (_abstract(512, 16, 128), dict(sliding_window=256, soft_cap=50.0)),  # mixed
         (_abstract(64, 8, 32, hq=8, hkv=1, head_dim=256, dtype=jnp.float32), {}),
         (_abstract(64, 64, 128, cache=jnp.float8_e4m3fn), {}),  # --kv-cache-dtype fp8
+        (_abstract(512, 16, 128), dict(attention_chunk_size=8192)),  # Llama 4 local layers
+        (_abstract(512, 16, 128), dict(attention_chunk_size=48, sliding_window=100)),
     ],
 )
 def test_lowers_for_its_device(platform, args, options):
     kernel = KERNELS["tpu" if platform == "tpu" else "gpu"]
     assert lowers_for(functools.partial(kernel, sm_scale=0.1, **options), platform, *args)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize(
+    "args", [_abstract(64, 64, 128, hq=64, hkv=8, head_dim=64), _abstract(512, 16, 128)],
+    ids=["decode-gpt-oss-heads", "prefill"],
+)  # fmt: skip
+def test_lowers_with_sinks(platform, args):
+    """gpt-oss's layers: sinks [Hq] beside a sliding window lower to one kernel call."""
+    kernel = KERNELS["tpu" if platform == "tpu" else "gpu"]
+    sinks = jax.ShapeDtypeStruct((args[0].shape[1],), jnp.float32)
+    fn = functools.partial(kernel, sm_scale=0.125, sliding_window=128)
+    assert lowers_for(lambda *a: fn(*a[:-1], sinks=a[-1]), platform, *args, sinks)
 
 
 @pytest.mark.tpu
@@ -155,3 +226,37 @@ def test_matches_reference_on_gpu(dtype, shape, seed):
 @pytest.mark.parametrize("shape", [DECODE, LONG_CHUNK, WINDOWED], ids=["decode", "chunk", "window"])
 def test_fp8_cache_matches_reference_on_gpu(cache_dtype, shape):
     check_kernel(gpu.ragged_paged_attention, build(shape, 7), "bfloat16", cache_dtype)
+
+
+@pytest.mark.parametrize("tokens, requests", [(64, 64), (512, 16)], ids=["decode", "prefill"])
+def test_sinks_compile_for_v6e(tokens, requests):
+    """libtpu's Mosaic compiler takes the TPU kernel with sinks (and a window) at
+    gpt-oss's heads: 64 query heads of 64 features over 8 KV heads, bfloat16, sized
+    for v6e's scoped VMEM. Skipped where libtpu (the tpu extra) is absent."""
+    pytest.importorskip("libtpu", reason="the TPU compiler comes with the tpu extra")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxengine.hardware import chip_named, slice_of
+    from jaxengine.tpu_check.check import tpu_devices
+
+    mesh = Mesh(tpu_devices(slice_of("v6e-1"))[:1], ("x",))
+    placed = NamedSharding(mesh, PartitionSpec())
+
+    def shape(dims, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=placed)
+
+    args = (
+        shape((tokens, 64, 64), jnp.bfloat16),
+        shape((4096, 16, 16, 64), jnp.bfloat16),
+        shape((requests,)),
+        shape((requests, 512)),
+        shape((requests + 1,)),
+        shape(()),
+        shape((64,), jnp.float32),
+    )
+    attention = functools.partial(
+        tpu.ragged_paged_attention, sm_scale=0.125, sliding_window=128,
+        vmem_limit_bytes=chip_named("v6e").vmem_limit_bytes,
+    )  # fmt: skip
+    compiled = jax.jit(lambda *a: attention(*a[:-1], sinks=a[-1])).lower(*args).compile()
+    assert "tpu_custom_call" in compiled.as_text()

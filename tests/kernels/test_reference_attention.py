@@ -10,12 +10,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
-from tests.kernels.ragged_batches import Shape, build, image_spans, jitted_reference
+from tests.kernels.ragged_batches import (
+    Shape,
+    build,
+    image_spans,
+    jitted_reference,
+    random_sinks,
+    shapes,
+)
 
 
-def dense_attention(q, k, v, q_pos, sm_scale, window, soft_cap, q_end=None):
+def dense_attention(q, k, v, q_pos, sm_scale, window, soft_cap, q_end=None, chunk=None, sinks=None):
     """One request: q [Q, Hq, D], k/v [L, Hkv, D] -> [Q, Hq, D] in float64; ``q_end``:
-    each query's last key (default its position)."""
+    each query's last key (default its position); ``chunk``: chunked local attention,
+    keys of the query's own chunk ``[p - p % chunk, p]``; ``sinks`` [Hq]: one more
+    logit per head in each softmax, whose probability is dropped (no value)."""
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
@@ -26,9 +35,16 @@ def dense_attention(q, k, v, q_pos, sm_scale, window, soft_cap, q_end=None):
     mask = kv_pos[None, :] <= (q_pos if q_end is None else q_end)[:, None]
     if window is not None:
         mask &= q_pos[:, None] - kv_pos[None, :] < window
+    if chunk is not None:
+        mask &= kv_pos[None, :] // chunk == q_pos[:, None] // chunk
     s = np.where(mask[None], s, -np.inf)
+    if sinks is not None:  # [H, Q, L + 1]: the sink is the last column
+        sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], s.shape[:2] + (1,))
+        s = np.concatenate([s, sink], axis=-1)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
     return np.einsum("hql,lhd->qhd", p, v)
 
 
@@ -44,13 +60,14 @@ def batches(draw):
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.integers(1, 12))) if causal else None
     soft_cap = draw(st.one_of(st.none(), st.just(5.0)))
-    return page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap, causal
+    chunk = draw(st.one_of(st.none(), st.sampled_from([2, 5, 8]))) if causal else None
+    return page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap, causal, chunk
 
 
 @settings(max_examples=25, deadline=None)
 @given(batches(), st.integers(0, 2**31 - 1))
 def test_reference_matches_dense(batch, seed):
-    page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap, causal = batch
+    page_size, hkv, group, head_dim, q_lens, ctx, window, soft_cap, causal, chunk = batch
     rng = np.random.default_rng(seed)
     hq = hkv * group
     num_reqs = len(q_lens) + 1  # one padding request row
@@ -80,6 +97,7 @@ def test_reference_matches_dense(batch, seed):
         soft_cap=soft_cap,
         pages_per_chunk=2,
         causal=causal,
+        attention_chunk_size=chunk,
     )
     out = attention(
         jnp.asarray(q),
@@ -102,6 +120,7 @@ def test_reference_matches_dense(batch, seed):
             sm_scale,
             window,
             soft_cap,
+            chunk=chunk,
         )
         np.testing.assert_allclose(out[qsl[r] : qsl[r + 1]], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[qsl[-1] :], 0.0)
@@ -145,3 +164,69 @@ def test_image_spans_match_dense(window):
         np.testing.assert_allclose(out[rows], want, rtol=1e-5, atol=1e-5)
         widened += int(np.sum(ends[rows] > q_pos))
     assert widened > 0  # some tokens saw keys after their own
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_chunked_attention_crosses_chunk_boundaries(window):
+    """``attention_chunk_size`` 8: prefill chunks that start mid-chunk and cross one or
+    two chunk boundaries, and decodes on either side of a boundary, each see only the
+    keys of their own chunk (and window); the dense check would fail without the mask."""
+    shape = Shape(4, 2, 2, 16, (13, 1, 1, 20), (5, 8, 15, 0), 1, 2, window, None, 8)
+    batch = build(shape, seed=5)
+    out = np.asarray(ragged_paged_attention(*batch.args(), **batch.kwargs()))
+    full = np.asarray(
+        ragged_paged_attention(*batch.args(), sm_scale=batch.sm_scale, sliding_window=window)
+    )
+    qsl, page = batch.query_start_loc, shape.page_size
+    for r in range(batch.num_seqs):
+        n = int(batch.seq_lens[r])
+        kv = batch.kv_cache[batch.page_table[r, : -(-n // page)]].reshape(-1, 4, 16)[:n]
+        rows = slice(qsl[r], qsl[r + 1])
+        q_pos = np.arange(n - (qsl[r + 1] - qsl[r]), n)
+        want = dense_attention(batch.q[rows].astype(np.float64), kv[:, 0::2], kv[:, 1::2],
+                               q_pos, batch.sm_scale, window, None, chunk=8)  # fmt: skip
+        np.testing.assert_allclose(out[rows], want, rtol=1e-5, atol=1e-5)
+    real = batch.num_real_tokens
+    np.testing.assert_array_equal(out[real:], 0.0)
+    assert np.abs(out[:real] - full[:real]).max() > 1e-3  # the chunks changed something
+
+
+@settings(max_examples=12, deadline=None)
+@given(shape=shapes(head_dims=(8, 16), page_sizes=(1, 4, 8)), seed=st.integers(0, 2**31 - 1))
+def test_sinks_match_dense(shape, seed):
+    """Attention sinks (gpt-oss) on random ragged batches (windows, soft caps, chunks,
+    padding): each head's sink logit joins the dense softmax and its mass is dropped."""
+    batch = build(shape, seed)
+    sinks = random_sinks(batch, seed)
+    attention = jitted_reference(**batch.kwargs())
+    out = np.asarray(attention(*batch.args(), sinks=jnp.asarray(sinks)))
+    assert np.isfinite(out).all()
+    qsl, page, hkv, d = batch.query_start_loc, shape.page_size, shape.num_kv_heads, shape.head_dim
+    for r in range(batch.num_seqs):
+        n = int(batch.seq_lens[r])
+        kv = batch.kv_cache[batch.page_table[r, : -(-n // page)]].reshape(-1, 2 * hkv, d)[:n]
+        rows = slice(qsl[r], qsl[r + 1])
+        q_pos = np.arange(n - (qsl[r + 1] - qsl[r]), n)
+        want = dense_attention(
+            batch.q[rows].astype(np.float64), kv[:, 0::2], kv[:, 1::2], q_pos, batch.sm_scale,
+            shape.sliding_window, shape.soft_cap, chunk=shape.attention_chunk_size, sinks=sinks,
+        )  # fmt: skip
+        np.testing.assert_allclose(out[rows], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[batch.num_real_tokens :], 0.0)
+
+
+def test_sinks_of_minus_infinity_are_no_sinks_and_finite_ones_differ():
+    """``sinks`` None and a sink of -inf give the same output (exp(-inf) = 0 mass); a
+    finite sink, even 0 (it adds exp(0 - m)), changes every real token's output."""
+    batch = build(Shape(4, 2, 2, 16, (9, 1, 1), (5, 0, 30), 1, 2, 12, None), seed=9)
+    attention = jitted_reference(**batch.kwargs())
+    plain = np.asarray(attention(*batch.args()))
+    hq, real = batch.q.shape[1], batch.num_real_tokens
+    minus_inf = np.asarray(attention(*batch.args(), sinks=jnp.full((hq,), -jnp.inf)))
+    np.testing.assert_array_equal(minus_inf, plain)
+    for sinks in (np.zeros(hq, np.float32), random_sinks(batch, 1)):
+        out = np.asarray(attention(*batch.args(), sinks=jnp.asarray(sinks)))
+        assert np.isfinite(out).all()
+        changed = np.abs(out[:real] - plain[:real]).max(axis=(1, 2))  # per token
+        assert (changed > 1e-4).all(), changed
+        np.testing.assert_array_equal(out[real:], 0.0)

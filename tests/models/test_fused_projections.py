@@ -28,7 +28,8 @@ from jaxengine.models import get_model
 from jaxengine.runner.greedy_loop import GreedyLoop
 from tests.models.test_golden_tiny import FAMILIES, SMALL
 
-CASES = ["llama3_rope", "qwen2", "qwen3", "gemma3", "qwen3_moe"]  # bias, qk-norm, MoE
+# bias, qk-norm, MoE; GLM-4.5: its MoE layers' shared expert fuses gate/up too
+CASES = ["llama3_rope", "qwen2", "qwen3", "gemma3", "qwen3_moe", "glm4_moe"]
 PROMPT_LENS = (5, 9, 2)
 DECODE_STEPS = 3
 
@@ -83,6 +84,11 @@ def test_fused_matches_unfused(family):
     assert set(attn) >= {"qkv_proj", "o_proj"} and "q_proj" not in attn
     if "gate_up_proj" not in fused["model"]["layers_0"]["mlp"]:
         assert family == "qwen3_moe"  # its experts stay as they are
+    if family == "glm4_moe":
+        assert set(fused["model"]["layers_1"]["mlp"]["shared_experts"]) == {
+            "gate_up_proj",
+            "down_proj",
+        }
     want_tokens, want_logits = generate(module, config, params)
     got_tokens, got_logits = generate(fused_module, fused_config, fused)
     assert got_tokens == want_tokens

@@ -19,6 +19,8 @@ from jaxengine.config import LoadConfig, ModelConfig
 from jaxengine.loader import load_model
 from jaxengine.runner.attention_backend import kernels
 from jaxengine.runner.greedy_loop import GreedyLoop
+from tests.models.glm4_moe_tiny import glm4_moe_tiny, randomize_correction_bias
+from tests.models.gpt_oss_tiny import gpt_oss_tiny, randomize_sinks_and_biases
 
 SMALL = dict(
     vocab_size=160,
@@ -29,6 +31,22 @@ SMALL = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+
+
+def phi3_longrope(small: dict, **extra) -> dict:
+    """LongRoPE parameters for a tiny Phi-3 rotating 3/4 of each head (as Phi-4-mini),
+    with distinct short and long factors. (The original length is the config's own
+    ``original_max_position_embeddings``: Phi3Config overrides this dict's with it.)"""
+    rot_half = int(small["hidden_size"] // small["num_attention_heads"] * 0.75) // 2
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.5 * i for i in range(rot_half)],
+        "long_factor": [2.0 + 3.0 * i for i in range(rot_half)],
+        **extra,
+    }
+
 
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
@@ -56,6 +74,34 @@ FAMILIES = {
         },
     ),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=7),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=7
+    ),
+    # chunked local rope layers (chunks of 8: the prompts cross them), a global NoPE
+    # layer with attention temperature (floor_scale 4: it grows within the test's
+    # positions), a dense layer and sigmoid-routed MoE layers with a shared expert
+    "llama4": lambda: transformers.Llama4TextConfig(
+        **{**SMALL, "num_hidden_layers": 4},
+        head_dim=16,
+        intermediate_size_mlp=80,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        moe_layers=[1, 2, 3],
+        attention_chunk_size=8,
+        floor_scale=4,
+        attn_scale=0.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attn_implementation="eager",
+    ),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, partial_rotary_factor=0.5, pad_token_id=0),
+    # LongRoPE in the regime of an engine whose context fits the original length: short
+    # factors (`layers.rope`); the long regime runs in test_new_families_engine.py
+    "phi3_longrope": lambda: transformers.Phi3Config(
+        **SMALL,
+        pad_token_id=0,
+        original_max_position_embeddings=SMALL["max_position_embeddings"],
+        rope_parameters=phi3_longrope(SMALL, factor=4.0),
+    ),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32),
     "gemma3": lambda: transformers.Gemma3TextConfig(
@@ -74,7 +120,17 @@ FAMILIES = {
         moe_intermediate_size=32,
         norm_topk_prob=True,
     ),
+    # one dense layer, then sigmoid-routed MoE layers: 8 experts in 4 groups (2 kept),
+    # a shared expert, a random correction bias (`PREPARE`), half the head rotating
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(**glm4_moe_tiny(SMALL)),
+    # attention sinks and biases (drawn by `PREPARE`), sliding / full / sliding layers, yarn
+    # without truncation, 8 experts (top 4) with biases; a SwiGLU limit of 0.1 clamps
+    # some of this tiny model's gate and up values
+    "gpt_oss": lambda: transformers.GptOssConfig(**gpt_oss_tiny(SMALL, swiglu_limit=0.1)),
 }
+
+PREPARE = {"glm4_moe": randomize_correction_bias, "gpt_oss": randomize_sinks_and_biases}
+"""Changes to a family's freshly built transformers model before it is saved."""
 
 PROMPT_LENS = (5, 17, 2, 11)
 DECODE_STEPS = 5
@@ -90,8 +146,9 @@ def test_logits_match_transformers(family, tmp_path):
     check_family(family, tmp_path)
 
 
-# The Pallas kernels (interpret mode) inside the model's forward: window, qk-norm, GQA.
-@pytest.mark.parametrize("family", ["gemma3", "mistral", "qwen3"])
+# The Pallas kernels (interpret mode) inside the model's forward: window, qk-norm, GQA,
+# chunked local attention (llama4), attention sinks (gpt_oss).
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "llama4", "mistral", "qwen3"])
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_pallas_kernels_inside_the_model(family, platform, tmp_path):
     attention, update = kernels(platform)
@@ -107,6 +164,7 @@ def check_family(family, tmp_path, attention_kwargs=None):
     torch.manual_seed(0)
     hf_config = FAMILIES[family]()
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
+    PREPARE.get(family, lambda model: None)(hf_model)
     shard = "40KB" if family == "llama" else "1GB"  # one family loads a sharded checkpoint
     hf_model.save_pretrained(tmp_path, max_shard_size=shard)
 

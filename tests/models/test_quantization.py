@@ -34,7 +34,7 @@ from jaxengine.models.layers.quant import unpack_int4 as _unpack
 from tests.models.test_fused_projections import generate, hf_tensors, random_params
 from tests.models.test_golden_tiny import FAMILIES, SMALL
 
-CASES = ["llama3_rope", "qwen3", "qwen3_moe"]
+CASES = ["llama3_rope", "qwen3", "qwen3_moe", "glm4_moe"]  # GLM: quantized shared experts
 SCHEMES = {
     "int8": QuantScheme("int8"),
     "fp8": QuantScheme("fp8"),
@@ -98,7 +98,9 @@ def test_logits_match_the_dequantized_reference(family, name):
     qparams = params_from_tensors(module, config, hf_tensors(params), "test")
     groups = [leaves for _, leaves in quantized_groups(qparams)]
     per_layer = 4 + 3  # q, k, v, o + gate, up, down (dense or experts)
-    assert len(groups) == per_layer * float_config.num_layers
+    moe_layers = sum(spec.moe for spec in float_config.layers)
+    shared = 3 * moe_layers if float_config.shared_expert_intermediate_size else 0
+    assert len(groups) == per_layer * float_config.num_layers + shared
     assert {str(g[""].dtype) for g in groups} == {str(METHODS[scheme.method][0])}
     for leaves in groups:
         stored = sum(leaf.nbytes for leaf in leaves.values())

@@ -39,6 +39,14 @@ CASES = [
     ("qwen3", "<thi", None, "<thi"),
     ("qwen3", "", None, None),
     ("qwen3", "a < b and c </ d", None, "a < b and c </ d"),
+    # GLM-4.5 writes "\n<think>" after <|assistant|>: the newlines go with the marker
+    ("glm45", "\n<think>Let me see.\n</think>\nThe answer.", "Let me see.", "The answer."),
+    ("glm45", "<think>cut off", "cut off", None),
+    ("glm45", "\n\n<think></think>\n\n4", None, "4"),
+    ("glm45", "\n\nThinking off: an answer.", None, "\n\nThinking off: an answer."),
+    ("glm45", "\n<thi", None, "\n<thi"),
+    ("glm45", "\n", None, "\n"),
+    ("glm45", "", None, None),
 ]
 
 
@@ -76,6 +84,9 @@ def test_partial_end_marker_is_held_back():
     stream = get_reasoning_parser("qwen3")(None).stream()
     assert stream.feed("<th") == ("", "")  # may still become <think>
     assert stream.feed("ink>x") == ("x", "")
+    stream = get_reasoning_parser("glm45")(None).stream()
+    assert stream.feed("\n\n") == ("", "")  # newlines may still precede <think>
+    assert stream.feed("<think>x") == ("x", "")
 
 
 def test_qwen3_without_leading_think():
@@ -98,7 +109,7 @@ class FakeTokenizer:
 THINK_VOCAB = {"<think>": 7, "</think>": 8, "a": 1, "b": 2}
 
 
-@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3", "glm45"])
 def test_token_ids(name):
     parser = get_reasoning_parser(name)(FakeTokenizer(THINK_VOCAB))
     assert (parser.start_token_id, parser.end_token_id) == (7, 8)
@@ -123,7 +134,7 @@ def test_missing_end_token_is_an_error():
 
 
 def test_registry_and_unknown_name():
-    assert {"deepseek_r1", "qwen3"} <= set(REASONING_PARSERS)
+    assert {"deepseek_r1", "glm45", "qwen3"} <= set(REASONING_PARSERS)
     with pytest.raises(ValueError, match=r"unknown reasoning parser 'nope'.*deepseek_r1.*qwen3"):
         get_reasoning_parser("nope")
 

@@ -101,6 +101,18 @@ CASES = [
         " done",
     ),
     (
+        "llama4_pythonic",
+        '<|python_start|>[get_weather(city="Paris", days=[1, 2]), now()]<|python_end|>',
+        [("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})],
+        None,
+    ),
+    (
+        "llama4_pythonic",  # unwrapped, then text after the list
+        "[search(q='it\\'s [x]', k=3)]\nLet me look.",
+        [("search", {"q": "it's [x]", "k": 3})],
+        "\nLet me look.",
+    ),
+    (
         "qwen3_xml",
         "I will call it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParís\n"
         "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n"
@@ -136,6 +148,7 @@ MALFORMED = [
     ("pythonic", "Hello [f(x=1)]"),
     ("pythonic", '[f(x=open("a"))]'),
     ("pythonic", "[f(1)]"),
+    ("llama4_pythonic", "<|python_start|>[f(x=y)]<|python_end|>"),
     ("qwen3_xml", "x <tool_call>junk</tool_call> y"),
     ("qwen3_xml", "<tool_call><function=f"),
 ]
@@ -227,7 +240,9 @@ def test_malformed_output_is_content(name, text):
         assert (got.content, got.sent, got.args) == (text, False, {})
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml"])
+@pytest.mark.parametrize(
+    "name", ["hermes", "llama3_json", "llama4_pythonic", "mistral", "pythonic", "qwen3_xml"]
+)
 def test_plain_answers_pass_through(name):
     parser = get_tool_parser(name)(None)
     for text in ["", "Hello! How can I help?\n", "  spaced  "]:
@@ -266,6 +281,7 @@ def test_qwen3_xml_string_parameters_follow_the_schema():
 
 def test_registry_names_and_unknown_parser():
     assert {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml"} <= set(TOOL_PARSERS)
+    assert "llama4_pythonic" in TOOL_PARSERS  # vLLM's name for Llama 4
     with pytest.raises(ValueError, match=r"unknown tool parser 'nope'.*hermes.*qwen3_xml"):
         get_tool_parser("nope")
 

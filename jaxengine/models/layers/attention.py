@@ -30,7 +30,8 @@ float8_e4m3fn's 448 for larger values later."""
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections with optional QK-norm, rope and paged attention.
+    """q/k/v/o projections with optional QK-norm, rope and paged attention (with
+    ``config.attention_sinks``, a ``sinks [Hq]`` parameter goes to the kernel).
 
     With ``config.fused_projections`` q/k/v are one matmul over ``qkv_proj`` (rows
     ``[q; k; v]``, `qkv_rows`), split after the dot; QK-norm and rope follow as usual.
@@ -57,7 +58,7 @@ class Attention(nn.Module):
             norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
             q = RMSNorm(**norm, axis_name="head_dim", name="q_norm")(q)
             k = RMSNorm(**norm, axis_name="head_dim", name="k_norm")(k)
-        q, k = _rope(q, k, positions, self.spec, md)
+        q, k = _position_terms(q, k, positions, self.spec, md, cfg.rms_norm_eps)
 
         if cfg.kv_cache_scales:  # the cache holds k / k_scale and v / v_scale
             if self.is_mutable_collection("intermediates"):  # --calculate-kv-scales' pass
@@ -68,6 +69,11 @@ class Attention(nn.Module):
             q = (q * k_scale).astype(q.dtype)  # q . k_true == (q * k_scale) . k_stored
         kv_cache = self.update_fn(kv_cache, k, v, md.slot_mapping)
         both_ways = {} if md.attend_until is None else {"attend_until": md.attend_until}
+        if self.spec.attention_chunk_size is not None:  # only chunked layers pass it
+            both_ways["attention_chunk_size"] = self.spec.attention_chunk_size
+        if cfg.attention_sinks:  # gpt-oss: self_attn.sinks, split with the query heads
+            init = nn.with_logical_partitioning(nn.initializers.zeros, ("q_heads",))
+            both_ways["sinks"] = self.param("sinks", init, (hq,), jnp.float32)
         out = self.attention_fn(
             q,
             kv_cache,
@@ -101,6 +107,28 @@ def _rope(q, k, positions, spec: LayerSpec, md: AttentionMetadata) -> tuple[jax.
     if spec.rope.mrope_section is None or md.mrope_positions is None:
         return apply_rope(q, positions, spec.rope), apply_rope(k, positions, spec.rope)
     return tuple(apply_mrope(x, md.mrope_positions, spec.rope) for x in (q, k))
+
+
+def _position_terms(q, k, positions, spec: LayerSpec, md, eps: float) -> tuple[jax.Array, ...]:
+    """q and k after what the layer's spec asks at their positions: rope (unless
+    ``use_rope`` is off), then the weightless QK L2 norm, then the queries' attention
+    temperature (Llama 4)."""
+    if spec.use_rope:
+        q, k = _rope(q, k, positions, spec, md)
+    if spec.qk_l2_norm:
+        q, k = (_unit_rms(x, eps) for x in (q, k))
+    if spec.attn_temperature is not None:
+        floor_scale, attn_scale = spec.attn_temperature
+        pos = positions.astype(jnp.float32)
+        scale = jnp.log1p(jnp.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0  # [T]
+        q = (q * scale[:, None, None]).astype(q.dtype)
+    return q, k
+
+
+def _unit_rms(x: jax.Array, eps: float) -> jax.Array:
+    """``x / rms(x)`` over the last axis (``eps`` inside the root), in float32."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def _kv_amax(k: jax.Array, v: jax.Array, md: AttentionMetadata) -> jax.Array:

@@ -12,6 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxengine.models.layers.routing import RoutingSpec
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeSpec:
@@ -20,7 +22,7 @@ class RopeSpec:
     theta: float = 10000.0
     """Base frequency."""
     rope_type: str = "default"
-    """One of default, linear, dynamic, llama3, yarn."""
+    """One of default, linear, dynamic, llama3, yarn, longrope."""
     factor: float = 1.0
     """Scaling factor for the scaled variants."""
     low_freq_factor: float = 1.0
@@ -33,13 +35,29 @@ class RopeSpec:
     """yarn: rotations above which dimensions are kept (extrapolation)."""
     beta_slow: float = 1.0
     """yarn: rotations below which dimensions are interpolated."""
+    truncate: bool = True
+    """yarn: the ramp's ends are rounded to whole dimensions (floor, ceil); False keeps
+    them fractional (gpt-oss's ``truncate: false``)."""
     attention_factor: float | None = None
-    """yarn: scale of cos/sin; None derives 0.1 * ln(factor) + 1."""
+    """yarn, longrope: scale of cos/sin; None derives 0.1 * ln(factor) + 1 (yarn) or
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) (longrope)."""
+    short_factor: tuple[float, ...] | None = None
+    """longrope: per-frequency divisors (``rot_dim / 2`` values) used when the engine's
+    context fits in ``original_max_position_embeddings`` (`layers.rope`)."""
+    long_factor: tuple[float, ...] | None = None
+    """longrope: the divisors used when the context is longer than that."""
+    longrope_long: bool = False
+    """longrope: every position rotates with ``long_factor`` (the engine's context
+    length exceeds ``original_max_position_embeddings``), else with ``short_factor``
+    (`layers.rope`'s module docstring; `with_context_length`)."""
     partial_rotary_factor: float = 1.0
     """Fraction of head_dim that rotates."""
     mrope_section: tuple[int, ...] | None = None
     """M-RoPE (Qwen2.5-VL): how the ``head_dim / 2`` frequencies split over the
     (temporal, height, width) position rows (`rope.apply_mrope`); None: 1-D positions."""
+    interleaved: bool = False
+    """Features ``2i`` and ``2i + 1`` rotate together (Llama 4's complex-number form);
+    False: the rotate-half form, feature ``i`` with ``i + rot_dim / 2``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +70,18 @@ class LayerSpec:
     """Local attention window, or None for full attention."""
     moe: bool = False
     """Whether the MLP of this layer is a sparse mixture of experts."""
+    attention_chunk_size: int | None = None
+    """Chunked local attention (Llama 4): a token at position p sees only the keys in
+    ``[p - p % C, p]``; None: no chunking."""
+    use_rope: bool = True
+    """False: queries and keys are not rotated (Llama 4's global NoPE layers)."""
+    qk_l2_norm: bool = False
+    """Queries and keys normalized to unit RMS over head_dim, without a weight, after
+    rope (Llama 4's ``use_qk_norm`` on its rope layers)."""
+    attn_temperature: tuple[float, float] | None = None
+    """``(floor_scale, attn_scale)``: queries multiplied by
+    ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` at position p (Llama 4's
+    ``attn_temperature_tuning`` on its NoPE layers); None: no scaling."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +122,10 @@ class TransformerConfig:
     """Softmax scale; None means head_dim ** -0.5."""
     attn_logit_softcap: float | None = None
     """Soft cap of attention scores."""
+    attention_sinks: bool = False
+    """Each attention layer holds ``sinks [Hq]`` (float32, gpt-oss's
+    ``self_attn.sinks``): a learned logit per query head that joins the softmax
+    denominator and carries no value (`ragged_paged_attention.reference`)."""
     final_logit_softcap: float | None = None
     """Soft cap of the output logits."""
     embed_scale: float | None = None
@@ -104,6 +138,23 @@ class TransformerConfig:
     """MoE: width of one expert."""
     norm_topk_prob: bool = False
     """MoE: renormalize the top-k routing weights to sum to one."""
+    routing: RoutingSpec = RoutingSpec()
+    """MoE: how router logits become routes (`layers.routing`): softmax top-k by
+    default; sigmoid scores with a correction bias, expert groups and a scaling
+    factor for GLM-4.5 and DeepSeek-V3."""
+    shared_expert_intermediate_size: int = 0
+    """MoE: width of a dense gated MLP ``shared_experts`` that every token of a MoE
+    layer runs besides its routed experts (GLM-4.5 and DeepSeek-V3:
+    ``moe_intermediate_size * n_shared_experts``); 0: none."""
+    router_bias: bool = False
+    """MoE: the router ``gate`` has a bias (gpt-oss)."""
+    expert_bias: bool = False
+    """MoE: each expert's gate, up and down projections have a bias, stacked as
+    ``experts_{gate,up,down}_proj_bias [E, out]`` (gpt-oss)."""
+    swiglu_clamp: tuple[float, float] | None = None
+    """MoE: ``(alpha, limit)`` of gpt-oss's clamped SwiGLU experts,
+    ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate,
+    limit)`` (`layers.mlp.clamped_swiglu`); None: ``act(gate) * up``."""
     dtype: Any = jnp.float32
     """Parameter and activation dtype."""
     matmul_dtype: Any = None
@@ -162,8 +213,9 @@ def rope_from_hf(hf_config: Any, layer_type: str | None = None) -> RopeSpec:
     rope_type = params.get("rope_type", params.get("type", "default"))
     known = {f.name for f in dataclasses.fields(RopeSpec)}
     kwargs = {k: v for k, v in params.items() if k in known and v is not None}
-    if "mrope_section" in kwargs:  # a list in the config; the spec is hashable
-        kwargs["mrope_section"] = tuple(kwargs["mrope_section"])
+    for key in ("mrope_section", "short_factor", "long_factor"):  # lists; the spec is hashable
+        if key in kwargs:
+            kwargs[key] = tuple(kwargs[key])
     kwargs["theta"] = float(params.get("rope_theta", 10000.0))
     kwargs["rope_type"] = rope_type
     partial = getattr(hf_config, "partial_rotary_factor", None)
@@ -173,7 +225,40 @@ def rope_from_hf(hf_config: Any, layer_type: str | None = None) -> RopeSpec:
         kwargs["original_max_position_embeddings"] = getattr(
             hf_config, "max_position_embeddings", None
         )
+    if rope_type == "longrope":
+        _longrope_lengths(hf_config, kwargs)
     return RopeSpec(**kwargs)
+
+
+def _longrope_lengths(hf_config: Any, kwargs: dict) -> None:
+    """longrope's original length (rope parameters, else the config's field, else
+    ``max_position_embeddings``), its ``factor`` when absent: the ratio of
+    ``max_position_embeddings`` to it (transformers' ``_compute_longrope_parameters``),
+    and the factors of an engine of the checkpoint's full context."""
+    longest = hf_config.max_position_embeddings
+    original = kwargs.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
+    kwargs["original_max_position_embeddings"] = original or longest
+    kwargs.setdefault("factor", longest / kwargs["original_max_position_embeddings"])
+    kwargs["longrope_long"] = longest > kwargs["original_max_position_embeddings"]
+
+
+def with_context_length(config: TransformerConfig, max_model_len: int | None) -> TransformerConfig:
+    """``config`` for an engine of context ``max_model_len`` (None: the checkpoint's
+    ``max_position_embeddings``, what `rope_from_hf` assumed): longrope layers take the
+    long factors exactly when it exceeds their original length (vLLM's rule)."""
+    if not max_model_len:
+        return config
+
+    def fit(spec: LayerSpec) -> LayerSpec:
+        rope = spec.rope
+        if rope.rope_type != "longrope":
+            return spec
+        long = max_model_len > rope.original_max_position_embeddings
+        return dataclasses.replace(spec, rope=dataclasses.replace(rope, longrope_long=long))
+
+    return dataclasses.replace(config, layers=tuple(fit(s) for s in config.layers))
 
 
 def head_dim_of(hf_config: Any) -> int:

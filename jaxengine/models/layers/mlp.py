@@ -1,4 +1,5 @@
-"""Gated MLP (gate/up/down) and a sparse mixture of experts with grouped matmuls."""
+"""Gated MLP (gate/up/down) and a sparse mixture of experts with grouped matmuls
+(routes from `layers.routing`, an optional shared expert)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 from jaxengine.models.layers import quant
 from jaxengine.models.layers.basic import Linear, _normal, activation, quantized_params
 from jaxengine.models.layers.config import TransformerConfig
+from jaxengine.models.layers.routing import route
 
 
 class GatedMLP(nn.Module):
@@ -53,7 +55,33 @@ class GatedMLP(nn.Module):
         return down(hidden, lora_slots)
 
 
-def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, act, first_expert=0, scales=None):
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's expert activation ``(gate, up) -> hidden``: the gate clipped above at
+    ``limit``, the up projection to ``[-limit, limit]``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)`` (`TransformerConfig.swiglu_clamp`)."""
+
+    def glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(alpha * gate))
+
+    return glu
+
+
+def routed_experts(
+    x,
+    weights,
+    experts,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    act,
+    first_expert=0,
+    scales=None,
+    biases=None,
+    glu=None,
+):
     """Weighted sum of the routed experts' outputs, for the experts these weights hold.
 
     ``x [T, H]``, ``weights``/``experts [T, K]`` (routing), stacked weights
@@ -63,6 +91,9 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, act, first_expe
     outside every group, and weigh zero. No token is dropped (no capacity limit).
     ``scales`` (quantized experts, `layers.quant`): the per-row scales ``[E', out]``
     of the three weights, applied to each row's result by its expert.
+    ``biases`` (gpt-oss): ``[E', I]``, ``[E', I]``, ``[E', H]`` added to each row's
+    gate, up and down results by its expert; ``glu``: ``(gate, up) -> hidden`` in place
+    of ``act(gate) * up`` (`clamped_swiglu`).
     Returns float32 ``[T, H]`` (partial sums when ``E'`` is a shard of the experts).
     """
     num_tokens, hidden = x.shape
@@ -77,14 +108,17 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, act, first_expe
     group_sizes = jnp.bincount(flat, length=local + 1)[:local].astype(jnp.int32)  # [E']
     row_expert = jnp.minimum(flat[order], local - 1)  # [T*K]
     s_gate, s_up, s_down = (None, None, None) if scales is None else scales
+    b_gate, b_up, b_down = (None, None, None) if biases is None else biases
 
-    def expert_dot(h, w, s):  # [T*K, in] x [E', out, in] -> [T*K, out]
+    def expert_dot(h, w, s, b=None):  # [T*K, in] x [E', out, in] -> [T*K, out]
         y = jax.lax.ragged_dot(h, jnp.swapaxes(w, 1, 2).astype(dtype), group_sizes)
-        return y if s is None else y * s[row_expert].astype(dtype)
+        y = y if s is None else y * s[row_expert].astype(dtype)
+        return y if b is None else y + b[row_expert].astype(dtype)
 
-    gate = expert_dot(xs, w_gate, s_gate)  # [T*K, I]
-    up = expert_dot(xs, w_up, s_up)
-    out = expert_dot(act(gate) * up, w_down, s_down)
+    gate = expert_dot(xs, w_gate, s_gate, b_gate)  # [T*K, I]
+    up = expert_dot(xs, w_up, s_up, b_up)
+    h = act(gate) * up if glu is None else glu(gate, up)  # [T*K, I]
+    out = expert_dot(h, w_down, s_down, b_down)
     row_weight = jnp.where(mine, weights.reshape(-1), 0.0)[order]
     out = jnp.where(row_weight[:, None] != 0, out.astype(jnp.float32), 0.0) * row_weight[:, None]
     return jnp.zeros((num_tokens, hidden), jnp.float32).at[token_of].add(out)
@@ -96,7 +130,13 @@ class SparseMoE(nn.Module):
     Parameters: ``gate.weight [E, H]`` (the router) and the experts stacked on a
     leading axis: ``experts.{gate_proj,up_proj,down_proj}`` of ``[E, out, in]``. The
     expert computation is injected (``experts_fn``, `routed_experts` by default) so
-    `sharding/` can run it per expert shard.
+    `sharding/` can run it per expert shard. Routing follows ``config.routing``
+    (`layers.routing.route`); with its ``correction_bias`` the layer holds
+    ``e_score_correction_bias [E]`` (float32; a family maps the checkpoint's
+    ``mlp.gate.e_score_correction_bias`` here, `models.glm4_moe`). With
+    ``config.shared_expert_intermediate_size`` a dense `GatedMLP` ``shared_experts``
+    runs on every token and adds to the routed output (its ``mlp`` axis splits under
+    tensor parallelism whether or not the experts are split by expert).
     """
 
     config: TransformerConfig
@@ -107,11 +147,15 @@ class SparseMoE(nn.Module):
         cfg = self.config
         hidden = x.shape[1]
         e, k, width = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-        router = Linear(e, ("expert", "embed"), False, cfg.dtype, name="gate")(x)
-        probs = jax.nn.softmax(router.astype(jnp.float32), axis=-1)  # [T, E]
-        weights, experts = jax.lax.top_k(probs, k)  # [T, K]
-        if cfg.norm_topk_prob:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+        router_dtype = jnp.float32 if cfg.routing.float32_router else cfg.dtype
+        router = Linear(e, ("expert", "embed"), cfg.router_bias, router_dtype, name="gate")(
+            x.astype(router_dtype)
+        )  # [T, E]
+        bias = None
+        if cfg.routing.correction_bias:  # checkpoint: mlp.gate.e_score_correction_bias
+            init = nn.with_logical_partitioning(nn.initializers.zeros, ("expert",))
+            bias = self.param("e_score_correction_bias", init, (e,), jnp.float32)
+        weights, experts = route(router, cfg.routing, k, cfg.norm_topk_prob, bias)  # [T, K]
 
         def stacked(name: str, shape: tuple[int, ...], axes: tuple[str, ...]):
             """The stacked weight, and its per-row scales when quantized per row.
@@ -135,5 +179,30 @@ class SparseMoE(nn.Module):
         scales = None if s_gate is None else (s_gate, s_up, s_down)
         fn = self.experts_fn or routed_experts
         act = activation(cfg.hidden_act)
-        out = fn(x, weights, experts, w_gate, w_up, w_down, act=act, scales=scales)
+        out = fn(x, weights, experts, w_gate, w_up, w_down, act=act, scales=scales,
+                 **self._variant(e, width, hidden))  # fmt: skip
+        if cfg.shared_expert_intermediate_size:
+            shared = GatedMLP(cfg, cfg.shared_expert_intermediate_size, name="shared_experts")
+            out = out + shared(x).astype(jnp.float32)
         return out.astype(x.dtype)
+
+    def _variant(self, e: int, width: int, hidden: int) -> dict:
+        """gpt-oss's expert options for ``experts_fn`` ({} without them): ``biases``
+        with ``config.expert_bias`` (``experts_{gate,up,down}_proj_bias [E, out]`` in
+        ``dtype``, unquantized beside weights that may be) and the clamped SwiGLU
+        ``glu`` with ``config.swiglu_clamp``."""
+        cfg, extra = self.config, {}
+        if cfg.expert_bias:
+            shapes = {"gate": (width, "mlp"), "up": (width, "mlp"), "down": (hidden, "embed")}
+            extra["biases"] = tuple(
+                self.param(
+                    f"experts_{name}_proj_bias",
+                    nn.with_logical_partitioning(nn.initializers.zeros, ("expert", axis)),
+                    (e, rows),
+                    cfg.dtype,
+                )
+                for name, (rows, axis) in shapes.items()
+            )
+        if cfg.swiglu_clamp is not None:
+            extra["glu"] = clamped_swiglu(*cfg.swiglu_clamp)
+        return extra

@@ -3,6 +3,21 @@
 Frequencies are computed on the host in numpy (they are constants of the config) and
 applied in the jitted forward. The rotation is the "rotate half" form used by every
 supported family's Hugging Face checkpoint.
+
+LongRoPE (Phi-3 / Phi-4, ``rope_type`` "longrope") divides each frequency by a
+per-frequency factor and scales cos/sin by an attention factor (`_longrope_scale`, as
+transformers computes it). Which factors, ``short_factor`` or ``long_factor``, is fixed
+per engine, as vLLM fixes it (since vllm-project/vllm#27431): ``long_factor`` when the
+engine's context length (``--max-model-len``, by default the checkpoint's
+``max_position_embeddings``) exceeds ``original_max_position_embeddings``, else
+``short_factor`` (`RopeSpec.longrope_long`, set by `rope_from_hf` and
+`layers.config.with_context_length`). transformers chooses per forward instead:
+``long_factor`` for every position once the forward's longest sequence exceeds the
+original length. The two agree exactly for a sequence longer than the original
+length in a long-context engine, and for any sequence in an engine whose context is
+within it; they differ for a short sequence in a long-context engine. Switching per
+sequence as it grows would leave its cached keys rotated by the other factors, so a
+cached engine keeps one set for its lifetime.
 """
 
 from __future__ import annotations
@@ -50,8 +65,10 @@ def _yarn(spec: RopeSpec, dim: int) -> np.ndarray:
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(spec.theta))
 
-    low = max(math.floor(correction_dim(spec.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(spec.beta_slow)), dim - 1)
+    low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
+    if spec.truncate:  # transformers' default; gpt-oss keeps the fractional ends
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
@@ -61,12 +78,33 @@ def _yarn(spec: RopeSpec, dim: int) -> np.ndarray:
     return interpolation * (1 - keep) + extrapolation * keep
 
 
+def _longrope(spec: RopeSpec, dim: int) -> np.ndarray:
+    """``1 / (factor_i * theta ** (2i / dim))`` with the engine's factors (module doc)."""
+    factors = spec.long_factor if spec.longrope_long else spec.short_factor
+    if factors is None or len(factors) != dim // 2:
+        kind = "long_factor" if spec.longrope_long else "short_factor"
+        raise ValueError(f"longrope needs a {kind} of {dim // 2} values (rot_dim / 2)")
+    return 1.0 / (np.asarray(factors, np.float64) * spec.theta ** (np.arange(0, dim, 2) / dim))
+
+
+def _longrope_scale(spec: RopeSpec) -> float:
+    """The cos/sin scale: ``attention_factor``, else ``sqrt(1 + ln(factor) / ln(orig))``
+    for a ``factor`` above 1 (`rope_from_hf` derives ``factor`` as transformers does:
+    ``max_position_embeddings / original_max_position_embeddings`` when absent)."""
+    if spec.attention_factor is not None:
+        return spec.attention_factor
+    if spec.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(spec.factor) / math.log(spec.original_max_position_embeddings))
+
+
 _VARIANTS = {
     "default": _default,
     "linear": lambda spec, dim: _default(spec, dim) / spec.factor,
     "dynamic": _dynamic,
     "llama3": _llama3,
     "yarn": _yarn,
+    "longrope": _longrope,
 }
 
 
@@ -84,6 +122,8 @@ def inv_freq_and_scale(spec: RopeSpec, head_dim: int) -> tuple[np.ndarray, float
             scale = spec.attention_factor
         elif spec.factor > 1:
             scale = 0.1 * math.log(spec.factor) + 1.0
+    elif spec.rope_type == "longrope":
+        scale = _longrope_scale(spec)
     return inv_freq.astype(np.float32), float(scale)
 
 
@@ -95,6 +135,8 @@ def apply_rope(
     """Rotates the first ``rot_dim`` features of each head by its position."""
     inv_freq, scale = inv_freq_and_scale(spec, x.shape[-1])
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    if spec.interleaved:  # Llama 4: adjacent feature pairs
+        return _rotate_pairs(x, angles, scale)
     return _rotate(x, angles, scale)
 
 
@@ -125,6 +167,23 @@ def _rotate(x: jax.Array, angles: jax.Array, scale: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : rot_dim // 2], xf[..., rot_dim // 2 : rot_dim]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if rot_dim < x.shape[-1]:
+        rotated = jnp.concatenate([rotated, xf[..., rot_dim:]], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def _rotate_pairs(x: jax.Array, angles: jax.Array, scale: float) -> jax.Array:
+    """Interleaved rope (``RopeSpec.interleaved``): features ``(2j, 2j + 1)`` of the
+    first ``2 * angles.shape[-1]`` rotate as the complex number ``x[2j] + i x[2j + 1]``
+    by ``angles[:, j]``, in float32; the rest pass through. ``x``'s dtype."""
+    rot_dim = 2 * angles.shape[-1]
+    cos = (jnp.cos(angles) * scale)[:, None, :]  # [T, 1, rot/2]
+    sin = (jnp.sin(angles) * scale)[:, None, :]
+    xf = x.astype(jnp.float32)
+    pairs = xf[..., :rot_dim].reshape(*x.shape[:-1], rot_dim // 2, 2)
+    re, im = pairs[..., 0], pairs[..., 1]  # [T, H, rot/2]
+    rotated = jnp.stack([re * cos - im * sin, im * cos + re * sin], axis=-1)
+    rotated = rotated.reshape(*x.shape[:-1], rot_dim)
     if rot_dim < x.shape[-1]:
         rotated = jnp.concatenate([rotated, xf[..., rot_dim:]], axis=-1)
     return rotated.astype(x.dtype)

@@ -1,0 +1,116 @@
+"""gpt-oss family (``GptOssForCausalLM``): attention sinks, alternating sliding-window
+and full attention, and a mixture of experts with biases and a clamped SwiGLU in every
+layer.
+
+Each layer is ``x + attn(norm(x))`` then ``x + moe(norm(x))`` (the shared
+`layers.decoder.DecoderLayer`). Attention: grouped-query heads with a bias on q, k, v
+and o (``attention_bias``), YaRN rope (``rope_parameters``, whose ``truncate: false``
+keeps the ramp's ends fractional, `layers.rope`), a ``sliding_window`` on the layers
+``layer_types`` marks ``sliding_attention`` (every other one), and per-head attention
+sinks ``self_attn.sinks [Hq]``: one more logit in each softmax that takes probability
+mass and gives no value (`TransformerConfig.attention_sinks`; every attention kernel
+takes them).
+
+MoE (`layers.mlp.SparseMoE`): a router with a bias; each token's top
+``num_experts_per_tok`` logits, softmaxed among themselves (the same weights as a
+softmax over all experts renormalized over the chosen ones); experts of width
+``intermediate_size`` with biases, activated by the clamped SwiGLU
+(``swiglu_alpha``, ``swiglu_limit``: `layers.mlp.clamped_swiglu`).
+
+Checkpoint layout (transformers 5.x, float weights): the router is ``mlp.router``
+(mapped to the layer's ``mlp.gate``); the experts are fused tensors
+``mlp.experts.gate_up_proj [E, H, 2I]`` whose columns interleave gate and up (gate at
+even columns), ``gate_up_proj_bias [E, 2I]`` (the same interleaving),
+``down_proj [E, I, H]`` and ``down_proj_bias [E, H]``. `GptOssForCausalLM.split_tensors`
+cuts them at load into the shared stacked layout ``experts_{gate,up,down}_proj
+[E, out, in]`` (and ``_bias [E, out]``): the layout quantized experts (`layers.quant`)
+and expert parallelism (`sharding.experts`) already use. MXFP4 checkpoints
+(``*_blocks`` / ``*_scales``) are not read yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from jaxengine.models.layers.config import LayerSpec, TransformerConfig, head_dim_of, rope_from_hf
+from jaxengine.models.layers.decoder import CausalLM, hf_param_path
+
+_EXPERTS = ".mlp.experts."
+
+
+def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
+    """The TransformerConfig of a GptOssConfig."""
+    rope = rope_from_hf(hf_config)
+    window = hf_config.sliding_window
+    layers = tuple(
+        LayerSpec(rope=rope, sliding_window=window if t == "sliding_attention" else None, moe=True)
+        for t in hf_config.layer_types
+    )
+    bias = bool(getattr(hf_config, "attention_bias", True))
+    return TransformerConfig(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=head_dim_of(hf_config),
+        layers=layers,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=bias,
+        o_bias=bias,
+        attention_sinks=True,
+        num_experts=hf_config.num_local_experts,
+        num_experts_per_tok=hf_config.num_experts_per_tok,
+        moe_intermediate_size=hf_config.intermediate_size,
+        norm_topk_prob=True,  # softmax over the chosen logits
+        router_bias=True,
+        expert_bias=True,
+        swiglu_clamp=(float(hf_config.swiglu_alpha), float(hf_config.swiglu_limit)),
+        dtype=dtype,
+    )
+
+
+def _expert_tensors(prefix: str, leaf: str, array: np.ndarray) -> Iterator[tuple[str, Any]]:
+    """One fused expert tensor (``leaf`` under ``prefix``, `_EXPERTS` stripped) in the
+    shared stacked layout: ``[E, out, in]`` weights, ``[E, out]`` biases."""
+    if leaf == "gate_up_proj":  # [E, H, 2I], gate at even columns
+        for name, cols in (("gate", array[..., 0::2]), ("up", array[..., 1::2])):
+            yield f"{prefix}.mlp.experts_{name}_proj", np.ascontiguousarray(cols.transpose(0, 2, 1))
+    elif leaf == "gate_up_proj_bias":  # [E, 2I]
+        yield f"{prefix}.mlp.experts_gate_proj_bias", np.ascontiguousarray(array[:, 0::2])
+        yield f"{prefix}.mlp.experts_up_proj_bias", np.ascontiguousarray(array[:, 1::2])
+    elif leaf == "down_proj":  # [E, I, H]
+        yield f"{prefix}.mlp.experts_down_proj", np.ascontiguousarray(array.transpose(0, 2, 1))
+    elif leaf == "down_proj_bias":  # [E, H]
+        yield f"{prefix}.mlp.experts_down_proj_bias", array
+    else:
+        raise ValueError(f"unsupported gpt-oss expert tensor {prefix}{_EXPERTS}{leaf}")
+
+
+class GptOssForCausalLM(CausalLM):
+    """`CausalLM` configured by `from_hf`, with gpt-oss's checkpoint names and fused
+    expert tensors (module docstring)."""
+
+    @staticmethod
+    def hf_param_path(name: str) -> tuple[tuple[str, ...], int | None] | None:
+        """``...mlp.router.*`` -> the MoE layer's router ``mlp.gate.*``; the rest (the
+        split experts, ``self_attn.sinks``) as `hf_param_path`."""
+        return hf_param_path(name.replace(".mlp.router.", ".mlp.gate."))
+
+    @staticmethod
+    def split_tensors(
+        tensors: Iterable[tuple[str, Any]], config: TransformerConfig
+    ) -> Iterator[tuple[str, Any]]:
+        """``(name, array)`` pairs with each fused expert tensor cut into the stacked
+        ``experts_*_proj`` weights and biases (`_expert_tensors`); the rest pass through."""
+        del config  # the layout is the same for every config
+        for name, array in tensors:
+            prefix, sep, leaf = name.partition(_EXPERTS)
+            if not sep:
+                yield name, array
+                continue
+            yield from _expert_tensors(prefix, leaf, np.asarray(array))

@@ -1,0 +1,191 @@
+"""Llama 4 text decoder: chunked local attention, NoPE global layers, sigmoid top-1 MoE.
+
+Every layer is ``x + attn(norm(x))`` then ``x + feed_forward(norm(x))``. The layers
+differ by ``no_rope_layers`` (1: a rope layer) and ``layer_types``:
+
+- rope layers rotate q and k by the interleaved (complex-pair) rope, then, with
+  ``use_qk_norm``, normalize both to unit RMS without a weight; they attend within
+  chunks of ``attention_chunk_size`` positions (``chunked_attention``);
+- NoPE layers (every fourth) attend over the whole causal context without rope; with
+  ``attn_temperature_tuning`` their queries grow with the position,
+  ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``.
+
+Layers in ``moe_layers`` have a mixture of experts: the router's top
+``num_experts_per_tok`` logits, each through a sigmoid, scale the token *before* it
+enters its expert (not the expert's output), and a shared expert runs on every token;
+both have width ``intermediate_size``. The other layers have a dense MLP of width
+``intermediate_size_mlp``. Checkpoint names follow transformers: ``feed_forward.*``,
+the experts fused as ``experts.gate_up_proj [E, H, 2I]`` (gate columns first) and
+``experts.down_proj [E, I, H]``, kept in that layout here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxengine.models.layers.attention import Attention
+from jaxengine.models.layers.basic import Linear, RMSNorm, _normal, activation
+from jaxengine.models.layers.config import LayerSpec, TransformerConfig, head_dim_of, rope_from_hf
+from jaxengine.models.layers.decoder import CausalLM, hf_param_path
+from jaxengine.models.layers.mlp import GatedMLP, routed_experts
+from jaxengine.models.layers.routing import RoutingSpec, route
+
+
+def _layer_specs(hf_config: Any) -> tuple[LayerSpec, ...]:
+    """One spec per layer from ``no_rope_layers``, ``layer_types`` and ``moe_layers``."""
+    rope = dataclasses.replace(rope_from_hf(hf_config), interleaved=True)
+    moe_layers = set(hf_config.moe_layers or ())
+    temperature = (float(hf_config.floor_scale), float(hf_config.attn_scale))
+    specs = []
+    for i in range(hf_config.num_hidden_layers):
+        use_rope = bool(hf_config.no_rope_layers[i])
+        chunked = hf_config.layer_types[i] == "chunked_attention"
+        specs.append(
+            LayerSpec(
+                rope=rope,
+                moe=i in moe_layers,
+                attention_chunk_size=hf_config.attention_chunk_size if chunked else None,
+                use_rope=use_rope,
+                qk_l2_norm=bool(hf_config.use_qk_norm) and use_rope,
+                attn_temperature=None
+                if use_rope or not hf_config.attn_temperature_tuning
+                else temperature,
+            )
+        )
+    return tuple(specs)
+
+
+def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
+    """The TransformerConfig of a Llama4TextConfig (a Llama4Config's ``text_config``)."""
+    hf_config = getattr(hf_config, "text_config", None) or hf_config
+    bias = bool(getattr(hf_config, "attention_bias", False))
+    return TransformerConfig(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size_mlp,  # the dense layers'
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=head_dim_of(hf_config),
+        layers=_layer_specs(hf_config),
+        rms_norm_eps=hf_config.rms_norm_eps,
+        hidden_act=hf_config.hidden_act,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=bias,
+        o_bias=bias,
+        num_experts=hf_config.num_local_experts,
+        num_experts_per_tok=hf_config.num_experts_per_tok,
+        moe_intermediate_size=hf_config.intermediate_size,  # experts' and shared expert's
+        routing=RoutingSpec(scoring="sigmoid"),  # top-k of logits = of their sigmoids
+        dtype=dtype,
+    )
+
+
+class FusedExperts(nn.Module):
+    """The experts' weights in the checkpoint's fused layout (``[E, in, out]``)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array]:
+        cfg = self.config
+        e, h, width = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+        def param(name, shape, axes):
+            init = nn.with_logical_partitioning(_normal(), axes)
+            return self.param(name, init, shape, cfg.dtype)
+
+        gate_up = param("gate_up_proj", (e, h, 2 * width), ("expert", "embed", "mlp"))
+        down = param("down_proj", (e, width, h), ("expert", "mlp", "embed"))
+        return gate_up, down
+
+
+class Llama4MoE(nn.Module):
+    """Sigmoid top-k routing with the score on the expert's input, plus a shared expert.
+
+    Each of a token's ``K`` routes runs `routed_experts` (or the injected
+    ``experts_fn``, expert parallelism) on ``x * sigmoid(logit)`` with weight 1: the
+    expert sees the scaled token, as transformers' ``Llama4TextMoe`` computes it
+    (unselected experts get a zero input, and a bias-free expert maps 0 to 0).
+    """
+
+    config: TransformerConfig
+    experts_fn: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
+        cfg = self.config  # x: [T, H] -> [T, H]
+        if cfg.quantization is not None:
+            raise NotImplementedError("quantized Llama 4 experts are not supported yet")
+        e, k, width = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        logits = Linear(e, ("expert", "embed"), False, cfg.dtype, name="router")(x)  # [T, E]
+        scores, experts = route(logits, cfg.routing, k, renormalize=False)  # [T, K]
+        gate_up, down = FusedExperts(cfg, name="experts")()
+        # [E, out, in] as `routed_experts` takes them (its transpose back cancels out)
+        w_gate = jnp.swapaxes(gate_up[..., :width], 1, 2)
+        w_up = jnp.swapaxes(gate_up[..., width:], 1, 2)
+        w_down = jnp.swapaxes(down, 1, 2)
+        fn = self.experts_fn or routed_experts
+        act = activation(cfg.hidden_act)
+        ones = jnp.ones((x.shape[0], 1), jnp.float32)
+        routed = sum(
+            fn(
+                x * scores[:, i : i + 1].astype(x.dtype),
+                ones,
+                experts[:, i : i + 1],
+                w_gate,
+                w_up,
+                w_down,
+                act=act,
+            )  # fmt: skip
+            for i in range(k)
+        )
+        shared = GatedMLP(cfg, width, name="shared_expert")(x, lora_slots)
+        return (shared.astype(jnp.float32) + routed).astype(x.dtype)
+
+
+class Llama4DecoderLayer(nn.Module):
+    """Pre-norm attention and feed-forward (dense, or `Llama4MoE`) blocks."""
+
+    config: TransformerConfig
+    spec: LayerSpec
+    attention_kwargs: Any = None
+    moe_kwargs: Any = None
+
+    @nn.compact
+    def __call__(self, x, positions, kv_cache, md):
+        cfg = self.config
+        norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
+        attn = Attention(cfg, self.spec, **(self.attention_kwargs or {}), name="self_attn")
+        h, kv_cache = attn(RMSNorm(**norm, name="input_layernorm")(x), positions, kv_cache, md)
+        x = x + h
+        h = RMSNorm(**norm, name="post_attention_layernorm")(x)
+        if self.spec.moe:
+            ff = Llama4MoE(cfg, **(self.moe_kwargs or {}), name="feed_forward")
+        else:
+            ff = GatedMLP(cfg, name="feed_forward")
+        return x + ff(h, md.lora_slots), kv_cache
+
+
+class Llama4ForCausalLM(CausalLM):
+    """`CausalLM` with Llama 4 decoder layers."""
+
+    layer_cls: Any = Llama4DecoderLayer
+
+
+class Llama4ForConditionalGeneration(Llama4ForCausalLM):
+    """The text decoder of a Llama 4 vision-language checkpoint (``text_config``,
+    tensors under ``language_model.``); the vision tower's tensors are skipped, and
+    images are not supported."""
+
+    @staticmethod
+    def hf_param_path(name: str) -> tuple[tuple[str, ...], int | None] | None:
+        """``language_model.*`` -> the decoder's ``*``; the tower's and projector's
+        tensors -> None."""
+        if name.startswith(("vision_model.", "multi_modal_projector.")):
+            return None
+        return hf_param_path(name.removeprefix("language_model."))

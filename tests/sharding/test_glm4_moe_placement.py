@@ -1,0 +1,80 @@
+"""GLM-4.5's MoE weights on 4 of the 8 virtual CPU devices: where each one lands.
+
+A tiny checkpoint (8 experts, a shared expert, one dense layer) loads through
+`load_model` with a `Placement`. With expert parallelism each tensor device holds 2
+whole experts (and their correction biases); with tensor parallelism alone every
+device holds every expert, split by its ``I`` columns. The shared expert and the dense
+MLP split like any gated MLP in both layouts. Numerics of both layouts against
+transformers: `tests/models/test_new_families_engine.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+import torch
+import transformers
+from jax.sharding import PartitionSpec as P
+
+from jaxengine.config import LoadConfig, ModelConfig
+from jaxengine.config.parallel import ParallelConfig
+from jaxengine.loader import load_model
+from sharding.placement import Placement
+from tests.models.glm4_moe_tiny import glm4_moe_tiny, randomize_correction_bias
+
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    config = transformers.Glm4MoeConfig(**glm4_moe_tiny(SMALL))
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    randomize_correction_bias(model)
+    path = tmp_path_factory.mktemp("glm4_moe")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def load(path: str, expert_parallel: bool):
+    parallel = ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=expert_parallel)
+    placement = Placement(parallel, jax.devices()[:4])
+    return load_model(ModelConfig(model=path, dtype="float32"), LoadConfig(), placement)
+
+
+def shard_shapes(leaf) -> set[tuple[int, ...]]:
+    return {s.data.shape for s in leaf.addressable_shards}
+
+
+EP_EXPERTS = (P("tensor", None, None),) * 3
+TP_EXPERTS = (P(None, "tensor", None), P(None, "tensor", None), P(None, None, "tensor"))
+
+
+@pytest.mark.parametrize(
+    "expert_parallel, experts, bias",
+    [(True, EP_EXPERTS, P("tensor")), (False, TP_EXPERTS, P(None))],
+    ids=["ep4", "tp4"],
+)
+def test_glm4_moe_placement(glm_dir, expert_parallel, experts, bias):
+    params = load(glm_dir, expert_parallel).params["model"]
+    moe = params["layers_1"]["mlp"]  # experts [E, I, H], [E, I, H], [E, H, I]
+    names = ("experts_gate_proj", "experts_up_proj", "experts_down_proj")
+    for name, spec in zip(names, experts, strict=True):
+        assert moe[name].sharding.spec == spec, name
+    gate_shards = shard_shapes(moe["experts_gate_proj"])  # [E=8, I=32, H=64]
+    assert gate_shards == ({(2, 32, 64)} if expert_parallel else {(8, 8, 64)})
+    assert moe["e_score_correction_bias"].sharding.spec == bias
+    assert shard_shapes(moe["e_score_correction_bias"]) == {(2,) if expert_parallel else (8,)}
+    shared = moe["shared_experts"]  # [I, H] rows split, [H, I] columns split
+    assert shared["gate_proj"]["weight"].sharding.spec == P("tensor", None)
+    assert shared["down_proj"]["weight"].sharding.spec == P(None, "tensor")
+    dense = params["layers_0"]["mlp"]["down_proj"]["weight"]
+    assert dense.sharding.spec == P(None, "tensor")
