@@ -36,6 +36,17 @@ class Placement:
         self.layer_ranges: list[range] = []
 
     @property
+    def platform(self) -> str:
+        """The platform of the replica's devices ("cpu", "gpu", "tpu"): what the engine
+        compiles for, which need not be this machine's (``jaxengine tpu-check``)."""
+        return self.devices[0].platform
+
+    @property
+    def device_kind(self) -> str:
+        """The devices' generation, as JAX names it ("TPU v6 lite", "NVIDIA H200")."""
+        return self.devices[0].device_kind
+
+    @property
     def num_stages(self) -> int:
         return self.parallel.pipeline_parallel_size
 

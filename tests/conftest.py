@@ -18,6 +18,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_ONE_THREAD}".strip()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The CPU is what the tests mean: where libtpu is installed (the tpu extra, for the TPU
+# compile tests), JAX would otherwise try the TPU first and print libtpu's warnings in
+# every process, servers included. The compile tests describe TPU slices explicitly.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 from tests.xla_effort import FLAG  # noqa: E402
 
 os.environ.setdefault(FLAG, "1")  # minimal XLA optimization (tests/xla_effort.py)

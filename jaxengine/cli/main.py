@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxengine.config.arg_utils import FlexibleArgumentParser
+from jaxengine.platforms import cpu_unless_a_tpu
 from jaxengine.version import __version__
 
 SUBCOMMANDS: list[str] = [
@@ -23,6 +24,7 @@ SUBCOMMANDS: list[str] = [
     "jaxengine.cli.openai_clients",  # chat, complete
     "jaxengine.cli.bench",  # bench serve | throughput | latency
     "jaxengine.cli.collect_env",
+    "jaxengine.cli.tpu_check",
 ]
 
 
@@ -41,6 +43,7 @@ def build_parser(subcommands: Sequence[str] | None = None) -> FlexibleArgumentPa
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses `argv` (default sys.argv[1:]) and runs the chosen subcommand."""
+    cpu_unless_a_tpu()  # before anything starts JAX (`jaxengine.platforms`)
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)

@@ -33,6 +33,7 @@ from jaxengine.loader.quantized import (
     checkpoint_quantization,
 )
 from jaxengine.loader.sources import ModelSource, resolve_model
+from jaxengine.models.layers.config import with_context_length
 from jaxengine.models.layers.lora import LoRASpec
 from jaxengine.models.layers.quant import QuantScheme
 
@@ -102,6 +103,7 @@ def load_model(
     kv_cache_scales: bool = False,
     lora: LoRASpec | None = None,
     token_ids: TokenLookup | None = None,
+    abstract: bool = False,
 ) -> LoadedModel:
     """Resolves, reads and builds the model that ``model_config`` names.
 
@@ -113,46 +115,64 @@ def load_model(
     (an fp8 KV cache): attention's ``k_scale``/``v_scale``, from the checkpoint or 1.
     ``lora``: adapter slots on every projection (zero; its dtype None: the model's).
     ``token_ids(source, tokens)``: ids in the model's tokenizer (`_classifier_tensors`).
+    ``abstract``: no weights read or drawn, the parameters are placed shapes (a
+    compile-only engine: `worker.target`). The dtype follows the placement's platform.
     """
     from jaxengine.loader.params import (
         abstract_params,
         dummy_params,
         logical_axes,
         params_from_tensors,
+        placed_shapes,
     )
 
     start = time.perf_counter()
     source, hf_config = resolve_source(model_config, load_config)
     stored, scheme, packed = _weight_scheme(model_config, load_config, source, hf_config)
-    backend = jax.default_backend()
+    backend = getattr(placement, "platform", None) or jax.default_backend()
     dtype, matmul = cpu_dtypes(resolve_dtype(model_config.dtype, hf_config, backend), backend)
     if lora is not None and lora.dtype is None:
         lora = dataclasses.replace(lora, dtype=dtype)
     module, config = _model(hf_config, dtype, scheme, placement, kv_cache_scales, lora)
-    config = dataclasses.replace(config, matmul_dtype=matmul)
+    config = with_context_length(  # (longrope's factors)
+        dataclasses.replace(config, matmul_dtype=matmul), model_config.max_model_len
+    )
     module = module.clone(config=config)
-    abstract = abstract_params(module, config)
-    axes = logical_axes(abstract)
-    shardings = placement(config, axes, nn.unbox(abstract)) if placement else None
-    if load_config.load_format == "dummy":
+    abstract_tree = abstract_params(module, config)
+    axes = logical_axes(abstract_tree)
+    shardings = placement(config, axes, nn.unbox(abstract_tree)) if placement else None
+    if abstract:
+        params = placed_shapes(nn.unbox(abstract_tree), shardings)
+    elif load_config.load_format == "dummy":
         params = dummy_params(module, config, model_config.seed, shardings)
     else:
         tensors = _checkpoint_tensors(source, load_config, max_parallel_loading_workers, packed)
         where = str(source.gguf_file or source.path)
-        if stored is not None:
-            tensors = canonical_tensors(tensors, stored, where)
-        if _classifier(model_config, hf_config):
-            tensors = _classifier_tensors(tensors, hf_config, where, source, token_ids)
-        params = params_from_tensors(module, config, tensors, where, abstract, shardings)
+        tensors = _prepared(tensors, stored, where, model_config, hf_config, source, token_ids)
+        params = params_from_tensors(module, config, tensors, where, abstract_tree, shardings)
+    _log_loaded(model_config.model, module, dtype, matmul, config, start)
+    return LoadedModel(module, config, params, hf_config, source, axes)
+
+
+def _log_loaded(name: str, module: Any, dtype: Any, matmul: Any, config: Any, start: float):
     logger.info(
         "loaded %s (%s, %s%s) in %.1fs",
-        model_config.model,
+        name,
         type(module).__name__,
         jnp.dtype(dtype).name + (f", {jnp.dtype(matmul).name} projections" if matmul else ""),
         f", {config.quantization} weights" if config.quantization else "",
         time.perf_counter() - start,
     )
-    return LoadedModel(module, config, params, hf_config, source, axes)
+
+
+def _prepared(tensors, stored, where: str, model_config, hf_config, source, token_ids):
+    """A checkpoint's tensors in the canonical form of its quantization format, and a
+    classifier's head made from LM-head rows where the model asks for one."""
+    if stored is not None:
+        tensors = canonical_tensors(tensors, stored, where)
+    if _classifier(model_config, hf_config):
+        tensors = _classifier_tensors(tensors, hf_config, where, source, token_ids)
+    return tensors
 
 
 def resolve_source(model_config: ModelConfig, load_config: LoadConfig) -> tuple[ModelSource, Any]:

@@ -17,6 +17,12 @@ reference's KV-cache write. On CPU, "pallas" runs the GPU kernels in interpret
 mode: slow, there to prove the kernels inside the real step function. (They interpret
 several times faster than the TPU kernels, whose DMAs and semaphores the TPU
 interpreter simulates; tests run the TPU kernels inside the model on tiny configs.)
+
+The TPU attention kernel sizes its blocks to the scoped VMEM of the generation it is
+compiled for: ``device_kind``, that of the engine's devices (the compile target,
+which ``jaxengine tpu-check`` sets to a TPU slice on a machine without one), looked up
+in `jaxengine.hardware` (v4 16 MiB, v5e/v6e 96 MiB, v5p 64 MiB). The KV-cache write
+copies rows HBM to HBM by DMA and holds nothing in VMEM.
 """
 
 from __future__ import annotations
@@ -44,13 +50,20 @@ class AttentionBackend:
 
 
 def select_attention_backend(
-    requested: str, platform: str | None = None, both_ways: bool = False
+    requested: str,
+    platform: str | None = None,
+    both_ways: bool = False,
+    device_kind: str | None = None,
 ) -> AttentionBackend:
     """The backend for ``--attention-backend requested`` on ``platform`` (default:
-    JAX's). ``both_ways`` (a model whose image tokens attend to each other both ways,
-    Gemma 3 with images): the Pallas kernels take no per-token key limit yet, so the
-    reference attention runs instead, with a warning."""
+    JAX's); ``device_kind``: the generation the TPU kernels are sized for (None: the
+    kernels' default, 16 MiB of scoped VMEM). ``both_ways`` (a model whose image
+    tokens attend to each other both ways, Gemma 3 with images): the Pallas kernels
+    take no per-token key limit yet, so the reference attention runs instead, with a
+    warning."""
     backend = _select(requested, platform or jax.default_backend())
+    if backend.name == "pallas-tpu" and device_kind is not None:
+        backend = _sized_for(backend, device_kind)
     if both_ways and backend.name.startswith("pallas"):
         logger.warning(
             "attention backend %s has no bidirectional image attention yet: the model's "
@@ -80,6 +93,20 @@ def _select(requested: str, platform: str) -> AttentionBackend:
         functools.partial(attention, interpret=True),
         functools.partial(update, interpret=True),
     )
+
+
+def _sized_for(backend: AttentionBackend, device_kind: str) -> AttentionBackend:
+    """The TPU kernels with the scoped-VMEM limit of ``device_kind``'s generation."""
+    from jaxengine.hardware import chip_of
+
+    chip = chip_of(device_kind)
+    if chip is None or not chip.is_tpu:
+        logger.warning(
+            "unknown TPU generation %r: the kernels keep their default sizes", device_kind
+        )
+        return backend
+    attention = functools.partial(backend.attention_fn, vmem_limit_bytes=chip.vmem_limit_bytes)
+    return dataclasses.replace(backend, attention_fn=attention)
 
 
 def kernels(name: str) -> tuple[Callable, Callable]:

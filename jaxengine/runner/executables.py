@@ -84,6 +84,8 @@ def runtime_description() -> str:
 class ExecutableStore:
     """Loads and saves the compiled functions of one engine configuration."""
 
+    shareable = True  # its executables may be shared by the process's engines
+
     def __init__(
         self, directory: str | os.PathLike, program: str, max_bytes: int = MAX_BYTES
     ) -> None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 logger = logging.getLogger(__name__)
 
+GiB = 1 << 30
 CPU_DEFAULT_BYTES = 2 << 30
 ACTIVATION_RESERVE = 0.05  # fraction of device memory left for activations and XLA
 
@@ -67,23 +68,31 @@ def plan_kv_cache(
     num_gpu_blocks_override: int | None,
     kv_cache_memory_bytes: int | None,
     gpu_memory_utilization: float,
-    device=None,
+    memory: tuple[int, int] | None = None,
 ) -> KVCacheSize:
-    """Decides the page count; raises ValueError when one sequence cannot fit."""
+    """Decides the page count; raises ValueError when one sequence cannot fit.
+    ``memory``: (limit, in use) bytes of the device (`device_memory`), None on CPU."""
     pages_per_seq = -(-max_model_len // block_size)
     if num_gpu_blocks_override is not None:
         num_blocks = num_gpu_blocks_override
     elif kv_cache_memory_bytes is not None:
         num_blocks = kv_cache_memory_bytes // per_block
     else:
-        memory = device_memory(device) if device is not None else None
         if memory is None:
             want = max_num_seqs * pages_per_seq + 1
             num_blocks = min(want, max(CPU_DEFAULT_BYTES // per_block, pages_per_seq + 1))
         else:
             limit, in_use = memory
-            budget = limit * (gpu_memory_utilization - ACTIVATION_RESERVE) - in_use
-            num_blocks = int(budget // per_block)
+            usable = limit * (gpu_memory_utilization - ACTIVATION_RESERVE)
+            if in_use >= usable:
+                raise ValueError(
+                    f"the model's weights take {in_use / GiB:.2f} GiB of a device, more "
+                    f"than the {usable / GiB:.2f} GiB it may use (--gpu-memory-utilization "
+                    f"{gpu_memory_utilization} of {limit / GiB:.2f} GiB, less "
+                    f"{ACTIVATION_RESERVE:.0%} for activations): nothing is left for the KV "
+                    "cache; use more devices (--tensor-parallel-size) or a quantized model"
+                )
+            num_blocks = int((usable - in_use) // per_block)
     if num_blocks < pages_per_seq + 1:
         raise ValueError(
             f"the KV cache holds {max(num_blocks - 1, 0)} pages of {block_size} tokens, fewer "

@@ -118,13 +118,17 @@ class ModelRunner:
         classifier: Callable[[Params, np.ndarray], jax.Array] | None = None,
         weights: WeightLayout | None = None,
         encoder: EncoderRunner | None = None,
+        abstract: bool = False,
     ) -> None:
         """``lora``: the adapter slots (``--enable-lora``), None without LoRA.
         ``proposer``: speculative decoding's (``--speculative-config``), or None.
         ``classifier``: a classification model's head (`step.make_classifier`).
         ``weights``: how checkpoint names map onto ``params`` (`update_weights`;
         None: the model takes no updates, the transformers fallback).
-        ``encoder``: a vision-language model's image encoder step (`runner.encoder`)."""
+        ``encoder``: a vision-language model's image encoder step (`runner.encoder`).
+        ``abstract``: a compile-only runner (``jaxengine tpu-check``): ``params`` are
+        placed shapes, the caches too, nothing is allocated or run; `warmup` compiles
+        every start-up program and `step` is never called."""
         self.encoder = encoder
         self.classifier = classifier
         self.weights = weights
@@ -138,9 +142,13 @@ class ModelRunner:
             list(settings.token_buckets), settings.max_num_seqs, 1 + settings.num_speculative_tokens
         )
         shape = (settings.num_blocks, *settings.cache_page_shape)
-        self.kv_caches: Caches = program.allocate_caches(shape, settings.cache_dtype)
+        self.abstract = abstract
+        if abstract:
+            self.kv_caches: Caches = program.abstract_caches(shape, settings.cache_dtype)
+        else:
+            self.kv_caches = program.allocate_caches(shape, settings.cache_dtype)
         self.swap = None
-        if settings.num_host_blocks:
+        if settings.num_host_blocks and not abstract:  # (its copies run at warm-up)
             self.swap = HostSwapSpace(
                 settings.cache_page_shape,
                 settings.cache_dtype,
@@ -152,7 +160,8 @@ class ModelRunner:
         self.table = RequestTable(settings.pages_per_req, settings.seed)
         self._feed: Feed | None = None
         # the ``fed_ids`` of a step with no token in flight
-        self.no_feed = sampler.to_device(np.zeros(settings.num_sample_slots, np.int32))
+        zeros = np.zeros(settings.num_sample_slots, np.int32)
+        self.no_feed = sampler.feed_shape() if abstract else sampler.to_device(zeros)
         self.calibrate_kv = settings.calculate_kv_scales  # until the first step
         self.guard = CompileGuard()
         self.compiles = CompileJobs(())  # none until `warmup` (``--enforce-eager``: never)

@@ -51,6 +51,11 @@ class StageProgram(Protocol):
 
     def allocate_caches(self, shape: tuple, dtype: Any) -> Caches: ...
 
+    def abstract_caches(self, shape: tuple, dtype: Any) -> Caches:
+        """The caches `allocate_caches` would make, as placed shapes (nothing
+        allocated): what a compile-only engine lowers its programs against."""
+        ...
+
     def step(
         self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any, images: Any = None
     ) -> tuple[Any, Any, Caches]:
@@ -167,6 +172,12 @@ class SingleStage:
         sharding = None if self.plan is None else self.plan.kv_cache_sharding
         return zero_caches(shape, dtype, self.num_layers, sharding)
 
+    def abstract_caches(self, shape: tuple, dtype: Any) -> Caches:
+        cache = jax.ShapeDtypeStruct(shape, dtype)
+        if self.plan is not None:
+            cache = _placed(cache, self.plan.kv_cache_sharding)
+        return (cache,) * self.num_layers
+
     def step(
         self, params: Params, caches: Caches, batch: PackedBatch, fed_ids: Any, images: Any = None
     ) -> tuple[Any, Any, Caches]:
@@ -208,7 +219,9 @@ class SingleStage:
         buffers, spec = step_inputs(batch)
         compiled = self._kv_amaxes.get(spec)
         if compiled is None:
-            compiled = self._kv_amax.lower(params, caches, buffers, spec=spec).compile()
+            compiled = self._compile(
+                "kv_amax", spec, lambda: self._kv_amax.lower(params, caches, buffers, spec=spec)
+            )
             self._kv_amaxes[spec] = compiled
         return compiled(params, caches, buffers) if run else None
 

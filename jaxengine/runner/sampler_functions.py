@@ -86,6 +86,11 @@ class SamplerFunctions:
             return jnp.asarray(logits)
         return jax.device_put(logits, self.logits_sharding)
 
+    def feed_shape(self) -> jax.ShapeDtypeStruct:
+        """The sampled ids' shape and placement (what `to_device` gives a step's
+        ``fed_ids``), for a compile-only engine."""
+        return _placed((self.max_num_seqs,), jnp.int32, self.logits_sharding)
+
     def sample(self, logits, metadata, flags: SamplerFlags):
         if flags.token_bitmask:  # the mask first, then the variant without it
             rows = metadata.token_bitmask.shape[0]
@@ -128,19 +133,23 @@ class SamplerFunctions:
     def _compile(self, name: str, key: tuple, lower) -> Any:
         """``lower().compile()`` through the store, shared by the process's engines
         (`process_shared`) when no logits processor is traced in: the program is then
-        fixed by the vocabulary, the slots, the placement and ``key``."""
+        fixed by the vocabulary, the slots, the placement and ``key``. A store that is
+        not ``shareable`` (the compile check's recorder) sees every compile itself."""
         build = functools.partial(compile_ahead, self.store, name, key, lower)
-        if self.processors:
+        if self.processors or not getattr(self.store, "shareable", True):
             return build()
         device = jax.config.values.get("jax_default_device")
         program = (name, key, self.vocab_size, self.max_num_seqs, self.logits_sharding, device)
         return process_shared(program, build)
 
     def _abstract_logits(self, num_reqs: int) -> jax.ShapeDtypeStruct:
-        shape = (num_reqs, self.vocab_size)
-        if self.logits_sharding is None:
-            return jax.ShapeDtypeStruct(shape, jnp.float32)
-        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.logits_sharding)
+        return _placed((num_reqs, self.vocab_size), jnp.float32, self.logits_sharding)
+
+
+def _placed(shape: tuple, dtype: Any, sharding: Sharding | None) -> jax.ShapeDtypeStruct:
+    if sharding is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def sampler_variants(

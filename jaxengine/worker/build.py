@@ -32,7 +32,13 @@ from jaxengine.reasoning.budget_processor import ThinkingTokenBudgetProcessor
 from jaxengine.runner.attention_backend import AttentionBackend
 from jaxengine.runner.buckets import default_token_buckets
 from jaxengine.runner.executables import ExecutableStore
-from jaxengine.runner.kv_sizing import KVCacheSize, bytes_per_block, cache_dtype, plan_kv_cache
+from jaxengine.runner.kv_sizing import (
+    KVCacheSize,
+    bytes_per_block,
+    cache_dtype,
+    device_memory,
+    plan_kv_cache,
+)
 from jaxengine.runner.logits_processors import ProcessorBatch
 from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
@@ -51,6 +57,7 @@ from jaxengine.speculative.device.loading import load_draft
 from jaxengine.worker.images import encoder_runner, load_images
 from jaxengine.worker.loading import load_replica, stage_program
 from jaxengine.worker.pooling import resolve_pooler
+from jaxengine.worker.target import CompileTarget, device_bytes
 from sharding.placement import Placement
 
 # the name it logged under before the worker had its own package (users filter on it)
@@ -176,10 +183,15 @@ def _host_side(config: EngineConfig, loaded: LoadedModel) -> tuple[EngineConfig,
 
 
 def _size_cache(
-    config: EngineConfig, placement: Placement, model: TransformerConfig, extra: int = 0
+    config: EngineConfig,
+    placement: Placement,
+    model: TransformerConfig,
+    extra: int = 0,
+    memory: tuple[int, int] | None = None,
 ):
     """(KV-cache size, scheduler limits, cache dtype name) for this replica; ``extra``:
-    bytes each page also takes in another cache (a draft model's)."""
+    bytes each page also takes in another cache (a draft model's); ``memory``: (limit,
+    in use) bytes of a device (None: measured on an accelerator, unknown on CPU)."""
     cc, sc = config.cache_config, config.scheduler_config
     dtype = cache_dtype(config, model)
     per_block = bytes_per_block(  # on one device: its stage's layers, its KV heads
@@ -198,13 +210,18 @@ def _size_cache(
         num_gpu_blocks_override=cc.num_gpu_blocks_override,
         kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
         gpu_memory_utilization=cc.gpu_memory_utilization,
-        device=placement.devices[0] if jax.default_backend() != "cpu" else None,
+        memory=memory or _measured(placement),
     )
     logger.info("%s, %s", kv_size.describe(max_model_len), dtype.name)
     limits = SchedulerLimits.from_configs(
         sc, cc, kv_size.num_blocks, max_model_len, bytes_per_block=per_block
     )
     return kv_size, limits, dtype
+
+
+def _measured(placement: Placement) -> tuple[int, int] | None:
+    """(limit, in use) bytes of the replica's first device; None on CPU."""
+    return device_memory(placement.devices[0]) if placement.platform != "cpu" else None
 
 
 def token_buckets(config: EngineConfig) -> tuple[int, ...]:
@@ -284,12 +301,29 @@ def logits_processors(
     return ProcessorBatch(processors) if processors else None
 
 
+def _runner_limits(config: EngineConfig, limits: SchedulerLimits, encoder: Any):
+    """The scheduler's limits with what the runner's parts add (adapters, proposals,
+    the image encoder's rows)."""
+    return dataclasses.replace(
+        limits,
+        max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0,
+        num_speculative_tokens=num_speculative_tokens(config),
+        num_lookahead_tokens=lookahead_tokens(config),
+        encoder_cache_rows=0 if encoder is None else encoder.num_rows,
+        whole_images=encoder is not None and encoder.both_ways,
+    )
+
+
 def build_worker(
-    config: EngineConfig, devices: Sequence[Any] | None = None
+    config: EngineConfig,
+    devices: Sequence[Any] | None = None,
+    target: CompileTarget | None = None,
 ) -> tuple[ModelRunner, HostParts]:
     """This process's runner on ``devices`` (one replica's: pipeline x tensor of them;
-    the first ones by default), and the host parts."""
-    placement, loaded, backend = load_replica(config, devices)
+    the first ones by default), and the host parts. ``target``: a compile-only runner
+    (`worker.target`), whose `warmup` compiles every start-up program through the
+    target's store."""
+    placement, loaded, backend = load_replica(config, devices, abstract=target is not None)
     config, tokenizer, generation_config = _host_side(config, loaded)
     eos = _eos(generation_config, tokenizer, loaded.hf_config)
     model, mc = loaded.config, config.model_config
@@ -297,11 +331,13 @@ def build_worker(
     images = load_images(config, loaded)
     draft = load_draft(config, devices, loaded, load_replica)
     extra = draft_bytes_per_block(config, draft)
-    kv_size, limits, dtype = _size_cache(config, placement, model, extra)
+    memory = None if target is None else (target.hbm_bytes, device_bytes(loaded.params))
+    kv_size, limits, dtype = _size_cache(config, placement, model, extra, memory)
     heads = placement.plans[0].kv_cache_heads
     settings = _runner_settings(config, model, kv_size, limits, dtype, heads, eos, pooler)
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
     store = executable_store(config, loaded, backend, images and images.encoder.config)
+    store = store if target is None else target.store
     mode = config.compilation_config.cudagraph_mode
     program = stage_program(loaded, placement, backend, k, store, pooler is not None, mode)
     sampler = SamplerFunctions(
@@ -328,15 +364,9 @@ def build_worker(
         make_classifier(loaded.module) if pooler and pooler.num_labels else None,
         None if is_torch(loaded) else WeightLayout.of(loaded),
         encoder,
+        abstract=target is not None,
     )
-    limits = dataclasses.replace(
-        limits,
-        max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0,
-        num_speculative_tokens=num_speculative_tokens(config),
-        num_lookahead_tokens=lookahead_tokens(config),
-        encoder_cache_rows=0 if encoder is None else encoder.num_rows,
-        whole_images=encoder is not None and encoder.both_ways,
-    )
+    limits = _runner_limits(config, limits, encoder)
     host = HostParts(
         config, model, loaded.hf_config, tokenizer, generation_config, eos, kv_size, limits,
         pooler, None if images is None else images.processor,

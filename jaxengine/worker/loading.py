@@ -8,7 +8,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from jaxengine.config import EngineConfig, ModelConfig
@@ -28,8 +27,9 @@ from sharding.placement import Placement
 logger = logging.getLogger("jaxengine.executor.build")  # the start-up lines' logger
 
 
-def load_replica(config: EngineConfig, devices: Sequence[Any] | None):
-    """(placement, loaded model, attention backend) on this replica's devices."""
+def load_replica(config: EngineConfig, devices: Sequence[Any] | None, abstract: bool = False):
+    """(placement, loaded model, attention backend) on this replica's devices;
+    ``abstract``: the parameters as placed shapes (a compile-only engine)."""
     from sharding.mesh import replica_devices
 
     setup_compilation_cache(config)
@@ -37,15 +37,17 @@ def load_replica(config: EngineConfig, devices: Sequence[Any] | None):
     if devices is None:
         devices = replica_devices(parallel)[0]
     placement = Placement(parallel, devices)
-    loaded = load_jax_or_torch(config, placement)
+    loaded = load_jax_or_torch(config, placement, abstract)
     requested = config.attention_config.attention_backend
     both_ways = images_both_ways(loaded.hf_config)
-    backend = select_attention_backend(requested, both_ways=both_ways)
+    backend = select_attention_backend(
+        requested, placement.platform, both_ways, placement.device_kind
+    )
     logger.info(
         "attention backend: %s (--attention-backend %s, platform %s)",
         backend.name,
         requested,
-        jax.default_backend(),
+        placement.platform,
     )
     logger.info(
         "devices: %d (tensor %d x pipeline %d): %s",
@@ -57,9 +59,12 @@ def load_replica(config: EngineConfig, devices: Sequence[Any] | None):
     return placement, loaded, backend
 
 
-def load_jax_or_torch(config: EngineConfig, placement: Placement) -> LoadedModel:
+def load_jax_or_torch(
+    config: EngineConfig, placement: Placement, abstract: bool = False
+) -> LoadedModel:
     """The JAX model, or transformers' PyTorch one (`torch_fallback`) as
-    ``--model-impl`` asks: ``auto`` falls back when the architecture has no JAX port."""
+    ``--model-impl`` asks: ``auto`` falls back when the architecture has no JAX port
+    (never for a compile-only engine, ``abstract``: the fallback has no JAX program)."""
     impl = config.model_config.model_impl
     if impl != "transformers":
         try:
@@ -71,9 +76,10 @@ def load_jax_or_torch(config: EngineConfig, placement: Placement) -> LoadedModel
                 kv_cache_scales=config.cache_config.kv_cache_dtype in FP8_CACHE_DTYPES,
                 lora=lora_spec(config),
                 token_ids=functools.partial(token_ids, config.model_config),
+                abstract=abstract,
             )
         except UnsupportedArchitectureError as e:
-            if impl != "auto":
+            if impl != "auto" or abstract:
                 raise
             require_torch(f"{e}; the torch fallback (--model-impl transformers) that runs it")
             logger.info("--model-impl auto: using transformers' PyTorch model (%s)", e)

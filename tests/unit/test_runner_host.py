@@ -66,6 +66,15 @@ def test_kv_sizing_precedence_and_errors():
     assert "maximum concurrency" in cpu.describe(64)
     with pytest.raises(ValueError, match="fewer than one sequence"):
         plan_kv_cache(num_gpu_blocks_override=3, kv_cache_memory_bytes=None, **kw)
+    # a device's memory: (util - 5% for activations) x limit, less what is in use
+    device = plan_kv_cache(
+        num_gpu_blocks_override=None, kv_cache_memory_bytes=None, memory=(100_000, 5_000), **kw
+    )
+    assert device.num_blocks == int(100_000 * (0.9 - 0.05) - 5_000) // 1000
+    with pytest.raises(ValueError, match=r"weights take 0.00 GiB .* nothing is left"):
+        plan_kv_cache(
+            num_gpu_blocks_override=None, kv_cache_memory_bytes=None, memory=(100_000, 90_000), **kw
+        )
 
 
 def test_pack_tree_round_trip():

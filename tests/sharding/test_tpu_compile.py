@@ -1,0 +1,172 @@
+"""The engine compiled for real TPU generations on this CPU, by libtpu (the tpu extra).
+
+`jaxengine tpu-check` builds the engine as `serve` would on a TPU slice that libtpu
+describes here and compiles every start-up program for it (`jaxengine.tpu_check`).
+These tests run it on the Llama-3-8B shape with 2 of its 32 layers (every layer
+compiles alike) at TP 1 on v6e-1, TP 4 on v5e-4 and TP 8 on v6e-8, one decode and
+one prefill bucket each, and check what the command promises: the fit verdict, each
+decode step within 1.15x of the least it must move outside the kernels, and a clean
+audit; then the audit fails on a program made to copy the cache, the fit fails with
+its numbers where the weights do not fit (Llama-3-70B on v5e-4), and the TPU attention
+kernel compiles at real head counts for both generations with the block sizes of its
+generation. Skipped where libtpu is absent.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+pytest.importorskip("libtpu", reason="the TPU compiler comes with the tpu extra")
+
+from bench.parallel_memory import llama3_8b  # noqa: E402
+from jaxengine.cli.main import main  # noqa: E402
+from jaxengine.engine_args import EngineArgs  # noqa: E402
+from jaxengine.hardware import chip_named, chip_of, slice_of  # noqa: E402
+from jaxengine.runner.attention_backend import select_attention_backend  # noqa: E402
+from jaxengine.tpu_check import hlo  # noqa: E402
+from jaxengine.tpu_check.audit import audit  # noqa: E402
+from jaxengine.tpu_check.check import check_engine, tpu_devices  # noqa: E402
+from jaxengine.tpu_check.recorder import CompileRecorder, ProgramFailed  # noqa: E402
+from jaxengine.tpu_check.report import MAX_OVER_MINIMUM  # noqa: E402
+from pallas_kernels.ragged_paged_attention import tpu as tpu_attention  # noqa: E402
+
+ENGINE = dict(
+    max_model_len=8192,
+    max_num_seqs=64,
+    max_num_batched_tokens=512,
+    compile_token_buckets=[64, 512],  # a decode bucket (64 x 1) and a prefill one
+)
+
+
+@pytest.fixture(scope="module")
+def llama_2_layers(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("llama3-8b-2-layers")
+    config = llama3_8b(layers=2)
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(("topology", "tp"), [("v6e-1", 1), ("v5e-4", 4), ("v6e-8", 8)])
+def test_engine_compiles_fits_and_moves_no_more_than_it_must(llama_2_layers, topology, tp):
+    args = EngineArgs(model=llama_2_layers, tensor_parallel_size=tp, **ENGINE)
+    report = check_engine(args, topology, progress=False)
+    assert report.fits, report.lines()
+    names = {p.name for p in report.programs}
+    assert {"step", "prompt_logprobs", "sampler", "sampler.mask"} <= names
+    assert [(s.tokens, s.requests, s.decode) for s in report.steps] == [
+        (64, 64, True),
+        (512, 64, False),
+    ]
+    for step in report.steps:  # every weight read once, at least (else the count is off)
+        assert step.hbm_bytes >= step.minimum_bytes, report.lines()
+        assert step.kernels == 2 * 2  # attention and the cache write, per layer, in Mosaic
+    decode = report.steps[0]
+    assert decode.bytes_over_minimum <= MAX_OVER_MINIMUM, report.lines()
+    assert report.audit_findings == []
+    # the weights: 8.0e9 parameters' 2 layers and embeddings, a tensor group's share
+    assert report.params_bytes == pytest.approx(2 * 1.486e9 / tp, rel=0.05)
+    assert report.kv_tokens > 0 and report.decode_tokens_per_s(1) > 0
+
+
+def test_audit_finds_a_copied_cache():
+    """A step that keeps the old cache beside the new one must copy it: the audit says
+    so; the engine's own steps pass it (above)."""
+    tpu = slice_of("v5e-1")
+    mesh = Mesh(tpu_devices(tpu)[:1], ("x",))
+    placed = NamedSharding(mesh, PartitionSpec())
+    cache = jax.ShapeDtypeStruct((1024, 16, 16, 128), jnp.bfloat16, sharding=placed)
+    row = jax.ShapeDtypeStruct((16, 16, 128), jnp.bfloat16, sharding=placed)
+
+    def keeps_both(cache, row):
+        return cache.at[3].set(row), cache
+
+    hlo = jax.jit(keeps_both).lower(cache, row).compile().as_text()
+    findings = audit(hlo, {("bf16", (1024, 16, 16, 128))}, set())
+    assert findings and {f.rule for f in findings} == {"kv-cache copy"}, hlo[:2000]
+    donated = jax.jit(lambda c, r: c.at[3].set(r), donate_argnums=0).lower(cache, row).compile()
+    assert audit(donated.as_text(), {("bf16", (1024, 16, 16, 128))}, set()) == []
+
+
+def test_hbm_traffic_counts_a_prefetched_weight_once():
+    """XLA prefetches a decode matmul's weight into VMEM (a cross-program prefetch):
+    its cost analysis counts that weight five times; the HBM count once."""
+    mesh = Mesh(tpu_devices(slice_of("v5e-1"))[:1], ("x",))
+    placed = NamedSharding(mesh, PartitionSpec())
+    w = jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16, sharding=placed)
+    x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16, sharding=placed)
+    compiled = jax.jit(lambda w, x: x @ w).lower(w, x).compile()
+    module = hlo.parse(compiled.as_text())
+    assert any(i.opcode == "copy-start" for i in module.instructions())  # the prefetch
+    weight, rest = 4096 * 14336 * 2, (64 * 4096 + 64 * 14336) * 2
+    assert hlo.hbm_bytes(module) == weight + rest
+    assert compiled.cost_analysis()["bytes accessed"] > 4 * weight
+    assert audit(module, set(), {("bf16", (4096, 14336))}) == []  # a prefetch, no copy
+
+
+def test_70b_does_not_fit_v5e_4_and_says_by_how_much(tmp_path, capsys):
+    config = llama3_8b()
+    config.update(dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, architectures=["LlamaForCausalLM"]))  # fmt: skip
+    config.save_pretrained(tmp_path)
+    out = tmp_path / "report.json"
+    argv = ["tpu-check", str(tmp_path), "--topology", "v5e-4", "-tp", "4", "--output", str(out)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tpu-check: FAILED: v5e-4: ")
+    assert "weights take 32.8" in err[0] and "GiB" in err[0], err
+    assert not out.exists()
+
+
+def _attention_args(tpu_name: str, tokens: int, requests: int, kv_heads: int = 8):
+    """Abstract inputs of one layer's attention at Llama-3-8B's heads, on one chip."""
+    mesh = Mesh(tpu_devices(slice_of(tpu_name))[:1], ("x",))
+    placed = NamedSharding(mesh, PartitionSpec())
+
+    def shape(dims, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=placed)
+
+    return (
+        shape((tokens, 4 * kv_heads, 128), jnp.bfloat16),
+        shape((4096, 16, 2 * kv_heads, 128), jnp.bfloat16),
+        shape((requests,)),
+        shape((requests, 512)),
+        shape((requests + 1,)),
+        shape(()),
+    )
+
+
+@pytest.mark.parametrize("tpu_name", ["v5e-1", "v6e-1"])
+def test_attention_kernel_compiles_at_real_heads_sized_for_its_generation(tpu_name):
+    """The backend the engine picks for a chip's device kind sizes the kernel's blocks
+    to that generation's VMEM, and libtpu compiles it (prefill: 512 tokens over 64
+    requests; 32 query heads, 8 KV heads, pages of 16, 8k context)."""
+    kind = tpu_devices(slice_of(tpu_name))[0].device_kind
+    backend = select_attention_backend("auto", "tpu", device_kind=kind)
+    assert backend.name == "pallas-tpu"
+    assert backend.attention_fn.keywords["vmem_limit_bytes"] == chip_of(kind).vmem_limit_bytes
+    attention = functools.partial(backend.attention_fn, sm_scale=128**-0.5)
+    recorder = CompileRecorder()
+    recorder.compile("attention", None, lambda: jax.jit(attention).lower(
+        *_attention_args(tpu_name, 512, 64)))  # fmt: skip
+    assert recorder.records[0].bytes_accessed > 0
+
+
+def test_a_kernel_past_v4s_vmem_fails_in_one_line():
+    """Blocks forced past v4's 16 MiB of VMEM: one line naming the program and why."""
+    attention = functools.partial(
+        tpu_attention.ragged_paged_attention, sm_scale=0.1, heads_per_block=8,
+        pages_per_block=64, vmem_limit_bytes=chip_named("v4").vmem_limit_bytes,
+    )  # fmt: skip
+    recorder = CompileRecorder()
+    with pytest.raises(ProgramFailed) as failed:
+        recorder.compile("attention", None, lambda: jax.jit(attention).lower(
+            *_attention_args("v4-8", 512, 64)))  # fmt: skip
+    message = str(failed.value)
+    assert message.startswith("attention: ") and "\n" not in message
+    assert "RESOURCE_EXHAUSTED" in message and "vmem" in message.lower(), message
