@@ -17,6 +17,7 @@ extra (``pip install "jaxengine[tpu]"``).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from jaxengine.engine_args import EngineArgs
@@ -51,6 +52,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxengine.tpu_check.check import CheckFailed, check_engine
+    from jaxengine.tpu_check.recorder import one_line
     from jaxengine.tpu_check.report import write_json
 
     if args.model_tag:
@@ -60,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
         report = check_engine(engine_args, args.topology, progress=not args.no_progress)
     except CheckFailed as error:
         print(f"tpu-check: FAILED: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:  # noqa: BLE001 - one line for people; the trace in the log
+        logging.getLogger(__name__).debug("tpu-check failed", exc_info=True)
+        print(f"tpu-check: FAILED: {args.topology}: {one_line(error)}", file=sys.stderr)
         return 1
     for line in report.lines():
         print(line)

@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxengine.engine_args import EngineArgs
 from jaxengine.hardware import TpuSlice, slice_of
+from jaxengine.platforms import has_tpu_chips
 from jaxengine.tpu_check.recorder import CompileRecorder, ProgramFailed, one_line
 from jaxengine.tpu_check.report import CheckReport, analyse
 
@@ -31,8 +32,13 @@ def tpu_devices(tpu: TpuSlice) -> list[Any]:
     """The slice's devices as libtpu describes them (no TPU needed; libtpu installed:
     the ``tpu`` extra)."""
     # the check never runs on the chips, so it need not hold libtpu's process lock
-    # (a TPU VM's server, or a parallel test, may hold it)
+    # (a TPU VM's server, or a parallel test, may hold it); off a TPU VM, libtpu has no
+    # metadata server to ask for the workers and prints a page of warnings without these
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not has_tpu_chips():
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", tpu.name.replace("v5e-", "v5litepod-"))
     try:
         from jax.experimental import topologies
 
