@@ -8,8 +8,9 @@ each instruction that does one of these instead:
 - **copies a whole KV cache** (a ``copy`` or ``copy-start`` whose result is a cache's
   per-device shape): the cache was not updated in place (a lost donation or alias,
   or a layout change);
-- **copies a whole weight** (the same, with a weight's per-device shape, at least
-  ``MIN_WEIGHT_BYTES``): a weight changes layout every step;
+- **copies a whole weight** (a copy of one of the program's parameters, with a
+  weight's per-device shape, at least ``MIN_WEIGHT_BYTES``): a weight changes layout
+  every step;
 - **all-gathers a weight** under tensor parallelism (an ``all-gather`` whose operand
   is a weight's shard, or whose result is a whole weight): the sharding plan and the
   program disagree;
@@ -71,7 +72,7 @@ def _check(module: Module, ins: Instruction, caches, shards, wholes) -> list[Fin
         copied = ins.results[0].shape
         if copied in caches:
             out.append(Finding("kv-cache copy", ins.name, _fmt(copied)))
-        elif copied in shards:
+        elif copied in shards and _from_parameter(module, ins):
             out.append(Finding("weight copy", ins.name, _fmt(copied)))
     if ins.opcode in ("all-gather", "all-gather-start"):
         operands = [module.operand(n) for n in ins.operands]
@@ -90,6 +91,15 @@ def _check(module: Module, ins: Instruction, caches, shards, wholes) -> list[Fin
     ):
         out.append(Finding("host transfer", ins.name, ins.opcode))
     return out
+
+
+def _from_parameter(module: Module, ins: Instruction) -> bool:
+    """Whether ``ins`` copies a parameter of the program (a weight; an activation of
+    the same shape is computed by the step)."""
+    op = module.operand(ins.operands[0]) if ins.operands else None
+    while op is not None and op.opcode in ("bitcast", "get-tuple-element") and op.operands:
+        op = module.operand(op.operands[0])
+    return op is not None and op.opcode == "parameter"
 
 
 def _fmt(shape: Shape) -> str:
