@@ -14,6 +14,7 @@ from jaxengine.config.engine import EngineConfig
 
 SUPPORTED_QUANTIZATION = (
     None, "gguf", "int8", "fp8", "gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors",
+    "mxfp4",
 )  # fmt: skip
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SUPPORTED_TOKENIZER_MODES = ("auto", "slow")

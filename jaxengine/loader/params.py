@@ -108,6 +108,7 @@ def logical_axes(abstract: Any) -> Any:
 DUMMY_STD = 0.02  # the layers' own initializer scale (`layers.basic._INIT_STD`)
 DUMMY_QUANT_SCALE = 3 * DUMMY_STD / 127  # quantized dummy weights: 3 std at int8's largest
 DUMMY_INT4_SCALE = DUMMY_STD / 4.6  # uniform 0..15 has std 4.6; offset -7.5 scales centres it
+DUMMY_MXFP4_SCALE = 127 - 7  # e8m0 2^-7: random e2m1 codes (rms 2.9) -> std about 0.023
 
 
 def is_quantized(dtype: Any) -> bool:
@@ -163,6 +164,7 @@ _DUMMY_SIDE = {
     "scale": DUMMY_QUANT_SCALE,
     "int4_scale": DUMMY_INT4_SCALE,
     "int4_offset": -7.5 * DUMMY_INT4_SCALE,
+    "mxfp4_scale": DUMMY_MXFP4_SCALE,
 }
 """Constant fills of quantized weights' side leaves, by `_dummy_kind`."""
 
@@ -176,6 +178,8 @@ def _dummy_kind(name: str, spec: tuple, dtype: Any, scheme: Any) -> str:
         return "zeros"
     if spec in (("norm",), ("head_dim",)):
         return "norm"
+    if scheme is not None and scheme.method == "mxfp4" and name.endswith("_scale"):
+        return "mxfp4_scale"  # e8m0 exponents: random bytes would reach 2^128
     if np.dtype(dtype) == np.uint8:
         return "int4"
     if is_quantized(dtype):

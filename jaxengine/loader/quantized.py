@@ -22,6 +22,8 @@ repacked on the host once, so the device keeps the weight packed:
   ``float-quantized`` fp8 (``weight`` and ``weight_scale`` per channel or tensor).
   Activation quantization (W8A8) is not applied: activations stay in the model
   dtype, as vLLM runs such checkpoints on hardware without int8/fp8 matmuls.
+- MXFP4 (gpt-oss): the MoE experts' ``<w>_blocks`` and ``<w>_scales`` (`loader.mxfp4`),
+  kept as the ``mxfp4`` scheme's packed bytes and exponents; the rest is float.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxengine.loader.errors import CheckpointError
-from jaxengine.models.layers.quant import QuantScheme, pack_int4
+from jaxengine.loader.mxfp4 import mxfp4_tensors
+from jaxengine.models.layers.quant import MXFP4_BLOCK, QuantScheme, pack_int4
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ CHECKPOINT_METHODS = {
     "awq": "awq",
     "awq_marlin": "awq",
     "compressed-tensors": "compressed-tensors",
+    "mxfp4": "mxfp4",
 }
 """``--quantization`` (and ``quant_method``) values of quantized checkpoints -> format."""
 
@@ -57,11 +61,14 @@ AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 class CheckpointFormat:
     """How a quantized checkpoint stores its linear weights."""
 
-    method: str  # "gptq" | "awq" | "compressed-tensors"
+    method: str  # "gptq" | "awq" | "compressed-tensors" | "mxfp4"
     scheme: QuantScheme
     required: tuple[str, ...]  # tensor suffixes that make up one weight
     dropped: tuple[str, ...]  # tensor suffixes with nothing to give (this scheme)
     convert: Callable[[dict], dict]  # parts by suffix -> leaves by suffix ("", "_scale"...)
+    canonical: Callable | None = None
+    """``(tensors, source) -> tensors``: the format's own pass in place of
+    `canonical_tensors`' parts -> leaves (MXFP4: `loader.mxfp4.mxfp4_tensors`)."""
 
 
 def quantization_config(hf_config: Any) -> dict | None:
@@ -90,7 +97,12 @@ def checkpoint_quantization(hf_config: Any, requested: str | None) -> Checkpoint
             f"Quantization method specified in the model config ({method}) does not match "
             f"the quantization method specified in the `quantization` argument ({requested})."
         )
-    build = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors}
+    build = {
+        "gptq": _gptq,
+        "awq": _awq,
+        "compressed-tensors": _compressed_tensors,
+        "mxfp4": _mxfp4,
+    }
     return build[CHECKPOINT_METHODS[method]](quant)
 
 
@@ -149,6 +161,18 @@ def _awq(quant: dict) -> CheckpointFormat:
 
     scheme = QuantScheme("int4", group)
     return CheckpointFormat("awq", scheme, ("qweight", "qzeros", "scales"), (), convert)
+
+
+def _mxfp4(quant: dict) -> CheckpointFormat:
+    """gpt-oss's MXFP4 experts: the family maps each ``<w>_blocks``/``<w>_scales``
+    pair (checked by `loader.mxfp4`) onto its ``mxfp4`` leaves as they are."""
+    del quant  # modules_to_not_convert: those modules are simply stored in float
+
+    def convert(parts: dict) -> dict:
+        raise AssertionError("mxfp4 tensors are paired by loader.mxfp4, not converted")
+
+    scheme = QuantScheme("mxfp4", MXFP4_BLOCK)
+    return CheckpointFormat("mxfp4", scheme, (), (), convert, canonical=mxfp4_tensors)
 
 
 def _unpack_words(words: np.ndarray, axis: int, order: Iterable[int] = range(8)) -> np.ndarray:
@@ -255,7 +279,11 @@ def canonical_tensors(
     leaves (``<module>.weight``, ``<module>.weight_scale``...), emitted once all of
     its parts have been read; other tensors pass through (a float ``weight`` too, for
     formats whose quantized weight is also named ``weight``). A weight missing a part
-    is a `CheckpointError` naming it."""
+    is a `CheckpointError` naming it. A format with its own pass (``canonical``) runs
+    that instead."""
+    if fmt.canonical is not None:
+        yield from fmt.canonical(tensors, source)
+        return
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, array in tensors:
         name = _KV_SCALE.sub(r".\1_scale", name)

@@ -24,8 +24,14 @@ even columns), ``gate_up_proj_bias [E, 2I]`` (the same interleaving),
 ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]``. `GptOssForCausalLM.split_tensors`
 cuts them at load into the shared stacked layout ``experts_{gate,up,down}_proj
 [E, out, in]`` (and ``_bias [E, out]``): the layout quantized experts (`layers.quant`)
-and expert parallelism (`sharding.experts`) already use. MXFP4 checkpoints
-(``*_blocks`` / ``*_scales``) are not read yet.
+and expert parallelism (`sharding.experts`) already use.
+
+MXFP4 checkpoints (``quant_method: mxfp4``, the published ones) store the expert
+weights as ``gate_up_proj_blocks [E, 2I, H / 32, 16]`` and ``gate_up_proj_scales
+[E, 2I, H / 32]`` (rows already ``[out, in]``, gate at even rows), ``down_proj_blocks
+[E, H, I / 32, 16]`` and ``down_proj_scales`` (`loader.mxfp4`); their rows are cut the
+same way into the stacked ``mxfp4`` leaves ``experts_*_proj`` (uint8 ``[E, out,
+in / 2]``) and ``experts_*_proj_scale`` (uint8 ``[E, out, in / 32]``), bytes unchanged.
 """
 
 from __future__ import annotations
@@ -87,6 +93,28 @@ def _expert_tensors(prefix: str, leaf: str, array: np.ndarray) -> Iterator[tuple
         yield f"{prefix}.mlp.experts_down_proj", np.ascontiguousarray(array.transpose(0, 2, 1))
     elif leaf == "down_proj_bias":  # [E, H]
         yield f"{prefix}.mlp.experts_down_proj_bias", array
+    elif leaf.endswith(tuple(_MXFP4_PARTS)):
+        yield from _mxfp4_tensors(prefix, leaf, array)
+    else:
+        raise ValueError(f"unsupported gpt-oss expert tensor {prefix}{_EXPERTS}{leaf}")
+
+
+_MXFP4_PARTS = {"_blocks": "", "_scales": "_scale"}
+"""An MXFP4 tensor's suffix -> its stacked leaf's (`layers.quant` ``mxfp4``)."""
+
+
+def _mxfp4_tensors(prefix: str, leaf: str, array: np.ndarray) -> Iterator[tuple[str, Any]]:
+    """An MXFP4 expert tensor (module docstring) as its stacked ``mxfp4`` leaves:
+    blocks ``[E, out, G, 16]`` -> ``[E, out, G * 16]`` packed bytes, scales ``[E, out, G]``."""
+    proj, suffix = next(
+        (leaf.removesuffix(p), s) for p, s in _MXFP4_PARTS.items() if leaf.endswith(p)
+    )
+    rows = array.reshape(*array.shape[:2], -1) if suffix == "" else array  # [E, out, bytes or G]
+    if proj == "gate_up_proj":  # gate at even rows, up at odd ones
+        yield f"{prefix}.mlp.experts_gate_proj{suffix}", np.ascontiguousarray(rows[:, 0::2])
+        yield f"{prefix}.mlp.experts_up_proj{suffix}", np.ascontiguousarray(rows[:, 1::2])
+    elif proj == "down_proj":
+        yield f"{prefix}.mlp.experts_down_proj{suffix}", rows
     else:
         raise ValueError(f"unsupported gpt-oss expert tensor {prefix}{_EXPERTS}{leaf}")
 

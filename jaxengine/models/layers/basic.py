@@ -53,7 +53,9 @@ class Linear(nn.Module):
     """``y = x @ weight.T (+ bias)`` with ``weight: [out, in]``.
 
     ``quant`` (a `layers.quant.QuantScheme`): ``weight`` holds quantized values and
-    ``weight_scale`` (and the scheme's other leaves) how to scale them. ``lora`` (a
+    ``weight_scale`` (and the scheme's other leaves) how to scale them; a scheme for
+    the MoE experts only (``mxfp4``, `quant.QuantScheme.experts_only`) leaves this
+    weight in the model dtype. ``lora`` (a
     `layers.lora.LoRASpec`): adapter slots ``lora_a``/``lora_b``, applied per token
     by ``lora_slots [T]`` when given (`layers.lora.lora_delta`). ``weight_dtype``
     (`TransformerConfig.matmul_dtype`): an unquantized weight is stored in it and ``x``
@@ -70,7 +72,8 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         shape = (self.features, x.shape[-1])  # x: [T, in] -> [T, out]
-        if self.quant is None:
+        scheme = None if self.quant is None or self.quant.experts_only else self.quant
+        if scheme is None:
             init = nn.with_logical_partitioning(_normal(), self.axes)
             wdtype = self.weight_dtype or self.dtype
             weight = self.param("weight", init, shape, wdtype)
@@ -78,8 +81,8 @@ class Linear(nn.Module):
             dims = (((x.ndim - 1,), (1,)), ((), ()))
             y = jax.lax.dot_general(x.astype(wdtype), weight, dims, preferred_element_type=out)
         else:
-            leaves = quantized_params(self, "weight", shape, self.axes, self.quant)
-            y = quant.quantized_linear(x, leaves, self.quant, self.dtype)
+            leaves = quantized_params(self, "weight", shape, self.axes, scheme)
+            y = quant.quantized_linear(x, leaves, scheme, self.dtype)
         if self.lora is not None:
             a, b = lora_params(self, shape, self.axes, self.lora)
             if lora_slots is not None:

@@ -12,11 +12,17 @@ weight is always ``q * scale (+ offset)``, per output row or per group of
   nibble of byte ``k``, ``2k + 1`` in the high one), always with an ``offset`` per
   group or row (``w = q * scale + offset``), which holds symmetric
   (``offset = -8 * scale``) and zero-point forms (AWQ, GPTQ, compressed-tensors
-  int4, GGUF Q4_0/Q4_1) alike.
+  int4, GGUF Q4_0/Q4_1) alike;
+- ``mxfp4`` (OCP microscaling FP4, gpt-oss's MoE experts): e2m1 4-bit floats
+  (`E2M1`: sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) packed two per byte as
+  ``int4``, with one e8m0 exponent byte per group of 32 input columns:
+  ``w = e2m1 * 2^(scale - 127)``. Only the MoE experts use it (`experts_only`): the
+  attention and dense projections of such a model keep the model dtype.
 
 The leaves beside ``<w>`` are ``<w>_scale`` and ``<w>_offset`` (``[..., out]`` per
-row, ``[..., out, in / group_size]`` grouped) and, with ``act_order`` (GPTQ's
-``desc_act``), ``<w>_g_idx [in]``: each input column's group, in any order.
+row, ``[..., out, in / group_size]`` grouped; uint8 exponents for ``mxfp4``) and,
+with ``act_order`` (GPTQ's ``desc_act``), ``<w>_g_idx [in]``: each input column's
+group, in any order.
 
 `quantized_linear` is the matmul (the weight converted inside it, a per-row scale
 applied to the result); `dequantize` is its reference. `quantize` is the one
@@ -35,11 +41,21 @@ METHODS = {
     "int8": (jnp.dtype(jnp.int8), 127.0),
     "fp8": (jnp.dtype(jnp.float8_e4m3fn), 448.0),
     "int4": (jnp.dtype(jnp.uint8), 15.0),
+    "mxfp4": (jnp.dtype(jnp.uint8), 6.0),
 }
 """Method -> (storage dtype, largest value it holds)."""
 
 SUFFIXES = ("_scale", "_offset", "_g_idx")
 """What a quantized weight's sibling leaves append to its name."""
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The value of each 4-bit e2m1 code (``mxfp4``): bit 3 the sign, bits 0-2 the magnitude."""
+
+MXFP4_BLOCK = 32
+"""Input columns per e8m0 exponent in ``mxfp4`` (16 packed bytes)."""
+
+E8M0_BIAS = 127
+"""An e8m0 exponent byte ``s`` scales its block by ``2^(s - 127)``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +73,23 @@ class QuantScheme:
             raise ValueError(f"unknown quantization method {self.method!r}")
         if self.act_order and self.group_size <= 0:
             raise ValueError("act-order needs a group size")
+        if self.method == "mxfp4" and (self.group_size != MXFP4_BLOCK or self.act_order):
+            raise ValueError(f"mxfp4 has groups of {MXFP4_BLOCK} contiguous columns")
 
     @property
     def has_offset(self) -> bool:
         return self.method == "int4"
+
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit values per byte along the input (``int4``, ``mxfp4``)."""
+        return self.method in ("int4", "mxfp4")
+
+    @property
+    def experts_only(self) -> bool:
+        """Only the stacked MoE experts are stored this way (``mxfp4``, as gpt-oss's
+        checkpoints); `layers.basic.Linear` keeps its weight in the model dtype."""
+        return self.method == "mxfp4"
 
     def __str__(self) -> str:
         group = f", group {self.group_size}" if self.group_size else ""
@@ -71,13 +100,14 @@ def leaf_specs(scheme: QuantScheme, shape: tuple[int, ...], axes: tuple) -> dict
     """``{suffix: (shape, dtype, logical axes)}`` of the leaves storing a weight of
     float ``shape [..., out, in]`` with logical ``axes``; suffix "" is the weight."""
     *lead, out, inp = shape
-    packed = inp // 2 if scheme.method == "int4" else inp
+    packed = inp // 2 if scheme.packed else inp
     specs = {"": ((*lead, out, packed), METHODS[scheme.method][0], axes)}
     if scheme.group_size:
-        if inp % scheme.group_size or (scheme.method == "int4" and inp % 2):
+        if inp % scheme.group_size or (scheme.packed and inp % 2):
             raise ValueError(f"{inp} input columns do not split into groups of {scheme.group_size}")
         in_axis = None if scheme.act_order else axes[-1]
-        side = ((*lead, out, inp // scheme.group_size), jnp.float32, (*axes[:-1], in_axis))
+        side_dtype = jnp.uint8 if scheme.method == "mxfp4" else jnp.float32  # e8m0 exponents
+        side = ((*lead, out, inp // scheme.group_size), side_dtype, (*axes[:-1], in_axis))
     else:
         side = ((*lead, out), jnp.float32, axes[:-1])
     specs["_scale"] = side
@@ -103,6 +133,8 @@ def pack_int4(values: Any, xp: Any = jnp) -> Any:
 def dequantize(leaves: dict, scheme: QuantScheme, xp: Any = jnp) -> Any:
     """The float32 weight ``[..., out, in]`` of the ``leaves`` (`leaf_specs` suffixes
     -> arrays): the reference of `quantized_linear`."""
+    if scheme.method == "mxfp4":
+        return dequantize_mxfp4(leaves[""], leaves["_scale"], xp)
     q = leaves[""]
     q = unpack_int4(q, xp) if scheme.method == "int4" else q
     q = q.astype(xp.float32)
@@ -125,6 +157,34 @@ def dequantize(leaves: dict, scheme: QuantScheme, xp: Any = jnp) -> Any:
     return g.reshape(q.shape)
 
 
+def dequantize_mxfp4(packed: Any, scales: Any, xp: Any = jnp) -> Any:
+    """float32 ``[..., out, in]`` of e2m1 codes ``packed [..., out, in / 2]`` (uint8,
+    column ``2k`` in the low nibble of byte ``k``) and e8m0 exponents ``scales [...,
+    out, in / 32]`` (uint8): ``E2M1[code] * 2^(scale - 127)``. ``xp``: numpy or jnp."""
+    codes = unpack_int4(xp.asarray(packed, dtype=xp.uint8), xp).astype(xp.int32)
+    values = xp.asarray(E2M1, dtype=xp.float32)[codes]  # [..., out, in]
+    exponents = xp.asarray(scales, dtype=xp.uint8).astype(xp.int32) - E8M0_BIAS  # [..., out, G]
+    blocks = values.reshape(*values.shape[:-1], exponents.shape[-1], MXFP4_BLOCK)
+    return xp.ldexp(blocks, exponents[..., None]).reshape(values.shape)
+
+
+def quantize_mxfp4(weight: Any, xp: Any) -> dict:
+    """The ``mxfp4`` leaves of a float ``weight [..., out, in]``: per block of 32
+    columns the smallest exponent whose block fits e2m1's largest magnitude (6), each
+    value rounded to the nearest e2m1 (for online updates of a MXFP4 model's experts)."""
+    w = xp.asarray(weight, dtype=xp.float32)
+    *lead, out, inp = w.shape
+    g = w.reshape(*lead, out, inp // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = xp.max(xp.abs(g), axis=-1)  # [..., out, G]
+    exp = xp.ceil(xp.log2(xp.where(amax > 0, amax, 1.0) / 6.0))
+    exp = xp.clip(xp.where(amax > 0, exp, -E8M0_BIAS), -E8M0_BIAS, E8M0_BIAS).astype(xp.int32)
+    scaled = xp.ldexp(g, -exp[..., None])  # |scaled| <= 6
+    magnitudes = xp.asarray(E2M1[:8], dtype=xp.float32)
+    code = xp.argmin(xp.abs(xp.abs(scaled)[..., None] - magnitudes), axis=-1)
+    code = xp.where(scaled < 0, code + 8, code).reshape(*lead, out, inp)
+    return {"": pack_int4(code, xp), "_scale": (exp + E8M0_BIAS).astype(xp.uint8)}
+
+
 def quantized_linear(x: jax.Array, leaves: dict, scheme: QuantScheme, dtype: Any) -> jax.Array:
     """``x [T, in] @ dequantize(leaves).T`` -> ``[T, out]`` in ``dtype``.
 
@@ -144,8 +204,11 @@ def quantize(weight: Any, scheme: QuantScheme | str, xp: Any) -> dict:
     """The `leaf_specs` leaves (suffix -> array) of a float ``weight [..., out, in]``.
 
     Symmetric per row or group for int8/fp8 (the largest magnitude mapped to the
-    format's largest); min/max per group for int4. ``xp`` is numpy or jax.numpy."""
+    format's largest); min/max per group for int4; `quantize_mxfp4` for mxfp4. ``xp``
+    is numpy or jax.numpy."""
     scheme = QuantScheme(scheme) if isinstance(scheme, str) else scheme
+    if scheme.method == "mxfp4":
+        return quantize_mxfp4(weight, xp)
     dtype, largest = METHODS[scheme.method]
     w = xp.asarray(weight, dtype=xp.float32)
     *lead, out, inp = w.shape
