@@ -36,12 +36,14 @@ in / 2]``) and ``experts_*_proj_scale`` (uint8 ``[E, out, in / 32]``), bytes unc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
-from jaxengine.models.layers.config import LayerSpec, TransformerConfig, head_dim_of, rope_from_hf
+from jaxengine.models import llama
+from jaxengine.models.layers.config import LayerSpec, TransformerConfig, rope_from_hf
 from jaxengine.models.layers.decoder import CausalLM, hf_param_path
 
 _EXPERTS = ".mlp.experts."
@@ -49,6 +51,7 @@ _EXPERTS = ".mlp.experts."
 
 def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
     """The TransformerConfig of a GptOssConfig."""
+    base = llama.from_hf(hf_config, dtype)  # vocab, sizes, heads, norms
     rope = rope_from_hf(hf_config)
     window = hf_config.sliding_window
     layers = tuple(
@@ -56,16 +59,10 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
         for t in hf_config.layer_types
     )
     bias = bool(getattr(hf_config, "attention_bias", True))
-    return TransformerConfig(
-        vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size,
-        num_heads=hf_config.num_attention_heads,
-        num_kv_heads=hf_config.num_key_value_heads,
-        head_dim=head_dim_of(hf_config),
+    return dataclasses.replace(
+        base,
         layers=layers,
-        rms_norm_eps=hf_config.rms_norm_eps,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        hidden_act="silu",  # unused: the experts' clamped SwiGLU takes its place
         qkv_bias=bias,
         o_bias=bias,
         attention_sinks=True,
@@ -76,7 +73,6 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
         router_bias=True,
         expert_bias=True,
         swiglu_clamp=(float(hf_config.swiglu_alpha), float(hf_config.swiglu_limit)),
-        dtype=dtype,
     )
 
 

@@ -28,10 +28,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.layers.attention import Attention
-from jaxengine.models.layers.basic import Linear, RMSNorm, _normal, activation
-from jaxengine.models.layers.config import LayerSpec, TransformerConfig, head_dim_of, rope_from_hf
-from jaxengine.models.layers.decoder import CausalLM, hf_param_path
+from jaxengine.models import llama
+from jaxengine.models.layers.basic import Linear, _normal, activation
+from jaxengine.models.layers.config import LayerSpec, TransformerConfig, rope_from_hf
+from jaxengine.models.layers.decoder import CausalLM, DecoderLayer, hf_param_path
+from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.models.layers.mlp import GatedMLP, routed_experts
 from jaxengine.models.layers.routing import RoutingSpec, route
 
@@ -63,25 +64,15 @@ def _layer_specs(hf_config: Any) -> tuple[LayerSpec, ...]:
 def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
     """The TransformerConfig of a Llama4TextConfig (a Llama4Config's ``text_config``)."""
     hf_config = getattr(hf_config, "text_config", None) or hf_config
-    bias = bool(getattr(hf_config, "attention_bias", False))
-    return TransformerConfig(
-        vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size,
+    base = llama.from_hf(hf_config, dtype)  # vocab, sizes, heads, norms, attention bias
+    return dataclasses.replace(
+        base,
         intermediate_size=hf_config.intermediate_size_mlp,  # the dense layers'
-        num_heads=hf_config.num_attention_heads,
-        num_kv_heads=hf_config.num_key_value_heads,
-        head_dim=head_dim_of(hf_config),
         layers=_layer_specs(hf_config),
-        rms_norm_eps=hf_config.rms_norm_eps,
-        hidden_act=hf_config.hidden_act,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=bias,
-        o_bias=bias,
         num_experts=hf_config.num_local_experts,
         num_experts_per_tok=hf_config.num_experts_per_tok,
         moe_intermediate_size=hf_config.intermediate_size,  # experts' and shared expert's
         routing=RoutingSpec(scoring="sigmoid"),  # top-k of logits = of their sigmoids
-        dtype=dtype,
     )
 
 
@@ -148,27 +139,16 @@ class Llama4MoE(nn.Module):
         return (shared.astype(jnp.float32) + routed).astype(x.dtype)
 
 
-class Llama4DecoderLayer(nn.Module):
-    """Pre-norm attention and feed-forward (dense, or `Llama4MoE`) blocks."""
+class Llama4DecoderLayer(DecoderLayer):
+    """`DecoderLayer` (pre-norm attention and feed-forward blocks) whose feed-forward
+    block is ``feed_forward``: dense, or `Llama4MoE`."""
 
-    config: TransformerConfig
-    spec: LayerSpec
-    attention_kwargs: Any = None
-    moe_kwargs: Any = None
-
-    @nn.compact
-    def __call__(self, x, positions, kv_cache, md):
-        cfg = self.config
-        norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
-        attn = Attention(cfg, self.spec, **(self.attention_kwargs or {}), name="self_attn")
-        h, kv_cache = attn(RMSNorm(**norm, name="input_layernorm")(x), positions, kv_cache, md)
-        x = x + h
-        h = RMSNorm(**norm, name="post_attention_layernorm")(x)
+    def feed_forward(self, h: jax.Array, md: AttentionMetadata) -> jax.Array:
         if self.spec.moe:
-            ff = Llama4MoE(cfg, **(self.moe_kwargs or {}), name="feed_forward")
+            ff = Llama4MoE(self.config, **(self.moe_kwargs or {}), name="feed_forward")
         else:
-            ff = GatedMLP(cfg, name="feed_forward")
-        return x + ff(h, md.lora_slots), kv_cache
+            ff = GatedMLP(self.config, name="feed_forward")
+        return ff(h, md.lora_slots)
 
 
 class Llama4ForCausalLM(CausalLM):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 from tests.kernels.ragged_batches import (
+    Batch,
     Shape,
     build,
     image_spans,
@@ -46,6 +47,25 @@ def dense_attention(q, k, v, q_pos, sm_scale, window, soft_cap, q_end=None, chun
     if sinks is not None:
         p = p[..., :-1]
     return np.einsum("hql,lhd->qhd", p, v)
+
+
+def dense_per_request(batch: Batch, q_end: np.ndarray | None = None, sinks=None):
+    """For each real request of ``batch``: its token rows (a slice), its queries'
+    positions and `dense_attention` over its keys and values with the batch's window,
+    soft cap and chunk size; ``q_end [T]``: each token's last key; ``sinks [Hq]``."""
+    qsl, page = batch.query_start_loc, batch.kv_cache.shape[1]
+    for r in range(batch.num_seqs):
+        n = int(batch.seq_lens[r])
+        pages = batch.kv_cache[batch.page_table[r, : -(-n // page)]]
+        kv = pages.reshape(-1, *batch.kv_cache.shape[2:])[:n]  # [n, 2Hkv, D]
+        rows = slice(qsl[r], qsl[r + 1])
+        q_pos = np.arange(n - (qsl[r + 1] - qsl[r]), n)
+        want = dense_attention(
+            batch.q[rows].astype(np.float64), kv[:, 0::2], kv[:, 1::2], q_pos, batch.sm_scale,
+            batch.sliding_window, batch.soft_cap, None if q_end is None else q_end[rows],
+            chunk=batch.attention_chunk_size, sinks=sinks,
+        )  # fmt: skip
+        yield rows, q_pos, want
 
 
 @st.composite
@@ -152,15 +172,8 @@ def test_image_spans_match_dense(window):
     batch = build(shape, seed=3)
     ends = image_spans(batch, seed=3)
     out = np.asarray(ragged_paged_attention(*batch.args(), **batch.kwargs(), attend_until=ends))
-    qsl, page = batch.query_start_loc, shape.page_size
     widened = 0
-    for r in range(batch.num_seqs):
-        n = int(batch.seq_lens[r])
-        kv = batch.kv_cache[batch.page_table[r, : -(-n // page)]].reshape(-1, 4, 16)[:n]
-        rows = slice(qsl[r], qsl[r + 1])
-        q_pos = np.arange(n - (qsl[r + 1] - qsl[r]), n)
-        want = dense_attention(batch.q[rows].astype(np.float64), kv[:, 0::2], kv[:, 1::2],
-                               q_pos, batch.sm_scale, window, None, ends[rows])  # fmt: skip
+    for rows, q_pos, want in dense_per_request(batch, q_end=ends):
         np.testing.assert_allclose(out[rows], want, rtol=1e-5, atol=1e-5)
         widened += int(np.sum(ends[rows] > q_pos))
     assert widened > 0  # some tokens saw keys after their own
@@ -177,14 +190,7 @@ def test_chunked_attention_crosses_chunk_boundaries(window):
     full = np.asarray(
         ragged_paged_attention(*batch.args(), sm_scale=batch.sm_scale, sliding_window=window)
     )
-    qsl, page = batch.query_start_loc, shape.page_size
-    for r in range(batch.num_seqs):
-        n = int(batch.seq_lens[r])
-        kv = batch.kv_cache[batch.page_table[r, : -(-n // page)]].reshape(-1, 4, 16)[:n]
-        rows = slice(qsl[r], qsl[r + 1])
-        q_pos = np.arange(n - (qsl[r + 1] - qsl[r]), n)
-        want = dense_attention(batch.q[rows].astype(np.float64), kv[:, 0::2], kv[:, 1::2],
-                               q_pos, batch.sm_scale, window, None, chunk=8)  # fmt: skip
+    for rows, _, want in dense_per_request(batch):
         np.testing.assert_allclose(out[rows], want, rtol=1e-5, atol=1e-5)
     real = batch.num_real_tokens
     np.testing.assert_array_equal(out[real:], 0.0)
@@ -201,16 +207,7 @@ def test_sinks_match_dense(shape, seed):
     attention = jitted_reference(**batch.kwargs())
     out = np.asarray(attention(*batch.args(), sinks=jnp.asarray(sinks)))
     assert np.isfinite(out).all()
-    qsl, page, hkv, d = batch.query_start_loc, shape.page_size, shape.num_kv_heads, shape.head_dim
-    for r in range(batch.num_seqs):
-        n = int(batch.seq_lens[r])
-        kv = batch.kv_cache[batch.page_table[r, : -(-n // page)]].reshape(-1, 2 * hkv, d)[:n]
-        rows = slice(qsl[r], qsl[r + 1])
-        q_pos = np.arange(n - (qsl[r + 1] - qsl[r]), n)
-        want = dense_attention(
-            batch.q[rows].astype(np.float64), kv[:, 0::2], kv[:, 1::2], q_pos, batch.sm_scale,
-            shape.sliding_window, shape.soft_cap, chunk=shape.attention_chunk_size, sinks=sinks,
-        )  # fmt: skip
+    for rows, _, want in dense_per_request(batch, sinks=sinks):
         np.testing.assert_allclose(out[rows], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[batch.num_real_tokens :], 0.0)
 

@@ -21,31 +21,9 @@ from jaxengine.runner.attention_backend import kernels
 from jaxengine.runner.greedy_loop import GreedyLoop
 from tests.models.glm4_moe_tiny import glm4_moe_tiny, randomize_correction_bias
 from tests.models.gpt_oss_tiny import gpt_oss_tiny, randomize_sinks_and_biases
+from tests.models.tiny_configs import TINY_SIZES, llama4_tiny, longrope_parameters
 
-SMALL = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-
-
-def phi3_longrope(small: dict, **extra) -> dict:
-    """LongRoPE parameters for a tiny Phi-3 rotating 3/4 of each head (as Phi-4-mini),
-    with distinct short and long factors. (The original length is the config's own
-    ``original_max_position_embeddings``: Phi3Config overrides this dict's with it.)"""
-    rot_half = int(small["hidden_size"] // small["num_attention_heads"] * 0.75) // 2
-    return {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.75,
-        "short_factor": [1.0 + 0.5 * i for i in range(rot_half)],
-        "long_factor": [2.0 + 3.0 * i for i in range(rot_half)],
-        **extra,
-    }
+SMALL = dict(vocab_size=160, **TINY_SIZES)
 
 
 FAMILIES = {
@@ -80,19 +58,7 @@ FAMILIES = {
     # chunked local rope layers (chunks of 8: the prompts cross them), a global NoPE
     # layer with attention temperature (floor_scale 4: it grows within the test's
     # positions), a dense layer and sigmoid-routed MoE layers with a shared expert
-    "llama4": lambda: transformers.Llama4TextConfig(
-        **{**SMALL, "num_hidden_layers": 4},
-        head_dim=16,
-        intermediate_size_mlp=80,
-        num_local_experts=4,
-        num_experts_per_tok=1,
-        moe_layers=[1, 2, 3],
-        attention_chunk_size=8,
-        floor_scale=4,
-        attn_scale=0.5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        attn_implementation="eager",
-    ),
+    "llama4": lambda: transformers.Llama4TextConfig(**llama4_tiny(SMALL)),
     "phi3": lambda: transformers.Phi3Config(**SMALL, partial_rotary_factor=0.5, pad_token_id=0),
     # LongRoPE in the regime of an engine whose context fits the original length: short
     # factors (`layers.rope`); the long regime runs in test_new_families_engine.py
@@ -100,7 +66,7 @@ FAMILIES = {
         **SMALL,
         pad_token_id=0,
         original_max_position_embeddings=SMALL["max_position_embeddings"],
-        rope_parameters=phi3_longrope(SMALL, factor=4.0),
+        rope_parameters=longrope_parameters(SMALL, factor=4.0),
     ),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32),

@@ -27,21 +27,14 @@ from tests.models.family_engine import (
 )
 from tests.models.glm4_moe_tiny import glm4_moe_tiny, randomize_saved_correction_bias
 from tests.models.gpt_oss_tiny import gpt_oss_tiny, randomize_saved, set_saved_sinks
+from tests.models.tiny_configs import TINY_SIZES, llama4_tiny, longrope_parameters
 
 VOCAB = 256
 MAX_TOKENS = 8
 TP1: dict = {}
 TP2 = {"tensor_parallel_size": 2}
 EP2 = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+TINY = dict(TINY_SIZES, vocab_size=VOCAB, num_hidden_layers=2)
 
 
 def mixtral() -> Any:
@@ -55,37 +48,19 @@ def phi3_longrope() -> Any:
     """Phi-4-mini's shape of LongRoPE (3/4 of each head rotates) in the long regime:
     an original length of 8, below every prompt, so transformers takes the long
     factors at every step, as the engine (context 64 > 8) does throughout."""
-    rot_half = int(TINY["hidden_size"] // TINY["num_attention_heads"] * 0.75) // 2
-    rope = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.75,
-        "short_factor": [1.0 + 0.5 * i for i in range(rot_half)],
-        "long_factor": [2.0 + 3.0 * i for i in range(rot_half)],
-    }
     return transformers.Phi3Config(
-        **TINY, pad_token_id=0, original_max_position_embeddings=8, rope_parameters=rope
+        **TINY,
+        pad_token_id=0,
+        original_max_position_embeddings=8,
+        rope_parameters=longrope_parameters(TINY),
     )
 
 
 def llama4() -> Any:
-    """Llama 4 text: three chunked-local rope layers (chunks of 8: every prompt and
-    the cached prefix cross them) and a global NoPE layer whose attention temperature
-    grows within the prompts (floor_scale 4); layer 0 dense, layers 1-3 sigmoid top-1
-    MoE over 4 experts with a shared expert."""
-    return transformers.Llama4TextConfig(
-        **{**TINY, "num_hidden_layers": 4},
-        head_dim=16,
-        intermediate_size_mlp=80,
-        num_local_experts=4,
-        num_experts_per_tok=1,
-        moe_layers=[1, 2, 3],
-        attention_chunk_size=8,
-        floor_scale=4,
-        attn_scale=0.5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        attn_implementation="eager",
-    )
+    """Llama 4 text (`llama4_tiny`): three chunked-local rope layers (chunks of 8: every
+    prompt and the cached prefix cross them) and a global NoPE layer; layer 0 dense,
+    layers 1-3 sigmoid top-1 MoE over 4 experts with a shared expert."""
+    return transformers.Llama4TextConfig(**llama4_tiny(TINY))
 
 
 def glm4_moe() -> Any:

@@ -10,48 +10,21 @@ transformers: `tests/models/test_new_families_engine.py`.
 
 from __future__ import annotations
 
-import jax
 import pytest
-import torch
 import transformers
 from jax.sharding import PartitionSpec as P
 
-from jaxengine.config import LoadConfig, ModelConfig
-from jaxengine.config.parallel import ParallelConfig
-from jaxengine.loader import load_model
-from sharding.placement import Placement
-from tests.models.glm4_moe_tiny import glm4_moe_tiny, randomize_correction_bias
-
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+from tests.models.family_engine import save_tiny
+from tests.models.glm4_moe_tiny import glm4_moe_tiny, randomize_saved_correction_bias
+from tests.sharding.placement_checks import SMALL, load_placed, shard_shapes
 
 
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
     config = transformers.Glm4MoeConfig(**glm4_moe_tiny(SMALL))
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    randomize_correction_bias(model)
-    path = tmp_path_factory.mktemp("glm4_moe")
-    model.save_pretrained(path)
-    return str(path)
-
-
-def load(path: str, expert_parallel: bool):
-    parallel = ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=expert_parallel)
-    placement = Placement(parallel, jax.devices()[:4])
-    return load_model(ModelConfig(model=path, dtype="float32"), LoadConfig(), placement)
-
-
-def shard_shapes(leaf) -> set[tuple[int, ...]]:
-    return {s.data.shape for s in leaf.addressable_shards}
+    path = save_tiny(config, tmp_path_factory.mktemp("glm4_moe"), init_range=None)
+    randomize_saved_correction_bias(path, std=0.05)
+    return path
 
 
 EP_EXPERTS = (P("tensor", None, None),) * 3
@@ -64,7 +37,7 @@ TP_EXPERTS = (P(None, "tensor", None), P(None, "tensor", None), P(None, None, "t
     ids=["ep4", "tp4"],
 )
 def test_glm4_moe_placement(glm_dir, expert_parallel, experts, bias):
-    params = load(glm_dir, expert_parallel).params["model"]
+    params = load_placed(glm_dir, expert_parallel)
     moe = params["layers_1"]["mlp"]  # experts [E, I, H], [E, I, H], [E, H, I]
     names = ("experts_gate_proj", "experts_up_proj", "experts_down_proj")
     for name, spec in zip(names, experts, strict=True):

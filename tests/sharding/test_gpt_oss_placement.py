@@ -11,39 +11,19 @@ down bias whole. Numerics of both layouts against transformers:
 
 from __future__ import annotations
 
-import jax
 import pytest
-import torch
 import transformers
 from jax.sharding import PartitionSpec as P
 
-from jaxengine.config import LoadConfig, ModelConfig
-from jaxengine.config.parallel import ParallelConfig
-from jaxengine.loader import load_model
-from sharding.placement import Placement
+from tests.models.family_engine import save_tiny
 from tests.models.gpt_oss_tiny import gpt_oss_tiny
-
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+from tests.sharding.placement_checks import SMALL, load_placed, shard_shapes
 
 
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
     config = transformers.GptOssConfig(**gpt_oss_tiny(SMALL))
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    path = tmp_path_factory.mktemp("gpt_oss")
-    model.save_pretrained(path)
-    return str(path)
-
-
-def shard_shapes(leaf) -> set[tuple[int, ...]]:
-    return {s.data.shape for s in leaf.addressable_shards}
+    return save_tiny(config, tmp_path_factory.mktemp("gpt_oss"), init_range=None)
 
 
 EP = {
@@ -67,10 +47,7 @@ TP = {
     ids=["ep4", "tp4"],
 )  # fmt: skip
 def test_gpt_oss_placement(gpt_oss_dir, expert_parallel, leaves, router):
-    parallel = ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=expert_parallel)
-    placement = Placement(parallel, jax.devices()[:4])
-    model_config = ModelConfig(model=gpt_oss_dir, dtype="float32")
-    params = load_model(model_config, LoadConfig(), placement).params["model"]
+    params = load_placed(gpt_oss_dir, expert_parallel)
     for layer in ("layers_0", "layers_1"):  # a sliding and a full layer
         sinks = params[layer]["self_attn"]["sinks"]  # [Hq = 4]
         assert sinks.sharding.spec == P("tensor") and shard_shapes(sinks) == {(1,)}

@@ -10,7 +10,13 @@ import json
 import pytest
 
 from server.tool_parsers import TOOL_PARSERS, get_tool_parser
-from tests.unit.test_tool_parsers import run_stream, splits
+from tests.unit.test_tool_parsers import (
+    check_all_content,
+    check_extract,
+    check_stream_matches_extract,
+    run_stream,
+    splits,
+)
 
 WEATHER = (
     "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
@@ -67,30 +73,12 @@ MALFORMED = [
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_extract(case):
     text, calls, content = case
-    result = get_tool_parser("glm45")(None).extract_tool_calls(text)
-    assert result.tools_called
-    assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == calls
-    assert result.content == content
-    for call in result.tool_calls:
-        assert call.arguments == json.dumps(json.loads(call.arguments), ensure_ascii=False)
-    assert len({c.id for c in result.tool_calls}) == len(calls)
+    check_extract(get_tool_parser("glm45")(None), text, calls, content)
 
 
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_stream_matches_extract_for_every_split(case):
-    text = case[0]
-    parser = get_tool_parser("glm45")(None)
-    expected = parser.extract_tool_calls(text)
-    for chunks in splits(text):
-        got = run_stream(parser, chunks)
-        where = f"split {[len(c) for c in chunks][:2]}"
-        assert got.content == (expected.content or ""), where
-        assert got.sent
-        assert sorted(got.args) == list(range(len(expected.tool_calls))), where
-        for i, call in enumerate(expected.tool_calls):
-            assert got.names[i] == [call.name], where
-            assert len(got.ids[i]) == 1, where
-            assert got.args[i] == call.arguments, where
+    check_stream_matches_extract(get_tool_parser("glm45")(None), case[0])
 
 
 def test_arguments_stream_one_parameter_at_a_time():
@@ -101,13 +89,7 @@ def test_arguments_stream_one_parameter_at_a_time():
 
 @pytest.mark.parametrize("text", MALFORMED)
 def test_malformed_blocks_are_content(text):
-    parser = get_tool_parser("glm45")(None)
-    result = parser.extract_tool_calls(text)
-    assert not result.tools_called and result.tool_calls == []
-    assert result.content == text
-    for chunks in splits(text):
-        got = run_stream(parser, chunks)
-        assert (got.content, got.sent, got.args) == (text, False, {})
+    check_all_content(get_tool_parser("glm45")(None), text, splits(text))
 
 
 def test_plain_answers_pass_through():

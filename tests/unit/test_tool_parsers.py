@@ -192,10 +192,10 @@ def case_id(case) -> str:
     return f"{case[0]}-{CASES.index(case)}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_extract(case):
-    name, text, calls, content = case
-    result = get_tool_parser(name)(None).extract_tool_calls(text)
+def check_extract(parser, text: str, calls: list, content: str | None) -> None:
+    """`extract_tool_calls` finds `calls` ([(name, arguments object)]) and `content`; the
+    arguments are compact JSON text and every call has its own id."""
+    result = parser.extract_tool_calls(text)
     assert result.tools_called
     assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == calls
     assert result.content == content
@@ -204,10 +204,8 @@ def test_extract(case):
     assert len({c.id for c in result.tool_calls}) == len(calls)
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_stream_matches_extract_for_every_split(case):
-    name, text, _, _ = case
-    parser = get_tool_parser(name)(None)
+def check_stream_matches_extract(parser, text: str) -> None:
+    """The streaming property (module docstring) for every split of `text`."""
     expected = parser.extract_tool_calls(text)
     for chunks in splits(text):
         got = run_stream(parser, chunks)
@@ -221,6 +219,29 @@ def test_stream_matches_extract_for_every_split(case):
             assert got.args[i] == call.arguments, where
 
 
+def check_all_content(parser, text: str, chunkings) -> None:
+    """`text` holds no (well-formed) call: whole and streamed in each of `chunkings`,
+    all of it is content and no call is sent."""
+    result = parser.extract_tool_calls(text)
+    assert not result.tools_called and result.tool_calls == []
+    assert result.content == text
+    for chunks in chunkings:
+        got = run_stream(parser, chunks)
+        assert (got.content, got.sent, got.args) == (text, False, {})
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_extract(case):
+    name, text, calls, content = case
+    check_extract(get_tool_parser(name)(None), text, calls, content)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_stream_matches_extract_for_every_split(case):
+    name, text, _, _ = case
+    check_stream_matches_extract(get_tool_parser(name)(None), text)
+
+
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "qwen3_xml"])
 def test_arguments_stream_in_pieces(name):
     """Fed one character at a time, a long call's arguments come in several fragments."""
@@ -231,13 +252,7 @@ def test_arguments_stream_in_pieces(name):
 
 @pytest.mark.parametrize("name,text", MALFORMED)
 def test_malformed_output_is_content(name, text):
-    parser = get_tool_parser(name)(None)
-    result = parser.extract_tool_calls(text)
-    assert not result.tools_called and result.tool_calls == []
-    assert result.content == text
-    for chunks in ([text], list(text)):
-        got = run_stream(parser, chunks)
-        assert (got.content, got.sent, got.args) == (text, False, {})
+    check_all_content(get_tool_parser(name)(None), text, ([text], list(text)))
 
 
 @pytest.mark.parametrize(

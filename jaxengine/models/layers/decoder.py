@@ -25,7 +25,8 @@ from jaxengine.models.layers.mlp import GatedMLP, SparseMoE
 
 class DecoderLayer(nn.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (Llama, Mistral, Qwen2/3);
-    ``input_norm`` False: ``x + attn(x)`` (an EAGLE head's first layer, `models.eagle`)."""
+    ``input_norm`` False: ``x + attn(x)`` (an EAGLE head's first layer, `models.eagle`).
+    A family with another feed-forward block (Llama 4) overrides `feed_forward`."""
 
     config: TransformerConfig
     spec: LayerSpec
@@ -42,9 +43,15 @@ class DecoderLayer(nn.Module):
         h, kv_cache = attn(h, positions, kv_cache, md)
         x = x + h
         h = RMSNorm(**norm, name="post_attention_layernorm")(x)
+        return x + self.feed_forward(h, md), kv_cache
+
+    def feed_forward(self, h: jax.Array, md: AttentionMetadata) -> jax.Array:
+        """The feed-forward block on the normed residual ``h [T, H]``, named ``mlp``:
+        `SparseMoE` on a MoE layer, else `GatedMLP` (with the batch's LoRA slots).
+        Called from ``__call__`` (a compact method), so it may define submodules."""
         if self.spec.moe:
-            return x + SparseMoE(cfg, **(self.moe_kwargs or {}), name="mlp")(h), kv_cache
-        return x + GatedMLP(cfg, name="mlp")(h, md.lora_slots), kv_cache
+            return SparseMoE(self.config, **(self.moe_kwargs or {}), name="mlp")(h)
+        return GatedMLP(self.config, name="mlp")(h, md.lora_slots)
 
 
 class DecoderModel(nn.Module):
