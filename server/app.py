@@ -27,13 +27,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxengine.engine.rollout import EngineSleepingError
 from jaxengine.entrypoints.admission import AdmissionRejectedError
-from jaxengine.entrypoints.client import EngineClient, EngineDeadError
+from jaxengine.entrypoints.client import EngineClient, EngineDeadError, EngineDrainingError
 from jaxengine.multimodal.media import media_settings
 from jaxengine.version import __version__
 from server import envs
 from server.anthropic_errors import anthropic_error_response, is_messages_path
 from server.dev_routes import add_dev_routes
 from server.disconnect import DisconnectMiddleware
+from server.drain import SHUTDOWN_TIMEOUT, Drain, DrainMiddleware
 from server.errors import APIError, error_response, log_error_stacks, validation_message
 from server.extra_routes import add_extra_routes, respond
 from server.http_limits import HeaderCountLimitMiddleware
@@ -120,6 +121,8 @@ def build_app(
     app.state.ctx = ctx
     app.state.metrics = metrics  # also read for the ORCA load header (server/extra_routes.py)
     app.state.server_load = 0
+    # SIGTERM's drain (server/drain.py): launch.py's DrainingServer signals it
+    app.state.drain = Drain(engine, getattr(args, "shutdown_timeout", SHUTDOWN_TIMEOUT))
     _add_exception_handlers(app)
     if args.log_error_stack:
         log_error_stacks(app)
@@ -335,6 +338,10 @@ def _add_exception_handlers(app: FastAPI) -> None:
     async def engine_dead(_: Request, exc: EngineDeadError):
         return error_response(str(exc), 500)
 
+    @app.exception_handler(EngineDrainingError)  # a headless node that is draining
+    async def engine_draining(_: Request, exc: EngineDrainingError):
+        return error_response(str(exc), 503)
+
     @app.exception_handler(EngineSleepingError)
     async def engine_sleeping(_: Request, exc: EngineSleepingError):
         return error_response(str(exc), 503)
@@ -380,8 +387,9 @@ def _add_middleware(app: FastAPI, args: Any) -> None:
     if getattr(args, "otlp_traces_endpoint", None):
         app.add_middleware(TraceHeadersMiddleware)  # each request's traceparent, for spans
     app.add_middleware(DisconnectMiddleware)  # a client gone: no answer, no error log
-    # outermost: checked before anything else runs
     app.add_middleware(HeaderCountLimitMiddleware, max_count=args.h11_max_header_count)
+    # outermost: while draining, a new request is refused before anything else runs
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
 
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")

@@ -13,6 +13,7 @@ from typing import Any
 from jaxengine.config.arg_utils import parse_json
 from jaxengine.engine_args import EngineArgs
 from server import envs
+from server.drain import SHUTDOWN_TIMEOUT
 from server.lora import check_lora_modules, parse_lora_module
 from server.tracing import add_tracing_args, check_tracing_args
 
@@ -33,6 +34,13 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the frontend flags (group "Frontend") and the engine flags."""
     parser.add_argument(
@@ -45,6 +53,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("Frontend", "the OpenAI-compatible HTTP server")
     _add_http_args(g.add_argument)
     _add_tls_and_limit_args(g.add_argument)
+    _add_shutdown_args(g.add_argument)
     _add_api_args(g.add_argument)
     _add_tool_args(g.add_argument)
     add_lora_args(g.add_argument)
@@ -107,6 +116,21 @@ def _add_http_args(add: Any) -> None:
         "function); may be repeated",
     )
     add("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
+
+
+def _add_shutdown_args(add: Any) -> None:
+    """Graceful drain on SIGTERM/SIGINT (`server.drain`)."""
+    add(
+        "--shutdown-timeout",
+        type=_non_negative_seconds,
+        default=SHUTDOWN_TIMEOUT,
+        help="on SIGTERM or SIGINT, seconds the requests in flight get to finish before "
+        'they are aborted (a stream then ends with finish_reason "abort", a '
+        "non-streamed request gets its partial output); meanwhile new requests and "
+        "/health get 503 with Retry-After. Then the server exits 0; a second signal "
+        "stops at once. A --headless data parallel node drains its requests the same "
+        "way (default: 0, as vLLM: abort at once)",
+    )
 
 
 def _add_tls_and_limit_args(add: Any) -> None:

@@ -1,7 +1,9 @@
 """Starting the server: the engine (loaded and compiled first), the app, uvicorn.
 
 The engine is built before the socket opens, so a client that can connect can be
-served at once; `/health` answers 200 from then on.
+served at once; `/health` answers 200 from then on. SIGTERM or SIGINT drains the
+server (`server/drain.py`, ``--shutdown-timeout``); then the engine shuts down and
+`serve` returns 0.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def run_headless(args: argparse.Namespace) -> int:
     if engine_args.data_parallel_address is not None:
         from jaxengine.entrypoints.dp_node import run_dp_node
 
-        return run_dp_node(engine_args)
+        return run_dp_node(engine_args, args.shutdown_timeout)
     raise ValueError(
         "--headless runs either a follower node of one engine over several hosts "
         "(--nnodes > 1 --node-rank i) or data parallel replicas for a head node "
@@ -175,11 +177,10 @@ def ssl_refresher(config: Any, args: argparse.Namespace) -> SSLCertRefresher | N
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Runs `jaxengine serve` until interrupted."""
-    import uvicorn
-
+    """Runs `jaxengine serve` until a signal's drain ends (`server/drain.py`); 0."""
     from server.app import build_app
     from server.args import check_server_args
+    from server.drain import DrainingServer
 
     log_config = load_log_config(args.log_config_file)
     setup_logging(args.uvicorn_log_level, config=log_config)
@@ -194,7 +195,7 @@ def serve(args: argparse.Namespace) -> int:
         scheme = "https" if args.ssl_certfile else "http"
         where = args.uds or f"{scheme}://{args.host or '0.0.0.0'}:{args.port}"
         modules = getattr(args, "lora_modules", [])
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, app.state.drain)  # SIGTERM drains, then stops
         asyncio.run(_serve(server, app.state.ctx.models, modules, where, refresher))
     finally:
         engine.shutdown()

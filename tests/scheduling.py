@@ -29,6 +29,7 @@ SPLIT_MODULES = (
     "tests/engine/test_engine_golden.py",
     "tests/kernels/test_pallas_attention.py",
     "tests/models/test_new_families_engine.py",
+    "tests/server/test_graceful_drain.py",
     "tests/sharding/test_tpu_compile.py",
 )
 GROUP_SECONDS = {
@@ -58,6 +59,7 @@ GROUP_SECONDS = {
     "tests/models/test_bert.py": 22,
     "tests/engine/test_pooling.py": 22,
     "tests/server/test_lora.py": 20,
+    "tests/server/test_harmony_server.py": 20,  # measured alone, 2026-11-29
     "tests/integrations/test_tunix.py": 20,
     "tests/server/test_dp_multinode.py": 18,
     "tests/models/test_fused_projections.py": 18,

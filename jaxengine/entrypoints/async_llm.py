@@ -158,6 +158,17 @@ class AsyncLLM(EngineFront):
                 self.streams.close(rid)
             self._commands.put(_Abort(rid))
 
+    async def abort_all(self) -> None:
+        """Aborts every request in flight, between steps: each stream ends with a last
+        output finished with reason ``abort`` (a non-streamed request's: its partial
+        output), as ``pause_generation("abort")`` but without pausing. The server's
+        drain calls it once ``--shutdown-timeout`` has passed (`server/drain.py`)."""
+        await self._on_engine_thread(_Call(self._abort_all_now))
+
+    def _abort_all_now(self) -> None:
+        outputs = self.engine.abort_all()
+        self.streams.deliver(((o.request_id, o) for o in outputs), self.rank)
+
     # ------------------------------------------------------------------ RL rollouts
 
     @property
@@ -251,8 +262,7 @@ class AsyncLLM(EngineFront):
         try:
             if isinstance(command, _Pause):
                 if command.mode == "abort":
-                    outputs = self.engine.abort_all()
-                    self.streams.deliver(((o.request_id, o) for o in outputs), self.rank)
+                    self._abort_all_now()
                 self._pause.begin(command, self.engine)
                 return  # ``wait``: answered once drained (`PauseState.drained`)
             if isinstance(command, _Resume):

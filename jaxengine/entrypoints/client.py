@@ -39,6 +39,11 @@ class EngineDeadError(RuntimeError):
     be restarted."""
 
 
+class EngineDrainingError(RuntimeError):
+    """The engine (or a data-parallel node) is shutting down and takes no new request;
+    the server answers 503: retry on another replica."""
+
+
 class EngineFront:
     """What both async fronts (`AsyncLLM`, `DPAsyncLLM`) ask of their ``engine`` (an
     `LLMEngine` or `DataParallelEngine`) outside its thread: the model's limits,
@@ -204,6 +209,8 @@ class ReplicaClient(Protocol):
 
     async def abort(self, request_id: str | Sequence[str]) -> None: ...
 
+    async def abort_all(self) -> None: ...
+
     def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None: ...
 
 
@@ -296,6 +303,11 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Aborts requests in any state (unknown ids are ignored)."""
+        ...
+
+    async def abort_all(self) -> None:
+        """Aborts every request in flight: each stream ends with a last output
+        finished with reason ``abort`` (the server's drain, `server/drain.py`)."""
         ...
 
     def beam_search(

@@ -34,6 +34,7 @@ first-token reports reach the table with its stats.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -155,6 +156,11 @@ class DPAsyncLLM(EngineFront):
             targets = self.replicas if rank is None else [self.replicas[rank]]
             for replica in targets:
                 await replica.abort(rid)
+
+    async def abort_all(self) -> None:
+        """Every replica's `abort_all` (a remote node aborts its requests, sends their
+        last outputs and stops: the head only asks it when the server shuts down)."""
+        await asyncio.gather(*(replica.abort_all() for replica in self.replicas))
 
     # ------------------------------------------------------------------ RL rollouts
 

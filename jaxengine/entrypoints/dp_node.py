@@ -16,22 +16,30 @@ replica's `AsyncLLM.generate`; its outputs, an error that ends it, and every ste
 stats go back through the `Outbox` (`Output`, `RequestError`, `Stats`, `Dead`),
 whose thread sends them in `Batch`es. An abort from the head cancels the task, which
 aborts the request in its engine.
+
+When the head says close, the requests still running are aborted and their last
+outputs (finish reason ``abort``) reach the head before the node closes. SIGTERM or
+SIGINT drains the node (``--shutdown-timeout``, as the API server: `NodeServer`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
+import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 
 from jaxengine.core.sched_output import SchedulerStats
 from jaxengine.engine_args import EngineArgs
 from jaxengine.entrypoints.async_llm import AsyncLLM
+from jaxengine.entrypoints.client import EngineDrainingError
 from jaxengine.entrypoints.dp_remote import authkey, portable_error, recv, send, wait_timeout
 from jaxengine.entrypoints.streams import StreamTable
 from jaxengine.inputs import PreparedPrompt
@@ -53,6 +61,12 @@ from jaxengine.messages import (
 from jaxengine.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ABORT_GRACE_S = 30.0
+"""After an abort, how long the requests get to send their last outputs (the abort
+waits for the step in progress, which may be compiling a bucket)."""
+POLL_S = 0.1
 
 
 class Outbox:
@@ -105,28 +119,82 @@ class _StatsForwarder:
 
 
 class NodeServer:
-    """Runs the head's requests on this node's replicas (one event loop)."""
+    """Runs the head's requests on this node's replicas (one event loop).
 
-    def __init__(self, conn: Connection, replicas: dict[int, AsyncLLM], outbox: Outbox) -> None:
+    It stops when the head says close or goes away: the requests still running are
+    aborted, and their last outputs (finish reason ``abort``) go to the head first.
+    On SIGTERM or SIGINT it drains as the API server does (`server/drain.py`): new
+    requests are refused (`EngineDrainingError`, a 503 on the head), those running get
+    up to ``shutdown_timeout`` seconds, the rest are aborted, then the node stops (the
+    head sees its ranks gone); a second signal stops at once.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        replicas: dict[int, AsyncLLM],
+        outbox: Outbox,
+        shutdown_timeout: float = 0.0,
+    ) -> None:
         self.conn = conn
         self.replicas = replicas
         self.outbox = outbox
+        self.shutdown_timeout = shutdown_timeout
         self._tasks: dict[str, asyncio.Task] = {}
         self._reported_dead: set[int] = set()
+        self._draining = False
+        self._stop = asyncio.Event()
 
     async def run(self) -> None:
-        """Serves until the head says close or the connection ends."""
+        """Serves until the head says close, the connection ends or a drain ends."""
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
         reader = threading.Thread(
-            target=self._read, args=(loop, stop), name="jaxengine-dp-reader", daemon=True
+            target=self._read, args=(loop, self._stop), name="jaxengine-dp-reader", daemon=True
         )
         reader.start()
-        await stop.wait()
+        with _signal_handlers(loop, self._on_signal):
+            await self._stop.wait()
+            await self._abort_running()
+
+    def _on_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if self._draining:
+            logger.warning("%s during the drain: stopping now", name)
+            for task in self._tasks.values():
+                task.cancel()
+            self._stop.set()
+            return
+        logger.info(
+            "%s: draining; %d requests get up to %gs (--shutdown-timeout)",
+            name, len(self._tasks), self.shutdown_timeout,
+        )  # fmt: skip
+        self._draining = True
+        asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        await self._wait_tasks(self.shutdown_timeout)
+        self._stop.set()
+
+    async def _abort_running(self) -> None:
+        """Aborts what still runs (each stream's last output, finished with reason
+        ``abort``, goes to the head), waits for those outputs, then cancels the rest."""
+        if self._tasks:
+            logger.warning("aborting the %d requests still running", len(self._tasks))
+            for replica in self.replicas.values():
+                with contextlib.suppress(Exception):  # a dead replica's streams have ended
+                    await replica.abort_all()
+            await self._wait_tasks(ABORT_GRACE_S)
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _wait_tasks(self, timeout: float) -> bool:
+        """True once no request runs here, False when ``timeout`` passes first."""
+        end = time.monotonic() + timeout
+        while self._tasks and time.monotonic() < end:
+            await asyncio.sleep(min(POLL_S, max(end - time.monotonic(), 0.0)))
+        return not self._tasks
 
     def _read(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
         try:
@@ -143,6 +211,10 @@ class NodeServer:
     def _handle(self, message: object) -> None:
         match message:
             case AddRequest(rank=rank, request_id=request_id):
+                if self._draining:
+                    error = EngineDrainingError(f"data parallel rank {rank} is shutting down")
+                    self.outbox.put(RequestError(rank, request_id, error))
+                    return
                 if request_id in self._tasks:
                     error = ValueError(f"duplicate request id {request_id!r}")
                     self.outbox.put(RequestError(rank, request_id, error))
@@ -177,6 +249,23 @@ class NodeServer:
         finally:
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
+
+
+@contextlib.contextmanager
+def _signal_handlers(
+    loop: asyncio.AbstractEventLoop, handler: Callable[[int], None]
+) -> Iterator[None]:
+    """``handler(sig)`` on ``loop`` for SIGINT and SIGTERM (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, handler, sig)
+    try:
+        yield
+    finally:
+        for sig in SIGNALS:
+            loop.remove_signal_handler(sig)
 
 
 def connect_to_head(address: tuple[str, int], timeout: float) -> Connection:
@@ -215,9 +304,10 @@ def register(conn: Connection, info: NodeInfo) -> str | None:
     return f"unexpected reply {type(reply).__name__}"
 
 
-def run_dp_node(engine_args: EngineArgs) -> int:
+def run_dp_node(engine_args: EngineArgs, shutdown_timeout: float = 0.0) -> int:
     """`jaxengine serve --headless` with ``--data-parallel-address``: builds this node's
-    replicas, registers them with the head and serves them until the head stops."""
+    replicas, registers them with the head and serves them until the head stops, or
+    until a signal's drain (``--shutdown-timeout``: `NodeServer`) ends."""
 
     from jaxengine.entrypoints.factory import build_engine, engine_config
 
@@ -242,13 +332,13 @@ def run_dp_node(engine_args: EngineArgs) -> int:
             logger.error("the head refused data parallel ranks %s: %s", list(ranks), refusal)
             return 1
         logger.info("serving data parallel ranks %s for the head", list(ranks))
-        _serve(conn, dict(zip(ranks, engine.replicas, strict=True)))
+        _serve(conn, dict(zip(ranks, engine.replicas, strict=True)), shutdown_timeout)
     finally:
         engine.shutdown()
     return 0
 
 
-def _serve(conn: Connection, engines: dict[int, AsyncLLM]) -> None:
+def _serve(conn: Connection, engines: dict[int, AsyncLLM], shutdown_timeout: float) -> None:
     outbox = Outbox(conn)
     streams = StreamTable()  # one table for the node's replicas, owner: the rank
     replicas = {
@@ -263,7 +353,7 @@ def _serve(conn: Connection, engines: dict[int, AsyncLLM]) -> None:
         for rank, e in engines.items()
     }
     try:
-        asyncio.run(NodeServer(conn, replicas, outbox).run())
+        asyncio.run(NodeServer(conn, replicas, outbox, shutdown_timeout).run())
     finally:
         for replica in replicas.values():
             replica.shutdown(shutdown_engine=False)

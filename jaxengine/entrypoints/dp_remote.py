@@ -30,6 +30,7 @@ only. A node that disconnects makes its replicas dead: their streams get
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pickle
@@ -167,6 +168,12 @@ class RemoteReplica:
         if self._dead is None:
             self.node.send_quietly(AbortRequests(self.rank, ids))
 
+    async def abort_all(self) -> None:
+        """Tells the node to stop (`shutdown`): it aborts its requests first, and
+        their last outputs (finished with reason ``abort``) arrive before it closes.
+        The head asks only when its server shuts down (`server/drain.py`)."""
+        await asyncio.to_thread(self.node.close)
+
     def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:
         """Tells the node to stop (once for all its replicas)."""
         self.node.close()
@@ -235,6 +242,7 @@ class RemoteNode:
             pass
         self._thread.join(5.0)  # the node closes its end once it has stopped: EOF here
         self.conn.close()
+        self._lost("the node was closed")  # a stream still open ends (EngineDeadError)
 
     def _read(self) -> None:
         try:
