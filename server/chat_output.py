@@ -1,6 +1,8 @@
 """A chat choice's generated text split into reasoning, content and tool calls.
 
-The pipeline, whole (`ChatOutputParser.message`) or streamed (`ChoiceStream`):
+The pipeline, whole (`ChatOutputParser.message`) or streamed (`ChoiceStream`); the
+view hands each engine output sequence to `message_of` / `feed_output`, so a parser
+of token ids (harmony, `server/harmony_output.py`) plugs in as a subclass:
 
 1. the reasoning parser (``--reasoning-parser``), if any, splits the reasoning off;
 2. the content goes to the tool calls of the request's `ToolChoice`: for "required"
@@ -91,6 +93,11 @@ class ChatOutputParser:
             message["tool_calls"] = calls
         return message, bool(calls)
 
+    def message_of(self, seq: Any, role: str, prefix: str = "") -> tuple[dict[str, Any], bool]:
+        """`message` for an engine output sequence (its ``text``; a parser of token
+        ids, `server/harmony_output.py`, reads ``token_ids`` instead)."""
+        return self.message(seq.text, role, prefix)
+
     def _call(self, call: Any) -> dict[str, Any]:
         function = {"name": call.name, "arguments": call.arguments}
         return {"id": call.id or self.make_id(), "type": "function", "function": function}
@@ -118,6 +125,10 @@ class ChoiceStream:
         self._reasoning = parser.reasoning.stream() if parser.reasoning is not None else None
         self._forced = ForcedCalls(parser.choice, parser.make_id) if parser.choice.forced else None
         self._tools = parser.tools.stream(parser.request) if parser.tools is not None else None
+
+    def feed_output(self, seq: Any) -> Delta:
+        """`feed` for an engine output sequence's new text."""
+        return self.feed(seq.text)
 
     def feed(self, text: str) -> Delta:
         if self._reasoning is None:

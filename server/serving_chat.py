@@ -14,6 +14,9 @@ at the top level. ``--enable-per-request-metrics`` adds vLLM's timing ``metrics`
 response with ``n`` = 1 (null otherwise); a stream carries them in its final usage
 chunk.
 
+A gpt-oss model renders and parses chat in harmony instead (`server/harmony_chat.py`,
+`server/harmony_output.py`: the handler's ``chat_format``).
+
 Tools (`server/tool_calls.py`) and reasoning split the generated text into
 ``reasoning_content``, ``content`` and ``tool_calls`` (`server/chat_output.py`);
 a "required" or named ``tool_choice`` constrains the output with structured outputs,
@@ -60,11 +63,29 @@ class ChatHandler:
 
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
+        self._format: Any = _UNKNOWN
+
+    @property
+    def chat_format(self) -> Any:
+        """The model's own chat format, or None for the Jinja chat template: harmony
+        (`server/harmony_chat.py`) for gpt-oss. Decided once, on first use."""
+        if self._format is _UNKNOWN:
+            from server.harmony_chat import HarmonyChatFormat, engine_speaks_harmony
+
+            fmt = None
+            if engine_speaks_harmony(getattr(self.ctx, "engine", None)):
+                excluded = self.ctx.options.exclude_tools_when_tool_choice_none
+                # a missing vocabulary is a 500 naming what to install, every time
+                fmt = HarmonyChatFormat(exclude_tools_when_none=excluded)
+            self._format = fmt
+        return self._format
 
     def render(self, request: ChatCompletionRequest | Any) -> list[int]:
         """The prompt token ids of a request's messages (also used by /tokenize, token
         counting and embeddings' messages). Messages with images are refused (400):
         their prompt is the engine's to tokenize (`render_text`)."""
+        if self.chat_format is not None:
+            return self.chat_format.render(request)
         if image_urls(request.messages):
             raise APIError(NOT_HERE, param="messages")
         ids = self._template(request, tokenize=True)
@@ -133,18 +154,21 @@ class ChatHandler:
         reshape what the view builds:
         ``await view.collect(streams)`` (a chat.completion dict) or ``view.stream(
         streams)`` (chat.completion.chunk dicts)."""
-        ctx = self.ctx
-        choice = resolve_tool_choice(request, ctx.auto_tool_choice)
+        ctx, fmt = self.ctx, self.chat_format
+        choice = resolve_tool_choice(request, ctx.auto_tool_choice or fmt is not None)
+        if fmt is not None:
+            fmt.check(choice)
         model, lora = ctx.resolve_model(request.model)
-        tool_parser = ctx.tool_parser() if choice.mode == "auto" else None
+        auto = choice.mode == "auto" and fmt is None
+        tool_parser = ctx.tool_parser() if auto else None
         if tool_parser is not None:
             request = tool_parser.adjust_request(request)
         prompt = await self._prompt(request)
+        extra: dict[str, Any] = {"structured_outputs": self._constraint(request, choice)}
+        if fmt is not None:  # harmony's turn ends: <|return|>, <|call|>
+            extra["stop_token_ids"] = [*(request.stop_token_ids or []), *fmt.stop_token_ids]
         params = request.sampling_params(
-            request.wanted_max_tokens(),
-            request.wanted_logprobs(),
-            ctx.default_sampling,
-            {"structured_outputs": self._constraint(request, choice)},
+            request.wanted_max_tokens(), request.wanted_logprobs(), ctx.default_sampling, extra
         )
         if "multi_modal_data" in prompt:  # the image processor's work: off the event loop
             prepared = await asyncio.to_thread(ctx.prepare, [prompt], params, lora)
@@ -153,9 +177,12 @@ class ChatHandler:
         request_id = request.request_id or R.random_id("chatcmpl")
         ctx.log_request(request_id, prepared)
         streams = serving_beam.streams(ctx, request, request_id, prepared)
-        parser = ChatOutputParser(
-            request, choice, ctx.reasoning_parser(), tool_parser, _tool_call_id
-        )
+        if fmt is not None:
+            parser = fmt.output_parser(request, choice, _tool_call_id)
+        else:
+            parser = ChatOutputParser(
+                request, choice, ctx.reasoning_parser(), tool_parser, _tool_call_id
+            )
         prompt_ids = prepared[0].token_ids
         view = _ChatView(ctx, request, model, request_id, len(prompt_ids), parser, prompt_ids)
         return view, streams
@@ -164,7 +191,7 @@ class ChatHandler:
         """The engine prompt: the token ids, or with images the text and the images
         (`server/chat_images.py`), rendered before any image is fetched."""
         urls = image_urls(request.messages)
-        if not urls:
+        if not urls or self.chat_format is not None:  # harmony refuses images itself
             return {"prompt_token_ids": request.kept_prompt(self.render(request))}
         if not getattr(self.ctx.engine, "takes_images", False):
             raise APIError(NOT_MULTIMODAL, param="messages")
@@ -187,6 +214,9 @@ class ChatHandler:
         parallel = request.parallel_tool_calls is not False
         schema = forced_schema(request.tools, choice, parallel)
         return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+_UNKNOWN = object()
 
 
 def _tool_call_id() -> str:
@@ -247,7 +277,7 @@ class _ChatView:
         assert final is not None
         choices = []
         for seq in sorted(final.outputs, key=lambda s: s.index):
-            message, called = self.parser.message(seq.text, self.role, self.echo)
+            message, called = self.parser.message_of(seq, self.role, self.echo)
             choices.append(
                 {
                     "index": seq.index,
@@ -294,7 +324,7 @@ class _ChatView:
             for seq in out.outputs:
                 sent[seq.index] = sent.get(seq.index, 0) + len(seq.token_ids)
                 parsed = parsers[seq.index]
-                delta = parsed.feed(seq.text)
+                delta = parsed.feed_output(seq)
                 if seq.finish_reason is not None:
                     delta = delta.add(parsed.finish())
                 body = self.parser.delta_dict(delta)

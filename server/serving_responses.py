@@ -70,7 +70,8 @@ class ResponsesHandler:
         except APIError as e:
             raise APIError(e.message, e.status, CHAT_PARAMS.get(e.param, e.param)) from None
         base = base_response(request, response_id, model, self.ctx.default_sampling)
-        parser = self.ctx.reasoning_parser()
+        fmt = getattr(self.chat, "chat_format", None)  # harmony counts its own reasoning
+        parser = fmt.reasoning_counter() if fmt is not None else self.ctx.reasoning_parser()
         return ResponseRun(view, streams, base, conversation, parser, request.stream)
 
     def _history(self, previous_id: str | None) -> list[dict[str, Any]]:
