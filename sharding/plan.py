@@ -7,7 +7,9 @@ Built from the stage's mesh, the model config and the parallel flags. It answers
   indivisible split is an error naming the parameter);
 - the KV cache's layout: split by KV heads over `tensor`, or, with fewer KV heads
   than tensor devices, one KV head per device (each head stored on the tensor/Hkv
-  devices whose query heads read it);
+  devices whose query heads read it). A multi-head latent attention model
+  (DeepSeek-V3) has one such head, its latent row: every device keeps its own copy
+  of the latent cache while the query heads split;
 - the attention and MoE functions to inject into the model, wrapped in `shard_map`
   so kernels see plain per-device arrays (`sharding.attention`, `sharding.experts`).
 

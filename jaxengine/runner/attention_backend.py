@@ -54,13 +54,19 @@ def select_attention_backend(
     platform: str | None = None,
     both_ways: bool = False,
     device_kind: str | None = None,
+    *,
+    mla: bool = False,
 ) -> AttentionBackend:
     """The backend for ``--attention-backend requested`` on ``platform`` (default:
     JAX's); ``device_kind``: the generation the TPU kernels are sized for (None: the
     kernels' default, 16 MiB of scoped VMEM). ``both_ways`` (a model whose image
     tokens attend to each other both ways, Gemma 3 with images): the Pallas kernels
     take no per-token key limit yet, so the reference attention runs instead, with a
-    warning."""
+    warning. ``mla`` (a model with multi-head latent attention, DeepSeek-V3): its cache
+    holds one latent row a token, which only the MLA functions read and write
+    (`pallas_kernels.mla`, the reference on every platform until MLA kernels exist)."""
+    if mla:
+        return _mla_backend(requested)
     backend = _select(requested, platform or jax.default_backend())
     if backend.name == "pallas-tpu" and device_kind is not None:
         backend = _sized_for(backend, device_kind)
@@ -72,6 +78,15 @@ def select_attention_backend(
         )
         return AttentionBackend("reference", *kernels("reference"))
     return backend
+
+
+def _mla_backend(requested: str) -> AttentionBackend:
+    """The MLA reference (`pallas_kernels.mla.reference`) for any request but a bad one."""
+    _select(requested, "cpu")  # the same validation of the flag
+    mla = importlib.import_module("pallas_kernels.mla.reference")
+    if requested == "pallas":
+        logger.warning("no Pallas multi-head latent attention kernel yet: the reference runs")
+    return AttentionBackend("mla-reference", mla.ragged_paged_mla, mla.update_mla_cache)
 
 
 def _select(requested: str, platform: str) -> AttentionBackend:

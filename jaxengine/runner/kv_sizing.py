@@ -42,10 +42,18 @@ class KVCacheSize:
 
 
 def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    *,
+    kv_parts: int = 2,
 ) -> int:
-    """Bytes of one page across all layers (K and V)."""
-    return num_layers * block_size * 2 * num_kv_heads * head_dim * itemsize
+    """Bytes of one page across all layers: ``kv_parts`` rows of ``head_dim`` per KV
+    head and token (2: K and V; 1: a multi-head latent attention cache's one latent
+    row, `layers.attention.kv_cache_shape`)."""
+    return num_layers * block_size * kv_parts * num_kv_heads * head_dim * itemsize
 
 
 def device_memory(device) -> tuple[int, int] | None:

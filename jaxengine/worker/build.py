@@ -200,6 +200,7 @@ def _size_cache(
         placement.plans[0].kv_heads_per_device,
         model.head_dim,
         dtype.itemsize,
+        kv_parts=kv_cache_shape(model, 1, 1, 1)[2],  # K and V, or one MLA latent row
     )
     max_model_len = config.model_config.max_model_len
     kv_size = plan_kv_cache(

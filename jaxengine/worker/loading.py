@@ -41,7 +41,11 @@ def load_replica(config: EngineConfig, devices: Sequence[Any] | None, abstract: 
     requested = config.attention_config.attention_backend
     both_ways = images_both_ways(loaded.hf_config)
     backend = select_attention_backend(
-        requested, placement.platform, both_ways, placement.device_kind
+        requested,
+        placement.platform,
+        both_ways,
+        placement.device_kind,
+        mla=getattr(loaded.config, "mla", None) is not None,  # DeepSeek-V3's latent cache
     )
     logger.info(
         "attention backend: %s (--attention-backend %s, platform %s)",

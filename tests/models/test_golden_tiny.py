@@ -19,6 +19,7 @@ from jaxengine.config import LoadConfig, ModelConfig
 from jaxengine.loader import load_model
 from jaxengine.runner.attention_backend import kernels
 from jaxengine.runner.greedy_loop import GreedyLoop
+from tests.models.deepseek_v3_tiny import deepseek_v3_tiny, kimi_k2_tiny
 from tests.models.glm4_moe_tiny import glm4_moe_tiny, randomize_correction_bias
 from tests.models.gpt_oss_tiny import gpt_oss_tiny, randomize_sinks_and_biases
 from tests.models.tiny_configs import TINY_SIZES, llama4_tiny, longrope_parameters
@@ -89,13 +90,24 @@ FAMILIES = {
     # one dense layer, then sigmoid-routed MoE layers: 8 experts in 4 groups (2 kept),
     # a shared expert, a random correction bias (`PREPARE`), half the head rotating
     "glm4_moe": lambda: transformers.Glm4MoeConfig(**glm4_moe_tiny(SMALL)),
+    # multi-head latent attention on the latent cache (q low-rank path, YaRN with
+    # mscale / mscale_all_dim), 2 dense then 2 MoE layers (8 experts, 4 groups, 2 kept,
+    # shared expert, random correction bias); Kimi K2's shape: 16 experts, one group,
+    # q_proj
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**deepseek_v3_tiny(SMALL)),
+    "kimi_k2": lambda: transformers.DeepseekV3Config(**kimi_k2_tiny(SMALL)),
     # attention sinks and biases (drawn by `PREPARE`), sliding / full / sliding layers, yarn
     # without truncation, 8 experts (top 4) with biases; a SwiGLU limit of 0.1 clamps
     # some of this tiny model's gate and up values
     "gpt_oss": lambda: transformers.GptOssConfig(**gpt_oss_tiny(SMALL, swiglu_limit=0.1)),
 }
 
-PREPARE = {"glm4_moe": randomize_correction_bias, "gpt_oss": randomize_sinks_and_biases}
+PREPARE = {
+    "glm4_moe": randomize_correction_bias,
+    "deepseek_v3": randomize_correction_bias,
+    "kimi_k2": randomize_correction_bias,
+    "gpt_oss": randomize_sinks_and_biases,
+}
 """Changes to a family's freshly built transformers model before it is saved."""
 
 PROMPT_LENS = (5, 17, 2, 11)

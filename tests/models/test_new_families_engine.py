@@ -18,6 +18,7 @@ import pytest
 import transformers
 
 from jaxengine.models import get_model
+from tests.models.deepseek_v3_tiny import deepseek_v3_tiny, kimi_k2_tiny
 from tests.models.family_engine import (
     ENGINE_KWARGS,
     check_engine,
@@ -70,6 +71,20 @@ def glm4_moe() -> Any:
     return transformers.Glm4MoeConfig(**glm4_moe_tiny(TINY))
 
 
+def deepseek_v3() -> Any:
+    """DeepSeek-V3 (`deepseek_v3_tiny`): multi-head latent attention on the latent cache
+    (one row of kv_lora_rank + rope values a token), YaRN with mscale, 2 dense then 2
+    MoE layers of 8 sigmoid-routed experts in 4 groups, a shared expert, random
+    correction bias (`randomize_saved_correction_bias`)."""
+    return transformers.DeepseekV3Config(**deepseek_v3_tiny(TINY))
+
+
+def kimi_k2() -> Any:
+    """Kimi K2's shape of DeepSeek-V3 (`kimi_k2_tiny`): 16 experts in one group, 4 per
+    token, one dense layer, queries through one q_proj."""
+    return transformers.DeepseekV3Config(**kimi_k2_tiny(TINY))
+
+
 def gpt_oss() -> Any:
     """gpt-oss: sliding (a 16-token window, shorter than the longer prompts), full and
     sliding layers with attention sinks (sinks and biases drawn by `randomize_saved`), yarn
@@ -99,6 +114,13 @@ CASES = [
         (("tp1", TP1), ("tp2", TP2), ("ep2", EP2)),
         prepare=randomize_saved_correction_bias,
     ),
+    Case(  # tp4: one query head per device, four copies of the latent cache
+        "deepseek_v3",
+        deepseek_v3,
+        (("tp1", TP1), ("tp2", TP2), ("ep2", EP2), ("tp4", {"tensor_parallel_size": 4})),
+        prepare=randomize_saved_correction_bias,
+    ),
+    Case("kimi_k2", kimi_k2, (("tp1", TP1), ("ep2", EP2)), prepare=randomize_saved_correction_bias),
     Case("gpt_oss", gpt_oss, (("tp1", TP1), ("tp2", TP2), ("ep2", EP2)), prepare=randomize_saved),
 ]
 PARAMS = [
@@ -162,11 +184,16 @@ def test_phi3_update_weights_takes_the_fused_tensors(parallel, references):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("config", [mixtral, phi3_longrope], ids=["mixtral", "phi3_longrope"])
+@pytest.mark.parametrize(
+    "config",
+    [mixtral, phi3_longrope, deepseek_v3],
+    ids=["mixtral", "phi3_longrope", "deepseek_v3"],
+)
 def test_sequence_classifier_reads_the_family_checkpoint(config, tmp_path):
     """``<Family>ForSequenceClassification`` (the family's decoder under a ``score``
     head) loads its family's checkpoint layout (Mixtral's expert names, Phi-3's fused
-    tensors) and classifies as transformers does, softmax within 1e-4."""
+    tensors, DeepSeek-V3's router and MLA names) and classifies as transformers does,
+    softmax within 1e-4."""
     import numpy as np
     import torch
 

@@ -189,10 +189,14 @@ def _project_qkv(x: jax.Array, cfg: TransformerConfig, lora_slots=None) -> tuple
 def kv_cache_shape(
     config: TransformerConfig, num_pages: int, page_size: int, num_kv_heads: int | None = None
 ) -> tuple:
-    """Shape of one layer's cache: ``[num_pages, page_size, 2 * Hkv, D]``.
+    """Shape of one layer's cache: ``[num_pages, page_size, 2 * Hkv, D]``; with
+    multi-head latent attention (``config.mla``) ``[num_pages, page_size, Hkv, D]``,
+    one row a token (latent and rope key, `pallas_kernels.mla.reference`), Hkv 1.
 
     ``num_kv_heads`` overrides the model's count where a tensor-parallel layout stores
-    KV heads once per device (`sharding.plan.ShardingPlan.kv_cache_heads`).
+    KV heads once per device (`sharding.plan.ShardingPlan.kv_cache_heads`; an MLA
+    cache: one copy of the latent row per tensor device).
     """
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return (num_pages, page_size, 2 * heads, config.head_dim)
+    parts = 1 if getattr(config, "mla", None) is not None else 2  # latent row, or K and V
+    return (num_pages, page_size, parts * heads, config.head_dim)

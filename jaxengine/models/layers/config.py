@@ -85,6 +85,32 @@ class LayerSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, `layers.mla`): queries and keys of
+    ``qk_nope_head_dim + qk_rope_head_dim`` per head, values of ``v_head_dim``, all
+    heads' keys and values expanded from one latent of ``kv_lora_rank`` per token. The
+    KV cache holds that latent and the shared rope key, ``kv_lora_rank +
+    qk_rope_head_dim`` values a token (`TransformerConfig.head_dim`)."""
+
+    kv_lora_rank: int
+    """Width of the normalized latent ``kv_a_layernorm(kv_a_proj_with_mqa(x)[:L])``."""
+    qk_nope_head_dim: int
+    """Per-head query/key features without rope (from ``kv_b_proj``'s key rows)."""
+    qk_rope_head_dim: int
+    """Per-head rotated query features; the rotated key is one vector shared by heads."""
+    v_head_dim: int
+    """Per-head value width (``kv_b_proj``'s value rows; ``o_proj``'s input per head)."""
+    q_lora_rank: int | None = None
+    """Queries through ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``; None: one
+    ``q_proj``."""
+
+    def __post_init__(self) -> None:
+        widths = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim)
+        if min(widths) <= 0 or self.v_head_dim <= 0 or self.qk_rope_head_dim % 2:
+            raise ValueError(f"invalid MLA dimensions: {self}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """A transformer as the shared layers need it: a decoder, or an encoder (BERT)."""
 
@@ -191,6 +217,10 @@ class TransformerConfig:
     num_labels: int = 0
     """Outputs of a sequence-classification head (`BertForSequenceClassification`);
     0: the model has none."""
+    mla: MLASpec | None = None
+    """Multi-head latent attention (DeepSeek-V3, `layers.mla`): then ``num_kv_heads``
+    is 1 and ``head_dim`` the cache row's width, ``kv_lora_rank + qk_rope_head_dim``
+    (`layers.attention.kv_cache_shape`); None: the q/k/v attention."""
 
     @property
     def num_layers(self) -> int:
