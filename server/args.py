@@ -223,8 +223,9 @@ def _add_tool_args(add: Any) -> None:
     add(
         "--tool-call-parser",
         default=None,
-        help="how the model writes tool calls (glm45, hermes, llama3_json, llama4_pythonic, "
-        "mistral, pythonic, qwen3_xml, or one registered by --tool-parser-plugin); needed by "
+        help="how the model writes tool calls (deepseek_v3, deepseek_v31, glm45, hermes, "
+        "kimi_k2, llama3_json, llama4_pythonic, mistral, pythonic, qwen3_xml, or one "
+        "registered by --tool-parser-plugin); needed by "
         "--enable-auto-tool-choice",
     )
     add("--tool-parser-plugin", default=None, help="a Python file that registers tool parsers")

@@ -6,8 +6,8 @@
     stream = parser.stream(request)                     # one per streamed choice
     delta = stream.feed(delta_text); ...; delta = stream.finish()
 
-Built in (vLLM's names): `glm45`, `hermes`, `llama3_json`, `mistral`, `pythonic`,
-`qwen3_xml`.
+Built in (vLLM's names): `deepseek_v3`, `deepseek_v31`, `glm45`, `hermes`, `kimi_k2`,
+`llama3_json`, `mistral`, `pythonic`, `qwen3_xml`.
 `TOOL_PARSERS` is the live name -> class dict; `--tool-parser-plugin FILE` imports a
 file whose `@register_tool_parser(name)` classes join it.
 
@@ -16,7 +16,15 @@ Pure Python: no jax.
 
 from __future__ import annotations
 
-from server.tool_parsers import glm45, hermes, llama3_json, mistral, pythonic, qwen3_xml
+from server.tool_parsers import (
+    glm45,
+    hermes,
+    llama3_json,
+    mistral,
+    pythonic,
+    qwen3_xml,
+    sectioned,
+)
 from server.tool_parsers.base import REGISTRY, ToolParser, register_tool_parser
 from server.tool_parsers.calls import (
     DeltaMessage,
@@ -30,7 +38,7 @@ from server.tool_parsers.stream import ToolCallStream
 TOOL_PARSERS = REGISTRY.parsers
 """Registered names -> parser classes (built-ins and plugins)."""
 
-BUILTIN_PARSERS = (glm45, hermes, llama3_json, mistral, pythonic, qwen3_xml)
+BUILTIN_PARSERS = (glm45, hermes, llama3_json, mistral, pythonic, qwen3_xml, sectioned)
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
