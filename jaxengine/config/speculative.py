@@ -15,6 +15,10 @@ from jaxengine.config.utils import require, validate_config
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 """vLLM's method names."""
+_MTP_ALIASES = ("deepseek_mtp",)
+"""Older names of "mtp" that vLLM still accepts (it warns and replaces them)."""
+_DRAFT_KEYS = ("model", "revision", "quantization")
+"""What names a separate draft model (no such model with "mtp": the target drafts)."""
 
 _KEYS = frozenset(
     {
@@ -42,7 +46,9 @@ class SpeculativeConfig:
 
     speculative_config: dict | None = None
     """Speculative decoding configuration (JSON). Keys as vLLM's: "method" ("ngram",
-    "draft_model", "eagle"; "eagle3", "medusa", "mlp_speculator" and "mtp" are not
+    "draft_model", "eagle", "mtp": the target checkpoint's own multi-token-prediction
+    layer, DeepSeek-V3's, drafting on the target's hidden states with its own KV cache,
+    "deepseek_mtp" an older name for it; "eagle3", "medusa" and "mlp_speculator" are not
     supported yet), "num_speculative_tokens" (proposals verified per step),
     "prompt_lookup_min" / "prompt_lookup_max" (the n-gram sizes ngram matches against
     the request's own tokens; default 5 each), "model" (a draft model; "ngram" or
@@ -82,6 +88,14 @@ class SpeculativeConfig:
                 f'the {self.method} method needs "model": the draft model\'s or EAGLE '
                 "head's path or name",
             )
+        if self.method == "mtp":
+            given = [key for key in _DRAFT_KEYS if options.get(key) is not None]
+            require(
+                not given,
+                "speculative_config",
+                f"the mtp method drafts with the target checkpoint's own multi-token-"
+                f"prediction layer: drop {given}",
+            )
         batch = options.get("disable_by_batch_size")
         require(
             batch is None or (isinstance(batch, int) and batch >= 2),
@@ -116,6 +130,8 @@ class SpeculativeConfig:
         if not self.enabled:
             return None
         method = self.option("method")
+        if method in _MTP_ALIASES:
+            return "mtp"
         if method is not None:
             return method
         model = self.option("model")

@@ -29,7 +29,7 @@ SUPPORTED_KV_CACHE_DTYPES = (
 )
 SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 SUPPORTED_STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")
-SUPPORTED_SPECULATIVE_METHODS = (None, "ngram", "draft_model", "eagle")
+SUPPORTED_SPECULATIVE_METHODS = (None, "ngram", "draft_model", "eagle", "mtp")
 
 # (flag, getter of the value, predicate: True when the value is NOT supported yet)
 UNSUPPORTED: list[tuple[str, Callable[[EngineConfig], Any], Callable[[Any], bool]]] = [

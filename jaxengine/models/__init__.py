@@ -129,6 +129,31 @@ def _with_checkpoint_hooks(base: type, family_cls: type, name: str) -> type:
     return type(name, (base,), hooks) if hooks else base
 
 
+def mtp_head(hf_config: Any, config: Any) -> tuple[Any, Any] | None:
+    """``(module, TransformerConfig)`` of the multi-token-prediction layer of
+    ``hf_config``'s family as a draft head (`models.mtp.MTPHead`: the family's decoder
+    layer and checkpoint hooks; the config is ``config``, the target's, with that one
+    layer, as the family file's ``mtp_layer`` gives it); None for a family without one."""
+    arch, family = _family(hf_config)
+    layer = getattr(family, "mtp_layer", None)
+    if layer is None:
+        return None
+    from jaxengine.models.mtp import MTPHead
+
+    causal = _causal_name(arch) or arch
+    causal_cls = getattr(family, causal)
+    head_cls = _with_checkpoint_hooks(MTPHead, causal_cls, causal.replace("ForCausalLM", "MTP"))
+    head_config = dataclasses.replace(config, layers=(layer(hf_config, config),))
+    return head_cls(head_config, causal_cls.layer_cls), head_config
+
+
+def mtp_families() -> list[str]:
+    """The architectures whose checkpoints' multi-token-prediction layer drafts (the
+    ``mtp`` method), for error messages."""
+    names = sorted(n for n in _ARCHITECTURES if n.endswith("ForCausalLM"))
+    return [n for n in names if hasattr(_family_module(n), "mtp_layer")]
+
+
 def image_encoder(hf_config: Any, dtype: Any) -> Any:
     """The image encoder of a vision-language checkpoint (its family's
     ``image_encoder``: the runner's encoder step), None for a text-only one."""
@@ -143,5 +168,9 @@ def family_config(hf_config: Any, dtype: Any):
 
 def _family(hf_config: Any):
     arch = architecture_of(hf_config)
+    return arch, _family_module(arch)
+
+
+def _family_module(arch: str):
     family = _ARCHITECTURES.get(arch) or _ARCHITECTURES[_causal_name(arch)]
-    return arch, importlib.import_module(f"jaxengine.models.{family}")
+    return importlib.import_module(f"jaxengine.models.{family}")

@@ -19,8 +19,10 @@ pairs, `RopeSpec.interleaved`). With YaRN, transformers scales cos/sin by
 Layers ``0 .. first_k_dense_replace - 1`` are dense, the rest MoE routed as GLM-4.5's
 (`models.glm4_moe`: sigmoid scores, ``e_score_correction_bias``, group-limited top-k,
 ``routed_scaling_factor``, shared experts), whose checkpoint names and
-multi-token-prediction layers (skipped) these checkpoints share. DeepSeek-V2 (its
-softmax routing ranks groups by their best expert, not the sum of two) is not served.
+multi-token-prediction layers (skipped) these checkpoints share. That layer drafts
+for ``--speculative-config '{"method": "mtp", ...}'`` (`mtp_layer`, `models.mtp`).
+DeepSeek-V2 (its softmax routing ranks groups by their best expert, not the sum of
+two) is not served.
 """
 
 from __future__ import annotations
@@ -124,6 +126,13 @@ def _routing(hf_config: Any) -> RoutingSpec:
         scaling_factor=float(hf_config.routed_scaling_factor),
         float32_router=True,
     )
+
+
+def mtp_layer(hf_config: Any, config: TransformerConfig) -> LayerSpec:
+    """The multi-token-prediction layer (``model.layers.{num_hidden_layers}``, `models.mtp`)
+    as the stack's next layer would be: the same rope, MoE from ``first_k_dense_replace``."""
+    moe = hf_config.num_hidden_layers >= hf_config.first_k_dense_replace
+    return dataclasses.replace(config.layers[-1], moe=moe)
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):

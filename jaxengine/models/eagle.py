@@ -73,6 +73,11 @@ class EagleHead(nn.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         return self.model(token_ids, positions, hidden, kv_caches, md)
 
+    def logits_input(self, features: jax.Array) -> jax.Array:  # [N, H] -> [N, H]
+        """What the target's `compute_logits` reads: the features themselves (a head
+        has no final norm)."""
+        return features
+
     def forward_and_logits(self, token_ids, positions, kv_caches, md) -> jax.Array:
         """The forward on zero features: touches every parameter (for init; the head
         has no logits of its own)."""

@@ -9,12 +9,13 @@ This package is the feature's one home:
   rows;
 - `speculative.ngram`: proposals from the request's own tokens (numpy, on the host);
 - `speculative.device`: the proposers that run a model on the device (a draft
-  model: `device.draft`; an EAGLE head on the step's hidden states: `device.eagle`),
-  their loading and the builder the worker calls (`device.build`).
+  model: `device.draft`; a head on the step's hidden states, an EAGLE head or the
+  checkpoint's multi-token-prediction layer: `device.eagle`), their loading and the
+  builder the worker calls (`device.build`).
 
 The runner imports this folder only; `speculative.device` imports the runner, never
-the other way. The config is `config/speculative.py`, the EAGLE head's model
-`models/eagle.py`.
+the other way. The config is `config/speculative.py`, the heads' models
+`models/eagle.py` and `models/mtp.py`.
 """
 
 from __future__ import annotations

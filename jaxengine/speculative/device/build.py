@@ -1,6 +1,7 @@
 """Speculative decoding's parts of a worker (``--speculative-config``): how many
 tokens a step verifies, the KV slots kept ahead, the draft model's pages, and the
-proposer (n-gram on the host, or a draft model or EAGLE head on the device)."""
+proposer (n-gram on the host, or on the device a draft model, or a head on the
+target's hidden states: an EAGLE head or the checkpoint's MTP layer)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jaxengine.runner.program import abstract_like, single_stage
 from jaxengine.speculative import Proposer
 from jaxengine.speculative.device.draft import DraftProposer, DraftSettings
 from jaxengine.speculative.device.eagle import EagleProposer, make_eagle_step
-from jaxengine.speculative.device.loading import ON_DEVICE, LoadedDraft
+from jaxengine.speculative.device.loading import HEADS, ON_DEVICE, LoadedDraft
 from jaxengine.speculative.ngram import NgramProposer
 
 
@@ -30,9 +31,9 @@ def num_speculative_tokens(config: EngineConfig) -> int:
 
 
 def lookahead_tokens(config: EngineConfig) -> int:
-    """KV slots the scheduler allocates beyond a step's tokens: a draft model or EAGLE
-    head writes its proposals' KV there before the target verifies them; n-gram
-    needs none."""
+    """KV slots the scheduler allocates beyond a step's tokens: a draft model or head
+    (EAGLE, MTP) writes its proposals' KV there before the target verifies them;
+    n-gram needs none."""
     method = config.speculative_config.method
     return num_speculative_tokens(config) if method in ON_DEVICE else 0
 
@@ -48,6 +49,7 @@ def draft_bytes_per_block(config: EngineConfig, draft: LoadedDraft | None) -> in
         draft.placement.plans[0].kv_heads_per_device,
         model.head_dim,
         cache_dtype(config, draft.loaded.config).itemsize,
+        kv_parts=kv_cache_shape(model, 1, 1, 1)[2],  # K and V, or one MLA latent row
     )
 
 
@@ -58,7 +60,7 @@ def make_proposer(
     target: LoadedModel,
 ) -> Proposer | None:
     """The proposer of ``config`` (None: speculative decoding off); ``settings`` are
-    the runner's: a draft model or EAGLE head shares its pages and buckets."""
+    the runner's: a draft model or head shares its pages and buckets."""
     sc = config.speculative_config
     k = num_speculative_tokens(config)
     if sc.method == "ngram":
@@ -80,7 +82,7 @@ def make_proposer(
         cache_dtype=cache_dtype(config, draft.loaded.config),
         disable_by_batch_size=sc.disable_by_batch_size,
     )
-    if sc.method == "eagle":
+    if sc.method in HEADS:
         return eagle_proposer(draft, draft_settings, target)
     plan, backend = draft.placement.plans[0], draft.backend
     mode = config.compilation_config.cudagraph_mode
@@ -91,11 +93,14 @@ def make_proposer(
 
 
 def eagle_proposer(draft: LoadedDraft, settings: DraftSettings, target: LoadedModel):
-    """The EAGLE proposer of ``draft`` (`load_eagle`'s) for ``target``'s runner."""
+    """The proposer of a head on the target's hidden states, ``draft`` (`load_eagle`'s
+    or `load_mtp`'s), for ``target``'s runner; a head with experts (an MTP layer) runs
+    them as the target does (`ShardingPlan.moe_kwargs`)."""
     plan = draft.placement.plans[0]
-    head = draft.loaded.module.clone(
-        attention_kwargs=plan.attention_kwargs(draft.backend.module_kwargs())
-    )
+    kwargs = {"attention_kwargs": plan.attention_kwargs(draft.backend.module_kwargs())}
+    if hasattr(draft.loaded.module, "moe_kwargs"):
+        kwargs["moe_kwargs"] = plan.moe_kwargs()
+    head = draft.loaded.module.clone(**kwargs)
     step = make_eagle_step(head, target.module, settings.max_num_seqs, draft.shared_embedding)
     multi = len(draft.placement.devices) > 1
     source = jax.ShapeDtypeStruct(

@@ -1,4 +1,5 @@
-"""EAGLE proposals: a head on the target's features drafts k tokens (`models.eagle`).
+"""EAGLE proposals: a head on the target's features drafts k tokens (`models.eagle`;
+the checkpoint's own multi-token-prediction layer, `models.mtp`, is such a head too).
 
 The head runs on the target's devices with its own parameters, compiled steps and
 paged KV cache (as many pages as the target's, written through the target's block
@@ -48,9 +49,10 @@ def make_eagle_step(head: Any, target: Any, max_num_seqs: int, shared_embedding:
     ``buffers``/``spec`` pack a `PackedBatch` whose ``feed_rows`` give each token's row
     of ``source`` (the target's hidden states, or the previous pass's features); the
     head's feature at each logits row gives that row's draft (argmax of the target's
-    LM head) and its feature, padded to ``max_num_seqs`` rows so the next pass's
-    source has one shape whatever the bucket. ``shared_embedding``: the head reads
-    the target's embedding (its checkpoint has none)."""
+    LM head on the head's ``logits_input`` of it: an MTP layer's shared-head norm) and
+    its feature, padded to ``max_num_seqs`` rows so the next pass's source has one
+    shape whatever the bucket. ``shared_embedding``: the head reads the target's
+    embedding (its checkpoint has none)."""
 
     def step(head_params, target_params, kv_caches, buffers, source, spec):
         token_ids, positions, md, logits_indices, src_rows = unpack_tree(buffers, spec)
@@ -61,7 +63,8 @@ def make_eagle_step(head: Any, target: Any, max_num_seqs: int, shared_embedding:
             {"params": head_params}, token_ids, positions, source[src_rows], kv_caches, md
         )
         feats = out[logits_indices]
-        logits = target.apply({"params": target_params}, feats, method="compute_logits")
+        normed = head.apply({"params": head_params}, feats, method="logits_input")
+        logits = target.apply({"params": target_params}, normed, method="compute_logits")
         ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         padded = jnp.zeros((max_num_seqs, feats.shape[1]), feats.dtype)
         return ids, padded.at[: feats.shape[0]].set(feats), kv_caches
@@ -102,7 +105,8 @@ class EagleProposer:
         n = self.settings.max_num_seqs
         jobs = {(b, b.num_tokens) for b in self.buckets.buckets}
         last = self.buckets.select(n, n)
-        jobs |= {(b, n) for b in self.buckets.buckets if b.num_tokens <= last.num_tokens}
+        if self.settings.k > 1:  # (k = 1: the catch-up's drafts are all)
+            jobs |= {(b, n) for b in self.buckets.buckets if b.num_tokens <= last.num_tokens}
         return [
             (("eagle", b, rows), lambda b=b, rows=rows: self._warm(b, rows))
             for b, rows in sorted(jobs, key=lambda x: (x[0].num_tokens, x[1]))
