@@ -16,7 +16,7 @@ and have no counterpart):
   ``logging.config.dictConfig`` file for the ``jaxengine`` and uvicorn loggers.
 - ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds an idle HTTP connection stays open (5).
 
-- ``VLLM_SERVER_DEV_MODE``: 1 turns on the development routes (`server/dev_routes.py`).
+- ``VLLM_SERVER_DEV_MODE``: 1 turns on the development routes (`server/dev/routes.py`).
 - ``VLLM_IMAGE_FETCH_TIMEOUT``, ``JAXENGINE_MAX_IMAGE_BYTES``: the image URLs' fetch
   timeout and size cap (`jaxengine/multimodal/media.py`).
 
@@ -86,6 +86,6 @@ def http_timeout_keep_alive(environ: Mapping[str, str] = os.environ) -> int:
 def dev_mode(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the development routes are on (``$VLLM_SERVER_DEV_MODE=1``): sleep and
     wake, pause and resume, prefix-cache reset, weight updates, ``/collective_rpc``
-    (`server/dev_routes.py`). They let any client take the engine down: off by
+    (`server/dev/routes.py`). They let any client take the engine down: off by
     default."""
     return environ.get("VLLM_SERVER_DEV_MODE", "0").strip() in ("1", "true", "True")

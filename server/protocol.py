@@ -1,4 +1,8 @@
-"""OpenAI request bodies, with vLLM's extra sampling fields (pydantic models).
+"""The request-body parts every OpenAI API shares, with vLLM's extra sampling fields
+(pydantic models): `OpenAIModel`, the sampling fields of completions and chat
+(`SamplingFields`), ``response_format``, ``stream_options``, and vLLM's /tokenize and
+/detokenize bodies. Each API's own bodies live in its folder (`server/chat/protocol.py`,
+`server/completions/protocol.py`, `server/pooling/protocol.py`, ...).
 
 The models validate types and ranges that need no model; everything else
 (context length, vocabulary, logprob caps, the grammar of structured outputs) is
@@ -6,19 +10,19 @@ checked by the engine when the request is prepared. Unknown fields are ignored (
 logged), as OpenAI's and vLLM's servers do; known fields that would change the
 output but are not implemented are refused (`server/unsupported_fields.py`).
 Structured outputs are read from the request in `server/structured.py`, tool choice
-in `server/tool_calls.py`; responses are built in `server/responses.py`.
+in `server/tool_calls.py`; responses are built in `server/response_fields.py`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from jaxengine.reasoning.budget import THINKING_TOKEN_BUDGET
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
-from server.unsupported_fields import CHAT_REFUSED, Refusal, RefusingModel
+from server.unsupported_fields import RefusingModel
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -108,7 +112,7 @@ class SamplingFields(OpenAIModel, RefusingModel):
     structural_tag: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
-    # beam search (server/serving_beam.py): ``n`` is the beam width
+    # beam search (server/completions/beam.py): ``n`` is the beam width
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
@@ -208,78 +212,6 @@ class SamplingFields(OpenAIModel, RefusingModel):
         return SamplingParams.from_optional(**{**fields, **chosen, **(extra or {})})
 
 
-class CompletionRequest(SamplingFields):
-    """POST /v1/completions."""
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    add_special_tokens: bool = True
-    suffix: str | None = None  # refused
-    prompt_embeds: Any = None  # refused
-
-    def prompts(self) -> list[str | list[int]]:
-        """The request's prompts: one per text or token-id list."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise ValueError("The decoder prompt cannot be empty")  # vLLM's wording
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]  # one tokenized prompt
-        return list(prompt)
-
-
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
-
-    refused: ClassVar[dict[str, Refusal]] = CHAT_REFUSED
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = 0
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    echo: bool = False
-    add_special_tokens: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = True
-    documents: list[dict[str, str]] | None = None
-    reasoning_effort: str | None = None
-    include_reasoning: bool = True
-    # refused (server/unsupported_fields.py)
-    functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
-    audio: dict[str, Any] | None = None
-    modalities: list[str] | None = None
-    prediction: dict[str, Any] | None = None
-    web_search_options: dict[str, Any] | None = None
-    verbosity: str | None = None
-
-    @model_validator(mode="after")
-    def _check_chat(self):
-        if not self.messages:
-            raise ValueError("messages must not be empty")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-            )
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
-        return self
-
-    def wanted_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def wanted_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-
 class TokenizeRequest(OpenAIModel):
     """POST /tokenize: a prompt (completions style) or messages (chat style)."""
 
@@ -343,85 +275,3 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bad:
         raise ValueError(f"logit_bias keys must be token ids, got {', '.join(map(repr, bad))}")
     return out
-
-
-class EmbeddingRequest(OpenAIModel):
-    """POST /v1/embeddings (OpenAI's fields, and vLLM's): ``input`` (a text, texts,
-    token ids or lists of them) or ``messages`` (one conversation, through the chat
-    template)."""
-
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] | None = None
-    messages: list[dict[str, Any]] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    normalize: bool | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    priority: int = 0
-    request_id: str | None = None
-
-    @model_validator(mode="after")
-    def _one_of(self):
-        if (self.input is None) == (self.messages is None):
-            raise ValueError("give exactly one of `input` and `messages`")
-        if isinstance(self.input, list) and not self.input:
-            raise ValueError("`input` must not be empty")
-        return self
-
-    def prompts(self) -> list[str | list[int]]:
-        """Each input: a text or a token-id list."""
-        data = self.input
-        if isinstance(data, str):
-            return [data]
-        if all(isinstance(x, int) for x in data):
-            return [list(data)]
-        return list(data)
-
-
-class PoolingRequest(EmbeddingRequest):
-    """POST /pooling (vLLM): an embedding request whose result is the raw pooled
-    output, one vector per input ("embed", "classify") or one per token
-    ("token_embed", "token_classify": a reward model's). None: the model's first task."""
-
-    task: Literal["embed", "token_embed", "classify", "token_classify"] | None = None
-
-
-class PoolingFields(OpenAIModel):
-    """What every pooling endpoint takes besides its inputs (vLLM's names)."""
-
-    model: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    use_activation: bool | None = None
-    priority: int = 0
-    request_id: str | None = None
-    user: str | None = None
-
-
-class ScoreRequest(PoolingFields):
-    """POST /score (/v1/score): a cross-encoder's score of ``text_1`` against each
-    ``text_2`` (one first text), or of the two lists pairwise."""
-
-    text_1: str | list[str]
-    text_2: str | list[str]
-
-
-class RerankRequest(PoolingFields):
-    """POST /rerank (/v1/rerank, Jina's and Cohere's shape): the documents ordered by
-    their score against ``query``, the best ``top_n`` (0: all)."""
-
-    query: str
-    documents: list[str]
-    top_n: int = Field(0, ge=0)
-    return_documents: bool = True
-
-
-class ClassificationRequest(PoolingFields):
-    """POST /classify: a classification model's label probabilities per input."""
-
-    input: str | list[str]

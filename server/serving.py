@@ -31,7 +31,7 @@ from server.errors import APIError, error_body, log_error_stack
 from server.lora import ServingModels
 from server.output_log import logged_outputs
 from server.protocol import GENERATION_CONFIG_DEFAULTS
-from server.responses import per_request_metrics
+from server.response_fields import per_request_metrics
 from server.tracing import RequestTracer
 
 logger = logging.getLogger("jaxengine.server")

@@ -11,7 +11,7 @@ attributes have vLLM's names (`SpanAttributes`). Values come from the finished
 output's `RequestMetrics` (host timestamps, no JAX) and its sampling parameters. A
 request left early (client gone, aborted by the server) has no finished output and
 no span, as in vLLM; neither has a beam search, whose steps are many short engine
-requests (`server/serving_beam.py`) and whose result carries no engine timings.
+requests (`server/completions/beam.py`) and whose result carries no engine timings.
 
 The exporter speaks OTLP over gRPC, or HTTP/protobuf with
 ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`` (vLLM's choice of protocols and

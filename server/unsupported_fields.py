@@ -84,7 +84,7 @@ REFUSED: dict[str, Refusal] = {
 
 CHAT_REFUSED: dict[str, Refusal] = {k: r for k, r in REFUSED.items() if k != "mm_processor_kwargs"}
 """Chat's refused fields: `REFUSED` but ``mm_processor_kwargs``, which goes to the
-engine with a request's images (`server/chat_images.py`)."""
+engine with a request's images (`server/chat_rendering/images.py`)."""
 
 
 class RefusingModel(BaseModel):

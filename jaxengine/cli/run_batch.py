@@ -15,7 +15,7 @@ import sys
 
 def register(subparsers) -> None:
     from jaxengine.engine_args import EngineArgs
-    from server.args import CONTENT_FORMATS, add_lora_args
+    from server.api_server.args import CONTENT_FORMATS, add_lora_args
 
     parser = subparsers.add_parser(
         "run-batch",
@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxengine.engine_args import EngineArgs
     from jaxengine.entrypoints.factory import async_engine_from_args
-    from server.app import server_options
+    from server.api_server.app import server_options
+    from server.batch.run_batch import run_batch
     from server.lora import check_lora_modules
-    from server.run_batch import run_batch
     from server.serving import ServingContext
 
     try:

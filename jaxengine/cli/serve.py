@@ -34,7 +34,7 @@ import argparse
 
 
 def register(subparsers) -> None:
-    from server.args import add_server_args
+    from server.api_server.args import add_server_args
 
     parser = subparsers.add_parser(
         "serve",
@@ -47,6 +47,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.launch import serve
+    from server.api_server.launch import serve
 
     return serve(args)

@@ -162,7 +162,7 @@ class AsyncLLM(EngineFront):
         """Aborts every request in flight, between steps: each stream ends with a last
         output finished with reason ``abort`` (a non-streamed request's: its partial
         output), as ``pause_generation("abort")`` but without pausing. The server's
-        drain calls it once ``--shutdown-timeout`` has passed (`server/drain.py`)."""
+        drain calls it once ``--shutdown-timeout`` has passed (`server/api_server/drain.py`)."""
         await self._on_engine_thread(_Call(self._abort_all_now))
 
     def _abort_all_now(self) -> None:

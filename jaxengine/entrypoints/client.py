@@ -307,7 +307,7 @@ class EngineClient(Protocol):
 
     async def abort_all(self) -> None:
         """Aborts every request in flight: each stream ends with a last output
-        finished with reason ``abort`` (the server's drain, `server/drain.py`)."""
+        finished with reason ``abort`` (the server's drain, `server/api_server/drain.py`)."""
         ...
 
     def beam_search(

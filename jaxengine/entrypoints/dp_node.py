@@ -123,7 +123,7 @@ class NodeServer:
 
     It stops when the head says close or goes away: the requests still running are
     aborted, and their last outputs (finish reason ``abort``) go to the head first.
-    On SIGTERM or SIGINT it drains as the API server does (`server/drain.py`): new
+    On SIGTERM or SIGINT it drains as the API server does (`server/api_server/drain.py`): new
     requests are refused (`EngineDrainingError`, a 503 on the head), those running get
     up to ``shutdown_timeout`` seconds, the rest are aborted, then the node stops (the
     head sees its ranks gone); a second signal stops at once.

@@ -171,7 +171,7 @@ class RemoteReplica:
     async def abort_all(self) -> None:
         """Tells the node to stop (`shutdown`): it aborts its requests first, and
         their last outputs (finished with reason ``abort``) arrive before it closes.
-        The head asks only when its server shuts down (`server/drain.py`)."""
+        The head asks only when its server shuts down (`server/api_server/drain.py`)."""
         await asyncio.to_thread(self.node.close)
 
     def shutdown(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.entrypoints.async_llm import AsyncLLM
-from server.args import add_server_args
+from server.api_server.args import add_server_args
 from server.tracing import PROTOCOL_ENV, SpanAttributes
 from tests.otlp_collector import OtlpCollector
 
@@ -31,7 +31,7 @@ def traceparent(number: int) -> tuple[str, str, str]:
 @pytest.fixture
 def traced(tiny_llm, monkeypatch):
     """(TestClient of the app with tracing on, the collector, the served name)."""
-    from server.app import build_app
+    from server.api_server.app import build_app
 
     monkeypatch.setenv(PROTOCOL_ENV, "http/protobuf")
     engine = tiny_llm.engine

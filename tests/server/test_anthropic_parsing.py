@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pydantic
 import pytest
 
-from server.anthropic_errors import error_type, is_messages_path
-from server.anthropic_protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
-from server.anthropic_response import from_chat_completion, signature, stop_reason, usage
-from server.anthropic_stream import anthropic_sse, message_events
-from server.anthropic_translate import to_chat_request
-from server.chat_output import ChatOutputParser
+from server.chat.serving import _ChatView
+from server.chat_rendering.output import ChatOutputParser
 from server.errors import APIError
-from server.serving_chat import _ChatView
+from server.messages.errors import error_type, is_messages_path
+from server.messages.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from server.messages.response import from_chat_completion, signature, stop_reason, usage
+from server.messages.stream import anthropic_sse, message_events
+from server.messages.translate import to_chat_request
 from server.tool_calls import NO_TOOLS
 from tests.server.test_chat_parsing import FakeReasoning, ids
 

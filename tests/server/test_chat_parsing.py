@@ -18,10 +18,11 @@ import pydantic
 import pytest
 
 from server import structured
-from server.chat_output import ChatOutputParser
+from server.chat.protocol import ChatCompletionRequest
+from server.chat.serving import ChatHandler, _ChatView, _finish_reason, normalize_message
+from server.chat_rendering.output import ChatOutputParser
+from server.completions.protocol import CompletionRequest
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.serving_chat import ChatHandler, _ChatView, _finish_reason, normalize_message
 from server.structured import structured_outputs_params
 from server.tool_calls import (
     AUTO_NEEDS_FLAGS,
@@ -563,7 +564,7 @@ def _args(**flags):
 
 
 def test_auto_tool_choice_needs_a_parser():
-    from server.args import check_server_args
+    from server.api_server.args import check_server_args
 
     with pytest.raises(ValueError, match="--tool-call-parser"):
         check_server_args(_args(enable_auto_tool_choice=True))

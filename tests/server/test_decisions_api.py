@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from server.decisions_prompt import input_messages, question_messages
-from server.decisions_protocol import parse_questions
+from server.decisions.prompt import input_messages, question_messages
+from server.decisions.protocol import parse_questions
 from tests.server.conftest import MODEL
 from tests.server.test_endpoints import wait_for
 from tests.server.test_errors import check_error, still_serves

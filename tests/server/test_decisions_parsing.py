@@ -16,11 +16,11 @@ from openai.types import Decision
 
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxengine.sampling_params import MAX_LOGPROB_TOKEN_IDS
-from server.decisions_answers import answer, label_distribution, label_token_ids
-from server.decisions_prompt import input_messages, question_messages
-from server.decisions_protocol import DecisionRequest, parse_questions
+from server.decisions.answers import answer, label_distribution, label_token_ids
+from server.decisions.prompt import input_messages, question_messages
+from server.decisions.protocol import DecisionRequest, parse_questions
+from server.decisions.serving import NOT_GENERATIVE, DecisionsHandler, _decision
 from server.errors import APIError, validation_message
-from server.serving_decisions import NOT_GENERATIVE, DecisionsHandler, _decision
 
 PREDICATE = {"type": "predicate", "name": "broken", "instructions": "The item is broken."}
 CHOICE = {

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server.chat_images import NOT_MULTIMODAL
+from server.chat_rendering.images import NOT_MULTIMODAL
 from tests.server.conftest import DP1_ONLY, MODEL
 
 CHAT = [{"role": "user", "content": "Hi"}]

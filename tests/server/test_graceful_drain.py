@@ -1,4 +1,4 @@
-"""SIGTERM drains `jaxengine serve` (server/drain.py), with one engine and with two
+"""SIGTERM drains `jaxengine serve` (server/api_server/drain.py), with one engine and with two
 data-parallel replicas.
 
 Each test starts its own server (the tiny random Llama of `tiny_smollm2`), puts 8

@@ -17,10 +17,10 @@ import openai_harmony as oh
 import pytest
 
 from jaxengine.tokenizer import harmony as vocab
+from server.chat.protocol import ChatCompletionRequest
+from server.chat.serving import _ChatView
+from server.chat_rendering.harmony import HarmonyChatFormat, is_harmony_model
 from server.errors import APIError
-from server.harmony_chat import HarmonyChatFormat, is_harmony_model
-from server.protocol import ChatCompletionRequest
-from server.serving_chat import _ChatView
 from server.tool_calls import NO_TOOLS, ToolChoice
 
 TODAY = "2026-11-28"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from jaxengine.config.arg_utils import FlexibleArgumentParser
-from server.args import add_server_args, check_server_args
+from server.api_server.args import add_server_args, check_server_args
 from tests.server.conftest import DP1_ONLY, MODEL, SECOND_API_KEY
 
 PROMPT = "Count to ten:"

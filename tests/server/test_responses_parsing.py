@@ -15,15 +15,15 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from jaxengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from server.chat_output import ChatOutputParser
+from server.chat.serving import _ChatView
+from server.chat_rendering.output import ChatOutputParser
 from server.errors import APIError
-from server.responses_input import BUILT_IN_TOOLS, chat_request, input_messages
-from server.responses_output import base_response, output_items, reasoning_tokens
-from server.responses_protocol import ResponsesRequest
-from server.responses_run import ResponseRun
-from server.responses_store import ResponseStore, StoredResponse
+from server.responses.input import BUILT_IN_TOOLS, chat_request, input_messages
+from server.responses.output import base_response, output_items, reasoning_tokens
+from server.responses.protocol import ResponsesRequest
+from server.responses.run import ResponseRun
+from server.responses.store import ResponseStore, StoredResponse
 from server.serving import ServerOptions
-from server.serving_chat import _ChatView
 from server.tool_calls import resolve_tool_choice
 from tests.server.test_chat_parsing import FakeReasoning
 
@@ -466,7 +466,7 @@ def test_store_evicts_the_least_recently_used_finished_response():
 
 def test_store_size_flag():
     from jaxengine.config.arg_utils import FlexibleArgumentParser
-    from server.args import add_server_args, check_server_args
+    from server.api_server.args import add_server_args, check_server_args
 
     parse = add_server_args(FlexibleArgumentParser()).parse_args
     assert parse([]).max_stored_responses == 1024

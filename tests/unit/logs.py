@@ -2,7 +2,7 @@
 
 `captured(name)` hangs its own handler on the named logger (and lowers its level to
 DEBUG meanwhile), so it sees the records even when the ``jaxengine`` logger does not
-propagate to the root (`server.launch.setup_logging`), where pytest's ``caplog`` looks.
+propagate to the root (`server.api_server.launch.setup_logging`), where pytest's ``caplog`` looks.
 """
 
 from __future__ import annotations

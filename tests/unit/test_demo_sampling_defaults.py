@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.loader.demo import card_generation_config
 from jaxengine.loader.hf_config import load_generation_config
-from server.app import build_app
-from server.args import add_server_args
+from server.api_server.app import build_app
+from server.api_server.args import add_server_args
 from tests.unit.test_server_request_logs import FakeEngine, completion
 
 SMOLLM2_CARD = {"temperature": 0.2, "top_p": 0.9}

@@ -249,7 +249,7 @@ def _serve_args(argv: list[str]):
 
 
 def test_headless_needs_nnodes_or_a_data_parallel_address():
-    from server.launch import run_headless
+    from server.api_server.launch import run_headless
 
     with pytest.raises(ValueError, match="--headless runs either a follower"):
         run_headless(_serve_args(["--headless"]))

@@ -412,7 +412,7 @@ def test_cli_subcommand_registry(monkeypatch, tmp_path, capsys):
 
 
 def test_serve_compiles_in_the_background_unless_told_not_to():
-    from server.args import add_server_args
+    from server.api_server.args import add_server_args
 
     parser = add_server_args(FlexibleArgumentParser())
     assert parser.parse_args([]).background_compile is True

@@ -7,6 +7,12 @@ component of more than one module, naming it. The same on the folder graph: a
 folder's modules (the ``.py`` files directly in it) taken together, so that every
 folder depends one way on the folders below it (docs/architecture.md, "Dependency
 rule").
+
+The server's own layout (docs/architecture.md, ``server/``): one folder per API over
+what the APIs share. The shared modules (``server/*.py``, ``server/chat_rendering/``,
+``server/tool_parsers/``) import no API folder; only the process layer,
+``server/api_server/`` (the app factory, flags, launch), imports them, and no API
+imports it back. No folder of the server holds more than 15 modules.
 """
 
 from __future__ import annotations
@@ -144,3 +150,58 @@ def test_the_folder_graph_takes_a_folders_modules_together():
 
 def test_no_import_cycles_between_folders():
     assert cycles(folder_graph(import_graph(), packages())) == []
+
+
+SERVER_APIS = ("chat", "completions", "responses", "messages", "decisions", "pooling", "batch",
+               "dev")  # fmt: skip
+SERVER_SHARED = ("server", "server.chat_rendering", "server.tool_parsers")
+SERVER_APP = "server.api_server"
+MAX_SERVER_FOLDER_MODULES = 15
+
+
+def test_the_server_folders_are_the_ones_named_here():
+    """Every folder of ``server/`` is an API, shared, or the app layer (so a new folder
+    is placed on purpose)."""
+    found = packages()
+    folders = {folder_of(m, found) for m in import_graph() if m.split(".")[0] == "server"}
+    apis = {f"server.{api}" for api in SERVER_APIS}
+    assert folders == apis | set(SERVER_SHARED) | {SERVER_APP}
+
+
+def test_shared_server_modules_import_no_api_folder():
+    """What the APIs share depends on no API: an API's folder can move or go without
+    touching them. Only the app layer (server/api_server/) imports the API folders."""
+    found, graph = packages(), import_graph()
+    apis = {f"server.{api}" for api in SERVER_APIS}
+    wrong = sorted(
+        f"{module} -> {imported}"
+        for module, imports in graph.items()
+        if folder_of(module, found) in SERVER_SHARED
+        for imported in imports
+        if folder_of(imported, found) in apis | {SERVER_APP}
+    )
+    assert wrong == []
+
+
+def test_no_api_folder_imports_the_app_layer():
+    found, graph = packages(), import_graph()
+    apis = {f"server.{api}" for api in SERVER_APIS}
+    wrong = sorted(
+        f"{module} -> {imported}"
+        for module, imports in graph.items()
+        if folder_of(module, found) in apis
+        for imported in imports
+        if folder_of(imported, found) == SERVER_APP
+    )
+    assert wrong == []
+
+
+def test_no_server_folder_over_15_modules():
+    """A folder of ``server/`` holds at most 15 modules (its ``__init__`` counted)."""
+    folders = {path.parent for path in (ROOT / "server").rglob("*.py")}
+    crowded = {
+        str(folder.relative_to(ROOT)): n
+        for folder in folders
+        if (n := len(list(folder.glob("*.py")))) > MAX_SERVER_FOLDER_MODULES
+    }
+    assert crowded == {}

@@ -17,7 +17,8 @@ from jaxengine.runner.logits_processors import ProcessorBatch
 from jaxengine.runner.sampling_metadata import SamplingRow
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.worker.build import logits_processors
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.chat.protocol import ChatCompletionRequest
+from server.completions.protocol import CompletionRequest
 from tests.example_logits_processors import (
     InvariantTargetProcessor,
     TargetTokenProcessor,

@@ -23,7 +23,8 @@ from tests.tiny_gguf import write_gguf
 ROOT = Path(__file__).resolve().parents[2]
 # what `import jaxengine`, `jaxengine.LLM` and `jaxengine serve` import before a model loads
 ENTRY_POINTS = ("jaxengine", "jaxengine.entrypoints.llm", "jaxengine.cli.main",
-                "jaxengine.cli.serve", "server.launch", "server.app")  # fmt: skip
+                "jaxengine.cli.serve", "server.api_server.launch",
+                "server.api_server.app")  # fmt: skip
 NEEDS_TORCH = "needs PyTorch: pip install 'jaxengine[torch]'"
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1,
         "n_embd": 8, "n_head": 2, "vocab_size": 16, "n_positions": 64,

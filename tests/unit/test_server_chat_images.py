@@ -24,10 +24,10 @@ from jaxengine.config import MultiModalConfig
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import CompletionOutput, RequestOutput
-from server.app import build_app
-from server.args import add_server_args
-from server.chat_images import NOT_HERE, NOT_MULTIMODAL
-from server.chat_messages import NO_IMAGE_TEMPLATE, normalize_message
+from server.api_server.app import build_app
+from server.api_server.args import add_server_args
+from server.chat_rendering.images import NOT_HERE, NOT_MULTIMODAL
+from server.chat_rendering.messages import NO_IMAGE_TEMPLATE, normalize_message
 from server.errors import APIError
 
 VISION = (

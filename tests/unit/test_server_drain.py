@@ -1,4 +1,4 @@
-"""The drain's parts without a model (server/drain.py): what a draining app answers
+"""The drain's parts without a model (server/api_server/drain.py): what a draining app answers
 (503, ``Retry-After``, OpenAI's or Anthropic's error JSON, ``/health`` too), the
 ``--shutdown-timeout`` flag, and `Drain.run`'s order (wait for the requests in
 flight, abort only what outlasts the timeout, then stop uvicorn; a second signal
@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.entrypoints.client import EngineDrainingError
-from server.app import build_app
-from server.args import add_server_args
-from server.drain import Drain
+from server.api_server.app import build_app
+from server.api_server.args import add_server_args
+from server.api_server.drain import Drain
 from tests.unit.test_server_request_logs import FakeEngine as FakeAppEngine
 from tests.unit.test_server_request_logs import client, completion
 

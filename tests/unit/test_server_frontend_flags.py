@@ -22,9 +22,9 @@ import pytest
 from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.engine_args import EngineArgs
 from server import envs
-from server.args import add_server_args, check_server_args
-from server.launch import load_log_config, setup_logging, ssl_refresher, uvicorn_config
-from server.ssl_refresh import SSLCertRefresher
+from server.api_server.args import add_server_args, check_server_args
+from server.api_server.launch import load_log_config, setup_logging, ssl_refresher, uvicorn_config
+from server.api_server.ssl_refresh import SSLCertRefresher
 from tests.unit.logs import captured
 
 TLS = Path(__file__).with_name("tls")
@@ -361,7 +361,7 @@ def test_ssl_refresher_runs_with_the_server():
     """`_serve` polls while uvicorn serves and stops polling when it returns."""
     import asyncio
 
-    from server import launch
+    from server.api_server import launch
 
     polls, cancelled = [], []
 

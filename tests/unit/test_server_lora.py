@@ -19,7 +19,7 @@ from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.core.sched_output import SchedulerStats
 from jaxengine.lora import LoRAAdapterError, LoRAAdapterNotFoundError
 from jaxengine.metrics.loggers import PrometheusStatLogger, render_metrics
-from server.args import add_server_args, check_server_args
+from server.api_server.args import add_server_args, check_server_args
 from server.errors import APIError
 from server.lora import (
     LoadLoRAAdapterRequest,
@@ -222,7 +222,7 @@ def test_runtime_load_and_unload():
 
 
 def fake_app(monkeypatch, allow: str, enable_lora: bool = True):
-    from server.app import build_app
+    from server.api_server.app import build_app
 
     monkeypatch.setenv(ENV, allow)
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
@@ -306,7 +306,7 @@ def test_runtime_routes_are_off(monkeypatch, allow, enable_lora):
 
 
 def test_start_up_stops_on_a_bad_adapter():
-    from server.launch import _serve
+    from server.api_server.launch import _serve
 
     served = []
     server = SimpleNamespace(serve=lambda: served.append(True))

@@ -19,14 +19,14 @@ from jaxengine.config.arg_utils import FlexibleArgumentParser
 from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.sampling_params import RequestOutputKind
-from server.app import build_app
-from server.args import add_server_args
-from server.chat_messages import UNTRUSTED_TEMPLATE
+from server.api_server.app import build_app
+from server.api_server.args import add_server_args
+from server.chat.protocol import ChatCompletionRequest
+from server.chat.serving import ChatHandler
+from server.chat_rendering.messages import UNTRUSTED_TEMPLATE
 from server.errors import APIError
 from server.output_log import logged_outputs
-from server.protocol import ChatCompletionRequest
 from server.serving import sse
-from server.serving_chat import ChatHandler
 from tests.unit.logs import captured
 
 PIECES = [(" Hello", [7]), (" world", [8])]

@@ -19,7 +19,7 @@ from jaxengine.inputs import PreparedPrompt
 from jaxengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxengine.pooling_params import PoolingParams
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
-from server.args import add_server_args, check_server_args
+from server.api_server.args import add_server_args, check_server_args
 from server.tracing import (
     PROTOCOL_ENV,
     SpanAttributes,
@@ -270,13 +270,13 @@ def test_streamed_request_spanned_once_and_without_a_parent_a_root(monkeypatch):
 
 
 def test_no_tracer_without_the_flag():
-    from server.app import build_app
+    from server.api_server.app import build_app
 
     app = build_app(FakeEngine(), serve_args())
     assert app.state.ctx.tracer is None
 
 
 def build(endpoint: str):
-    from server.app import build_app
+    from server.api_server.app import build_app
 
     return build_app(FakeEngine(), serve_args("--otlp-traces-endpoint", endpoint))

@@ -22,7 +22,8 @@ from jaxengine.reasoning.budget import (
 )
 from jaxengine.reasoning.budget_processor import ThinkingTokenBudgetProcessor
 from jaxengine.sampling_params import SamplingParams
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.chat.protocol import ChatCompletionRequest
+from server.completions.protocol import CompletionRequest
 
 START, END = 1, 2
 OPEN = ThinkingMarkers(END, START)  # qwen3-like: the model opens the block

@@ -1,0 +1,3 @@
+"""OpenAI's chat completions API: ``POST /v1/chat/completions`` (request body,
+handler, route). Responses, Messages, Decisions and batch chat run over its
+`ChatHandler`."""
