@@ -33,6 +33,7 @@ Block sizes (`choose_blocks`), from the shapes, overridable by keyword:
 ``pages_per_block`` enough pages for 256 KV positions, at most a page-table row
 ``heads_per_block`` every KV head, halved while the VMEM estimate exceeds
                     ``vmem_limit_bytes`` (default 16 MiB, the scoped VMEM of v5e)
+                    and the half still moves a multiple of 8 cache rows
 ==================  ===========================================================
 
 Nothing here calls `pltpu.get_tpu_info()`: the limits come in as arguments, so the
@@ -64,6 +65,12 @@ class Blocks:
     block_q: int
     pages_per_block: int
     heads_per_block: int
+
+
+_HEAD_ROWS_ALIGN = 8
+"""A block of fewer heads than the cache holds starts at a traced row offset of the
+cache's head axis, which Mosaic needs tile-aligned: its 2 * heads_per_block rows a
+multiple of 8."""
 
 
 def _sublanes(dtype) -> int:
@@ -98,11 +105,11 @@ def choose_blocks(
     pages = max(1, min(max_pages, KV_POSITIONS_PER_BLOCK // page_size))
     heads = num_kv_heads
     blocks = Blocks(block_q, pages, heads)
-    while heads % 2 == 0 and vmem_bytes(blocks, group, page_size, head_dim, dtype) > (
-        vmem_limit_bytes
-    ):
+    too_big = vmem_bytes(blocks, group, page_size, head_dim, dtype) > vmem_limit_bytes
+    while heads % _HEAD_ROWS_ALIGN == 0 and too_big:
         heads //= 2
         blocks = Blocks(block_q, pages, heads)
+        too_big = vmem_bytes(blocks, group, page_size, head_dim, dtype) > vmem_limit_bytes
     return blocks
 
 
@@ -161,12 +168,17 @@ def _kernel(
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
     v_row = jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
 
+    # one block of every head: the whole axis (a slice at a traced offset must be
+    # provably tile-aligned, which 2 * hb rows are not for odd counts such as 5)
+    whole = 2 * hb == kv_hbm.shape[2]
+    heads = pl.ds(pl.multiple_of(2 * h0, 2 * hb), 2 * hb)
+
     def page_copies(req, first_page, b, slot):
         copies = []
         for p in range(ppb):
             idx = jnp.minimum(first_page + b * ppb + p, max_pages - 1)
             page = page_table_ref[req * max_pages + idx]
-            src = kv_hbm.at[page, :, pl.ds(2 * h0, 2 * hb), :]
+            src = kv_hbm.at[page] if whole else kv_hbm.at[page, :, heads, :]
             copies.append(pltpu.make_async_copy(src, kv_buf.at[slot, p], sems.at[slot]))
         return copies
 

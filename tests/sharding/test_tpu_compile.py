@@ -170,3 +170,17 @@ def test_a_kernel_past_v4s_vmem_fails_in_one_line():
     message = str(failed.value)
     assert message.startswith("attention: ") and "\n" not in message
     assert "RESOURCE_EXHAUSTED" in message and "vmem" in message.lower(), message
+
+
+@pytest.mark.parametrize("kv_heads", [5, 1])
+def test_attention_kernel_compiles_with_odd_kv_heads_per_chip(kv_heads):
+    """Phi-4's 10 KV heads at TP 2 leave 5 a chip: the kernel's block of every head is
+    the cache's whole head axis (a slice of 10 rows at a traced offset is not provably
+    tile-aligned, and Mosaic refused it); decode and prefill shapes."""
+    backend = select_attention_backend("auto", "tpu", device_kind="TPU v6 lite")
+    attention = functools.partial(backend.attention_fn, sm_scale=128**-0.5)
+    recorder = CompileRecorder()
+    for tokens, requests in ((64, 64), (512, 8)):
+        args = _attention_args("v6e-1", tokens, requests, kv_heads=kv_heads)
+        recorder.compile("attention", None, lambda: jax.jit(attention).lower(*args))
+    assert len(recorder.records) == 2
