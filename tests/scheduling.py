@@ -47,6 +47,7 @@ GROUP_SECONDS = {
     "tests/unit/test_bench_device.py": 48,
     "tests/models/test_golden_tiny.py": 38,
     "tests/models/test_quantization.py": 37,
+    "tests/kernels/test_gated_delta.py": 80,  # measured alone, 2026-11-29
     "tests/engine/test_mtp.py": 35,  # measured alone, 2026-11-29
     "tests/kernels/test_cpu_attention.py": 32,
     "tests/torch_fallback/test_golden.py": 31,
