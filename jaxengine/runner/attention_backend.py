@@ -18,11 +18,18 @@ mode: slow, there to prove the kernels inside the real step function. (They inte
 several times faster than the TPU kernels, whose DMAs and semaphores the TPU
 interpreter simulates; tests run the TPU kernels inside the model on tiny configs.)
 
+A model with multi-head latent attention (DeepSeek-V3) has a cache of one latent row a
+token that only `pallas_kernels.mla` reads and writes; its table is the same with the
+MLA functions (`mla_kernels`): "mla-pallas-tpu" (the Mosaic kernel; its write is the
+reference's XLA scatter, as Mosaic's DMAs cannot write one row inside a bfloat16 HBM
+tile), "mla-pallas-gpu" (Triton), "mla-pallas-gpu-interpret" (``pallas`` on CPU) and
+"mla-reference" (``reference`` anywhere, ``auto`` on CPU).
+
 The TPU attention kernel sizes its blocks to the scoped VMEM of the generation it is
 compiled for: ``device_kind``, that of the engine's devices (the compile target,
 which ``jaxengine tpu-check`` sets to a TPU slice on a machine without one), looked up
-in `jaxengine.hardware` (v4 16 MiB, v5e/v6e 96 MiB, v5p 64 MiB). The KV-cache write
-copies rows HBM to HBM by DMA and holds nothing in VMEM.
+in `jaxengine.hardware` (v4 16 MiB, v5e/v6e 96 MiB, v5p 64 MiB); the MLA kernel alike.
+The KV-cache write copies rows HBM to HBM by DMA and holds nothing in VMEM.
 """
 
 from __future__ import annotations
@@ -64,9 +71,9 @@ def select_attention_backend(
     take no per-token key limit yet, so the reference attention runs instead, with a
     warning. ``mla`` (a model with multi-head latent attention, DeepSeek-V3): its cache
     holds one latent row a token, which only the MLA functions read and write
-    (`pallas_kernels.mla`, the reference on every platform until MLA kernels exist)."""
+    (`pallas_kernels.mla`, `_mla_backend`)."""
     if mla:
-        return _mla_backend(requested)
+        return _mla_backend(requested, platform or jax.default_backend(), device_kind)
     backend = _select(requested, platform or jax.default_backend())
     if backend.name == "pallas-tpu" and device_kind is not None:
         backend = _sized_for(backend, device_kind)
@@ -80,13 +87,24 @@ def select_attention_backend(
     return backend
 
 
-def _mla_backend(requested: str) -> AttentionBackend:
-    """The MLA reference (`pallas_kernels.mla.reference`) for any request but a bad one."""
+def _mla_backend(requested: str, platform: str, device_kind: str | None) -> AttentionBackend:
+    """The MLA functions (`pallas_kernels.mla`) by the table of `_select`: the Mosaic
+    kernel on TPU (sized for ``device_kind``), Triton's on GPU or, for ``pallas`` on
+    CPU, interpreted; the reference for ``reference``, and for ``auto`` on CPU."""
     _select(requested, "cpu")  # the same validation of the flag
-    mla = importlib.import_module("pallas_kernels.mla.reference")
-    if requested == "pallas":
-        logger.warning("no Pallas multi-head latent attention kernel yet: the reference runs")
-    return AttentionBackend("mla-reference", mla.ragged_paged_mla, mla.update_mla_cache)
+    if requested == "reference" or (requested == "auto" and platform not in ("tpu", "gpu")):
+        return AttentionBackend("mla-reference", *mla_kernels("reference"))
+    if platform in ("tpu", "gpu"):
+        backend = AttentionBackend(f"mla-pallas-{platform}", *mla_kernels(platform))
+        if platform == "tpu" and device_kind is not None:
+            backend = _sized_for(backend, device_kind)
+        return backend
+    attention, update = mla_kernels("gpu")
+    return AttentionBackend(
+        "mla-pallas-gpu-interpret",
+        functools.partial(attention, interpret=True),
+        functools.partial(update, interpret=True),
+    )
 
 
 def _select(requested: str, platform: str) -> AttentionBackend:
@@ -129,3 +147,9 @@ def kernels(name: str) -> tuple[Callable, Callable]:
     attention = importlib.import_module(f"pallas_kernels.ragged_paged_attention.{name}")
     update = importlib.import_module(f"pallas_kernels.kv_cache_update.{name}")
     return attention.ragged_paged_attention, update.update_kv_cache
+
+
+def mla_kernels(name: str) -> tuple[Callable, Callable]:
+    """The MLA attention function and cache write of ``pallas_kernels.mla.{name}``."""
+    mla = importlib.import_module(f"pallas_kernels.mla.{name}")
+    return mla.ragged_paged_mla, mla.update_mla_cache

@@ -6,12 +6,15 @@ the output (donate it and the write is in place). Each program loads its token's
 tokens) and stores them at its slot of the cache viewed as ``[P * S, 2 * Hkv * D]``,
 with a masked store: a slot outside ``[0, P * S)`` writes nothing, and no other byte
 of the cache is touched. The row is processed in power-of-two chunks of at most
-``CHUNK`` values (Triton's block shapes are powers of two).
+``CHUNK`` values (Triton's block shapes are powers of two). `write_rows` is the kernel
+on rows already in the cache's order; the MLA write (`pallas_kernels.mla.gpu`) uses it
+for its latent rows.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +56,25 @@ def update_kv_cache(
 
     In place when the caller's jit donates ``kv_cache`` (the engine's step does).
     """
-    num_pages, page_size, two_hkv, head_dim = kv_cache.shape
-    num_tokens = k.shape[0]
-    row = two_hkv * head_dim
-    new = interleave(k, v, kv_cache.dtype).reshape(num_tokens, row)
+    new = interleave(k, v, kv_cache.dtype)
+    return write_rows(kv_cache, new, slot_mapping, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def write_rows(
+    kv_cache: jax.Array,  # [P, S, *row]
+    new: jax.Array,  # [T, *row], in the cache's dtype
+    slot_mapping: jax.Array,  # [T] int32
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Writes ``new[t]`` (one slot's worth, in the cache's order: K and V interleaved,
+    or an MLA latent row, `pallas_kernels.mla.gpu`) into slot ``slot_mapping[t]``;
+    returns the cache, aliased to it."""
+    num_pages, page_size = kv_cache.shape[:2]
+    num_tokens = new.shape[0]
+    row = math.prod(kv_cache.shape[2:])
+    new = new.reshape(num_tokens, row)
     chunk = min(CHUNK, 1 << (row - 1).bit_length())
     out = pl.pallas_call(
         functools.partial(_kernel, row=row, chunk=chunk),

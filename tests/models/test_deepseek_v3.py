@@ -58,18 +58,41 @@ def test_engine_allocates_and_sizes_the_latent_cache(parallel, tmp_path):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
-@pytest.mark.parametrize("requested", ["auto", "pallas", "reference"])
+MLA_TABLE = {  # (requested, platform) -> backend name, `pallas_kernels.mla` module
+    ("auto", "cpu"): ("mla-reference", "reference"),
+    ("auto", "gpu"): ("mla-pallas-gpu", "gpu"),
+    ("auto", "tpu"): ("mla-pallas-tpu", "tpu"),
+    ("pallas", "cpu"): ("mla-pallas-gpu-interpret", "gpu"),
+    ("pallas", "gpu"): ("mla-pallas-gpu", "gpu"),
+    ("pallas", "tpu"): ("mla-pallas-tpu", "tpu"),
+    ("reference", "cpu"): ("mla-reference", "reference"),
+    ("reference", "gpu"): ("mla-reference", "reference"),
+    ("reference", "tpu"): ("mla-reference", "reference"),
+}
+
+
+@pytest.mark.parametrize("requested, platform", sorted(MLA_TABLE))
 def test_an_mla_model_gets_the_mla_functions(requested, platform):
     """The latent cache is read and written only by `pallas_kernels.mla` (the GQA
-    kernels would misread its rows), whatever the platform; a bad flag still fails."""
-    from pallas_kernels.mla import ragged_paged_mla, update_mla_cache
+    kernels would misread its rows): the platform's kernels as for GQA, the reference
+    where asked and for ``auto`` on CPU; a bad flag still fails."""
+    import importlib
 
+    name, module = MLA_TABLE[requested, platform]
+    mla = importlib.import_module(f"pallas_kernels.mla.{module}")
     backend = select_attention_backend(requested, platform, mla=True)
-    assert backend.name == "mla-reference"
-    assert (backend.attention_fn, backend.update_fn) == (ragged_paged_mla, update_mla_cache)
+    assert backend.name == name
+    functions = [getattr(f, "func", f) for f in (backend.attention_fn, backend.update_fn)]
+    assert functions == [mla.ragged_paged_mla, mla.update_mla_cache]
     with pytest.raises(ValueError, match="attention-backend"):
         select_attention_backend("flash", platform, mla=True)
+
+
+def test_the_tpu_mla_kernel_is_sized_for_its_generation():
+    from jaxengine.hardware import chip_named
+
+    backend = select_attention_backend("auto", "tpu", device_kind="TPU v6 lite", mla=True)
+    assert backend.attention_fn.keywords["vmem_limit_bytes"] == chip_named("v6e").vmem_limit_bytes
 
 
 def test_unsupported_options_are_refused_not_ignored():
