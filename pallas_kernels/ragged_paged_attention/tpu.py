@@ -34,6 +34,8 @@ Block sizes (`choose_blocks`), from the shapes, overridable by keyword:
 ``heads_per_block`` every KV head, halved while the VMEM estimate exceeds
                     ``vmem_limit_bytes`` (default 16 MiB, the scoped VMEM of v5e)
                     and the half still moves a multiple of 8 cache rows
+(then)              ``block_q`` halved down to the sublane packing, then
+                    ``pages_per_block`` down to one page, while it still exceeds
 ==================  ===========================================================
 
 Nothing here calls `pltpu.get_tpu_info()`: the limits come in as arguments, so the
@@ -103,13 +105,17 @@ def choose_blocks(
     sub = _sublanes(dtype)
     block_q = sub if num_tokens <= 2 * num_reqs else max(64, sub)
     pages = max(1, min(max_pages, KV_POSITIONS_PER_BLOCK // page_size))
-    heads = num_kv_heads
-    blocks = Blocks(block_q, pages, heads)
-    too_big = vmem_bytes(blocks, group, page_size, head_dim, dtype) > vmem_limit_bytes
-    while heads % _HEAD_ROWS_ALIGN == 0 and too_big:
-        heads //= 2
-        blocks = Blocks(block_q, pages, heads)
-        too_big = vmem_bytes(blocks, group, page_size, head_dim, dtype) > vmem_limit_bytes
+    blocks = Blocks(block_q, pages, num_kv_heads)
+
+    def fits(b: Blocks) -> bool:
+        return vmem_bytes(b, group, page_size, head_dim, dtype) <= vmem_limit_bytes
+
+    while not fits(blocks) and blocks.heads_per_block % _HEAD_ROWS_ALIGN == 0:
+        blocks = dataclasses.replace(blocks, heads_per_block=blocks.heads_per_block // 2)
+    while not fits(blocks) and blocks.block_q > sub:
+        blocks = dataclasses.replace(blocks, block_q=blocks.block_q // 2)
+    while not fits(blocks) and blocks.pages_per_block > 1:
+        blocks = dataclasses.replace(blocks, pages_per_block=blocks.pages_per_block // 2)
     return blocks
 
 
