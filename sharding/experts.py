@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.layers.mlp import routed_experts
 
-EXPERTS = P("tensor", None, None)  # [E, out, in] split by expert
+EXPERTS = P("tensor", None, None)  # [E, in, out] split by expert
 SCALES = P("tensor", None)  # [E, out]: quantized experts' per-row scales
 
 

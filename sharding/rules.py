@@ -6,8 +6,9 @@ Layers name their axes (``vocab``, ``embed``, ``q_heads``, ``kv_heads``, ``mlp``
 
 A mesh axis is used at most once per array: the first logical axis (left to right)
 that maps to it takes it, later ones stay replicated. That is how the expert weights
-``[expert, mlp, embed]`` are split by expert under expert parallelism and by their
-``mlp`` columns under tensor parallelism, from one table each.
+(``[expert, embed, mlp]`` gate and up, ``[expert, mlp, embed]`` down: `layers.mlp`) are
+split by expert under expert parallelism and by their ``mlp`` axis under tensor
+parallelism, from one table each.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def logical_to_mesh(spec: PartitionSpec, rules: Rules = TENSOR_PARALLEL_RULES) -
     """One logical PartitionSpec as mesh axes; each mesh axis used once (see module doc).
 
     With expert parallelism the ``expert`` rule comes first, so in
-    ``[expert, mlp, embed]`` the experts take `tensor` and ``mlp`` stays whole.
+    ``[expert, embed, mlp]`` the experts take `tensor` and ``mlp`` stays whole.
     """
     chosen: list[Any] = [_axis_for(name, rules) for name in spec]
     priority = [logical for logical, _ in rules]

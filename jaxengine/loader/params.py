@@ -6,7 +6,10 @@ their Hugging Face names (`checkpoint_names`: the decoders' `layers.decoder.hf_p
 or a family's own, such as `models.bert`'s). Every leaf must be filled
 exactly once with the right shape, else `CheckpointError` names the tensor. A model
 with `fused_projections` holds ``qkv_proj`` and ``gate_up_proj``: the checkpoint's
-q/k/v and gate/up tensors are concatenated into them here, once.
+q/k/v and gate/up tensors are concatenated into them here, once. The MoE experts are
+stored ``[E, in, out]`` (`layers.mlp.checkpoint_transposed`): their tensors are read
+and checked as the checkpoint orients them (``[out, in]``) and swapped as they are
+placed, once.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_param_path
 from jaxengine.models.layers.lora import LORA_LEAVES
 from jaxengine.models.layers.metadata import AttentionMetadata
+from jaxengine.models.layers.mlp import checkpoint_transposed
 from jaxengine.models.layers.quant import METHODS, quantize
 
 NameMapper = Callable[[str], tuple[tuple[str, ...], int | None] | None]
@@ -327,7 +331,9 @@ def _fill(
 ) -> None:
     """Places a complete leaf. A float tensor for a quantized leaf (`layers.quant`) is
     quantized here with the model's scheme, filling the sibling ``_scale`` leaves
-    too; a tensor stored in the leaf's own dtype (a quantized checkpoint) goes as is."""
+    too; a tensor stored in the leaf's own dtype (a quantized checkpoint) goes as is.
+    ``array`` and ``leaf`` are as the checkpoint orients them (`tensor_slot`); a leaf
+    stored transposed (`checkpoint_transposed`) is swapped here."""
     if is_quantized(leaf.dtype) and np.dtype(array.dtype) != np.dtype(leaf.dtype):
         leaves = quantize(array, scheme, np)
     elif is_quantized(array.dtype) and not is_quantized(leaf.dtype):
@@ -341,6 +347,8 @@ def _fill(
         target = (*path[:-1], path[-1] + suffix)
         sharding = leaf_at(placement, target) if placement else None
         dtype = leaf.dtype if not suffix else value.dtype
+        if checkpoint_transposed(target[-1], value.ndim):
+            value = value.swapaxes(-1, -2)  # a view: each shard is copied out of it
         _tree_set(out, target, place(value, dtype, sharding))
 
 
@@ -352,7 +360,9 @@ def tensor_slot(
     ``mapped`` is the tensor's ``(path, index)`` from `checkpoint_names`. ``index`` is
     None (the tensor is the whole leaf), an int (one expert of a stacked leaf) or a
     slice of rows (one projection of a fused leaf); ``parts`` is how many tensors fill
-    the leaf. Checks the tensor's shape against its place.
+    the leaf; ``leaf`` its shape and dtype as the checkpoint orients it (a leaf stored
+    transposed, `layers.mlp.checkpoint_transposed`, swapped back). Checks the tensor's
+    shape against its place.
     """
     if mapped is None:
         return None
@@ -371,6 +381,9 @@ def tensor_slot(
         if path[-1] in KV_SCALES:  # the cache is not fp8: nothing uses them
             return None
         raise CheckpointError(f"{source}: tensor {name!r} has no place in the model")
+    if checkpoint_transposed(path[-1], len(leaf.shape)):  # stored [E, in, out]
+        *lead, inp, out = leaf.shape
+        leaf = jax.ShapeDtypeStruct((*lead, out, inp), leaf.dtype)
     if np.dtype(leaf.dtype) == np.uint8 and np.dtype(array.dtype) != np.uint8:
         # a float weight for packed int4 (two per byte): the float shape, packed at _fill
         leaf = jax.ShapeDtypeStruct((*leaf.shape[:-1], 2 * leaf.shape[-1]), leaf.dtype)

@@ -22,16 +22,19 @@ Checkpoint layout (transformers 5.x, float weights): the router is ``mlp.router`
 ``mlp.experts.gate_up_proj [E, H, 2I]`` whose columns interleave gate and up (gate at
 even columns), ``gate_up_proj_bias [E, 2I]`` (the same interleaving),
 ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]``. `GptOssForCausalLM.split_tensors`
-cuts them at load into the shared stacked layout ``experts_{gate,up,down}_proj
-[E, out, in]`` (and ``_bias [E, out]``): the layout quantized experts (`layers.quant`)
-and expert parallelism (`sharding.experts`) already use.
+cuts them at load into the shared stacked experts ``experts_{gate,up,down}_proj``
+(and ``_bias [E, out]``), handed on as every checkpoint's experts are, ``[E, out, in]``
+views; the loader stores them ``[E, in, out]`` (`layers.mlp`), the fused tensors'
+own layout, so the two swaps cancel and nothing is copied but each column half.
 
 MXFP4 checkpoints (``quant_method: mxfp4``, the published ones) store the expert
 weights as ``gate_up_proj_blocks [E, 2I, H / 32, 16]`` and ``gate_up_proj_scales
 [E, 2I, H / 32]`` (rows already ``[out, in]``, gate at even rows), ``down_proj_blocks
 [E, H, I / 32, 16]`` and ``down_proj_scales`` (`loader.mxfp4`); their rows are cut the
-same way into the stacked ``mxfp4`` leaves ``experts_*_proj`` (uint8 ``[E, out,
-in / 2]``) and ``experts_*_proj_scale`` (uint8 ``[E, out, in / 32]``), bytes unchanged.
+same way into the stacked ``mxfp4`` leaves, which the loader stores transposed
+(`layers.quant.transposed`): ``experts_*_proj`` (uint8 ``[E, in / 2, out]``, each byte
+still two consecutive input columns) and ``experts_*_proj_scale`` (uint8 ``[E, in / 32,
+out]``), bytes unchanged; the step dequantizes them straight into ``[E, in, out]``.
 """
 
 from __future__ import annotations
@@ -77,16 +80,17 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
 
 
 def _expert_tensors(prefix: str, leaf: str, array: np.ndarray) -> Iterator[tuple[str, Any]]:
-    """One fused expert tensor (``leaf`` under ``prefix``, `_EXPERTS` stripped) in the
-    shared stacked layout: ``[E, out, in]`` weights, ``[E, out]`` biases."""
+    """One fused expert tensor (``leaf`` under ``prefix``, `_EXPERTS` stripped) as the
+    shared stacked experts' checkpoint tensors: ``[E, out, in]`` weights (views, which
+    the loader swaps back), ``[E, out]`` biases."""
     if leaf == "gate_up_proj":  # [E, H, 2I], gate at even columns
         for name, cols in (("gate", array[..., 0::2]), ("up", array[..., 1::2])):
-            yield f"{prefix}.mlp.experts_{name}_proj", np.ascontiguousarray(cols.transpose(0, 2, 1))
+            yield f"{prefix}.mlp.experts_{name}_proj", cols.transpose(0, 2, 1)
     elif leaf == "gate_up_proj_bias":  # [E, 2I]
         yield f"{prefix}.mlp.experts_gate_proj_bias", np.ascontiguousarray(array[:, 0::2])
         yield f"{prefix}.mlp.experts_up_proj_bias", np.ascontiguousarray(array[:, 1::2])
     elif leaf == "down_proj":  # [E, I, H]
-        yield f"{prefix}.mlp.experts_down_proj", np.ascontiguousarray(array.transpose(0, 2, 1))
+        yield f"{prefix}.mlp.experts_down_proj", array.transpose(0, 2, 1)
     elif leaf == "down_proj_bias":  # [E, H]
         yield f"{prefix}.mlp.experts_down_proj_bias", array
     elif leaf.endswith(tuple(_MXFP4_PARTS)):
@@ -100,15 +104,16 @@ _MXFP4_PARTS = {"_blocks": "", "_scales": "_scale"}
 
 
 def _mxfp4_tensors(prefix: str, leaf: str, array: np.ndarray) -> Iterator[tuple[str, Any]]:
-    """An MXFP4 expert tensor (module docstring) as its stacked ``mxfp4`` leaves:
-    blocks ``[E, out, G, 16]`` -> ``[E, out, G * 16]`` packed bytes, scales ``[E, out, G]``."""
+    """An MXFP4 expert tensor (module docstring) as its stacked ``mxfp4`` leaves'
+    checkpoint tensors (views, which the loader stores transposed): blocks ``[E, out,
+    G, 16]`` -> ``[E, out, G * 16]`` packed bytes, scales ``[E, out, G]``."""
     proj, suffix = next(
         (leaf.removesuffix(p), s) for p, s in _MXFP4_PARTS.items() if leaf.endswith(p)
     )
     rows = array.reshape(*array.shape[:2], -1) if suffix == "" else array  # [E, out, bytes or G]
     if proj == "gate_up_proj":  # gate at even rows, up at odd ones
-        yield f"{prefix}.mlp.experts_gate_proj{suffix}", np.ascontiguousarray(rows[:, 0::2])
-        yield f"{prefix}.mlp.experts_up_proj{suffix}", np.ascontiguousarray(rows[:, 1::2])
+        yield f"{prefix}.mlp.experts_gate_proj{suffix}", rows[:, 0::2]
+        yield f"{prefix}.mlp.experts_up_proj{suffix}", rows[:, 1::2]
     elif proj == "down_proj":
         yield f"{prefix}.mlp.experts_down_proj{suffix}", rows
     else:

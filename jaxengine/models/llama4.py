@@ -116,10 +116,8 @@ class Llama4MoE(nn.Module):
         logits = Linear(e, ("expert", "embed"), False, cfg.dtype, name="router")(x)  # [T, E]
         scores, experts = route(logits, cfg.routing, k, renormalize=False)  # [T, K]
         gate_up, down = FusedExperts(cfg, name="experts")()
-        # [E, out, in] as `routed_experts` takes them (its transpose back cancels out)
-        w_gate = jnp.swapaxes(gate_up[..., :width], 1, 2)
-        w_up = jnp.swapaxes(gate_up[..., width:], 1, 2)
-        w_down = jnp.swapaxes(down, 1, 2)
+        # [E, in, out], as `routed_experts` takes them
+        w_gate, w_up, w_down = gate_up[..., :width], gate_up[..., width:], down
         fn = self.experts_fn or routed_experts
         act = activation(cfg.hidden_act)
         ones = jnp.ones((x.shape[0], 1), jnp.float32)

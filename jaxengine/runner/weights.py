@@ -38,6 +38,7 @@ from jaxengine.loader.params import (
     plain_tree,
     tensor_slot,
 )
+from jaxengine.models.layers.mlp import checkpoint_transposed
 from jaxengine.models.layers.quant import quantize
 
 Path = tuple[str, ...]
@@ -129,7 +130,9 @@ def apply_update(params: Any, plan: dict[Path, list[Piece]], layout: WeightLayou
 
 def _new_leaves(tree: dict, path: Path, pieces: list[Piece], leaf: Any, scheme: Any) -> dict:
     """target path -> new array, for every leaf the pieces write (a quantized weight
-    writes its ``_scale`` sibling too)."""
+    writes its ``_scale`` sibling too). Pieces come as the checkpoint orients them;
+    a leaf stored transposed (the MoE experts, `checkpoint_transposed`) takes them
+    swapped."""
     out: dict[Path, Any] = {}
     for index, array in pieces:
         parts = {"": array}
@@ -138,6 +141,8 @@ def _new_leaves(tree: dict, path: Path, pieces: list[Piece], leaf: Any, scheme: 
         for suffix, value in parts.items():
             target = (*path[:-1], path[-1] + suffix)
             old = out.get(target, leaf_at(tree, target))
+            if checkpoint_transposed(target[-1], old.ndim):  # [E, in, out]
+                value = value.swapaxes(-1, -2)
             out[target] = _written(old, value, index)
     return out
 

@@ -50,10 +50,10 @@ def hf_tensors(params: dict):
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = [k.key.replace("layers_", "layers.") for k in path]
         name = ".".join(keys)
-        if keys[-1].startswith("experts_"):  # stacked [E, ...] -> one tensor per expert
+        if keys[-1].startswith("experts_"):  # stacked [E, in, out] -> per expert [out, in]
             prefix, proj = ".".join(keys[:-1]), keys[-1].removeprefix("experts_")
             for e, expert in enumerate(np.asarray(leaf)):
-                yield f"{prefix}.experts.{e}.{proj}.weight", expert
+                yield f"{prefix}.experts.{e}.{proj}.weight", expert.T
         else:
             yield name, np.asarray(leaf)
 

@@ -173,8 +173,9 @@ def test_experts_stay_4bit_and_match_the_dequantized_model(checkpoints):
         moe = loaded.params["model"][f"layers_{i}"]["mlp"]
         for proj, (out, inp) in {"gate": (32, 64), "up": (32, 64), "down": (64, 32)}.items():
             weight, scale = moe[f"experts_{proj}_proj"], moe[f"experts_{proj}_proj_scale"]
-            assert weight.dtype == jnp.uint8 and weight.shape == (8, out, inp // 2)
-            assert scale.dtype == jnp.uint8 and scale.shape == (8, out, inp // 32)
+            # stored [E, in, out] (the grouped matmul's layout), bytes still along the input
+            assert weight.dtype == jnp.uint8 and weight.shape == (8, inp // 2, out)
+            assert scale.dtype == jnp.uint8 and scale.shape == (8, inp // 32, out)
             stored += weight.nbytes + scale.nbytes
             bf16 += 8 * out * inp * 2
         attn = loaded.params["model"][f"layers_{i}"]["self_attn"]
@@ -183,7 +184,8 @@ def test_experts_stay_4bit_and_match_the_dequantized_model(checkpoints):
     # the bytes as the checkpoint holds them: gate at its even rows, up at its odd ones
     blocks = tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"]  # [E, 2I, G, 16]
     moe = loaded.params["model"]["layers_1"]["mlp"]
-    np.testing.assert_array_equal(moe["experts_up_proj"], blocks[:, 1::2].reshape(8, 32, 32))
+    want = blocks[:, 1::2].reshape(8, 32, 32).transpose(0, 2, 1)  # [E, in / 2, out]
+    np.testing.assert_array_equal(moe["experts_up_proj"], want)
 
     prompts = [list(p[:n]) for p, n in zip(default_prompts(256), (11, 9, 22, 5), strict=True)]
     outs = []
@@ -204,8 +206,8 @@ def test_expert_parallel_splits_the_packed_experts(checkpoints):
         ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True), jax.devices()[:2]
     )
     moe = _load(mxfp4_dir, placement).params["model"]["layers_0"]["mlp"]
-    shards = {"experts_gate_proj": (4, 32, 32), "experts_gate_proj_scale": (4, 32, 2),
-              "experts_down_proj": (4, 64, 16), "experts_down_proj_scale": (4, 64, 1)}  # fmt: skip
+    shards = {"experts_gate_proj": (4, 32, 32), "experts_gate_proj_scale": (4, 2, 32),
+              "experts_down_proj": (4, 16, 64), "experts_down_proj_scale": (4, 1, 64)}  # fmt: skip
     for name, shard in shards.items():
         assert moe[name].sharding.spec == P("tensor", None, None), name
         assert {s.data.shape for s in moe[name].addressable_shards} == {shard}, name
@@ -236,7 +238,8 @@ def test_quantization_flag_and_dummy_weights(checkpoints):
     dummy = load_model(ModelConfig(model=str(mxfp4_dir)), LoadConfig(load_format="dummy"))
     moe = dummy.params["model"]["layers_0"]["mlp"]
     assert np.all(np.asarray(moe["experts_down_proj_scale"]) == 127 - 7)
-    weight = dequantize_mxfp4(moe["experts_down_proj"], moe["experts_down_proj_scale"])
+    stored = (moe[f"experts_down_proj{s}"] for s in ("", "_scale"))  # [E, in, out]
+    weight = dequantize_mxfp4(*(leaf.swapaxes(1, 2) for leaf in stored))
     assert 0.01 < float(jnp.std(weight)) < 0.05
 
 

@@ -22,12 +22,14 @@ import pytest
 
 from jaxengine.loader.params import dummy_params, params_from_tensors
 from jaxengine.models import get_model
+from jaxengine.models.layers.mlp import checkpoint_transposed
 from jaxengine.models.layers.quant import (
     METHODS,
     SUFFIXES,
     QuantScheme,
     dequantize,
     quantize,
+    transposed,
 )
 from jaxengine.models.layers.quant import pack_int4 as _pack
 from jaxengine.models.layers.quant import unpack_int4 as _unpack
@@ -60,19 +62,22 @@ def build(family: str, scheme: QuantScheme | str | None, fused: bool = False):
 
 
 def quantized_groups(tree: dict):
-    """``(name, {suffix: leaf})`` of every quantized weight of a parameter tree."""
+    """``(name, {suffix: leaf})`` of every quantized weight of a parameter tree, as
+    ``[..., out, in]`` (the MoE experts' ``[E, in, out]`` leaves swapped back)."""
     for key, value in tree.items():
         if isinstance(value, dict):
             yield from quantized_groups(value)
         elif f"{key}_scale" in tree:
-            yield key, {"": value} | {s: tree[key + s] for s in SUFFIXES if key + s in tree}
+            leaves = {"": value} | {s: tree[key + s] for s in SUFFIXES if key + s in tree}
+            yield key, transposed(leaves) if checkpoint_transposed(key, value.ndim) else leaves
 
 
 def dequantized(tree: dict, scheme: QuantScheme) -> dict:
-    """The float tree: each quantized weight dequantized with numpy."""
+    """The float tree: each quantized weight dequantized with numpy, in its layout."""
     out = {k: dequantized(v, scheme) for k, v in tree.items() if isinstance(v, dict)}
     for name, leaves in quantized_groups({k: v for k, v in tree.items() if k not in out}):
-        out[name] = jnp.asarray(dequantize(jax.tree.map(np.asarray, leaves), scheme, np))
+        w = dequantize(jax.tree.map(np.asarray, leaves), scheme, np)
+        out[name] = jnp.asarray(w.swapaxes(-1, -2) if checkpoint_transposed(name, w.ndim) else w)
     sides = {name + s for name in out for s in SUFFIXES}
     return out | {k: v for k, v in tree.items() if k not in out and k not in sides}
 

@@ -50,8 +50,8 @@ def test_mla_weights_split_by_heads(ds_dir, expert_parallel):
         leaf = attn[whole]["weight"]
         assert shard_shapes(leaf) == {leaf.shape}, whole
     moe = params["layers_2"]["mlp"]
-    gate_shards = shard_shapes(moe["experts_gate_proj"])  # [E=8, I=32, H=64]
-    assert gate_shards == ({(2, 32, 64)} if expert_parallel else {(8, 8, 64)})
+    gate_shards = shard_shapes(moe["experts_gate_proj"])  # [E=8, H=64, I=32]
+    assert gate_shards == ({(2, 64, 32)} if expert_parallel else {(8, 64, 8)})
     assert "experts_gate_proj" not in params["layers_1"]["mlp"]  # first_k_dense_replace 2
 
 

@@ -28,7 +28,7 @@ def glm_dir(tmp_path_factory) -> str:
 
 
 EP_EXPERTS = (P("tensor", None, None),) * 3
-TP_EXPERTS = (P(None, "tensor", None), P(None, "tensor", None), P(None, None, "tensor"))
+TP_EXPERTS = (P(None, None, "tensor"), P(None, None, "tensor"), P(None, "tensor", None))
 
 
 @pytest.mark.parametrize(
@@ -38,12 +38,12 @@ TP_EXPERTS = (P(None, "tensor", None), P(None, "tensor", None), P(None, None, "t
 )
 def test_glm4_moe_placement(glm_dir, expert_parallel, experts, bias):
     params = load_placed(glm_dir, expert_parallel)
-    moe = params["layers_1"]["mlp"]  # experts [E, I, H], [E, I, H], [E, H, I]
+    moe = params["layers_1"]["mlp"]  # experts [E, H, I], [E, H, I], [E, I, H]
     names = ("experts_gate_proj", "experts_up_proj", "experts_down_proj")
     for name, spec in zip(names, experts, strict=True):
         assert moe[name].sharding.spec == spec, name
-    gate_shards = shard_shapes(moe["experts_gate_proj"])  # [E=8, I=32, H=64]
-    assert gate_shards == ({(2, 32, 64)} if expert_parallel else {(8, 8, 64)})
+    gate_shards = shard_shapes(moe["experts_gate_proj"])  # [E=8, H=64, I=32]
+    assert gate_shards == ({(2, 64, 32)} if expert_parallel else {(8, 64, 8)})
     assert moe["e_score_correction_bias"].sharding.spec == bias
     assert shard_shapes(moe["e_score_correction_bias"]) == {(2,) if expert_parallel else (8,)}
     shared = moe["shared_experts"]  # [I, H] rows split, [H, I] columns split

@@ -26,16 +26,16 @@ def gpt_oss_dir(tmp_path_factory) -> str:
     return save_tiny(config, tmp_path_factory.mktemp("gpt_oss"), init_range=None)
 
 
-EP = {
-    "experts_gate_proj": (P("tensor", None, None), (2, 32, 64)),
-    "experts_down_proj": (P("tensor", None, None), (2, 64, 32)),
+EP = {  # experts [E, in, out]: gate [8, 64, 32], down [8, 32, 64]
+    "experts_gate_proj": (P("tensor", None, None), (2, 64, 32)),
+    "experts_down_proj": (P("tensor", None, None), (2, 32, 64)),
     "experts_gate_proj_bias": (P("tensor", None), (2, 32)),
     "experts_up_proj_bias": (P("tensor", None), (2, 32)),
     "experts_down_proj_bias": (P("tensor", None), (2, 64)),
 }
 TP = {
-    "experts_gate_proj": (P(None, "tensor", None), (8, 8, 64)),
-    "experts_down_proj": (P(None, None, "tensor"), (8, 64, 8)),
+    "experts_gate_proj": (P(None, None, "tensor"), (8, 64, 8)),
+    "experts_down_proj": (P(None, "tensor", None), (8, 8, 64)),
     "experts_gate_proj_bias": (P(None, "tensor"), (8, 8)),
     "experts_up_proj_bias": (P(None, "tensor"), (8, 8)),
     "experts_down_proj_bias": (P(None, None), (8, 64)),

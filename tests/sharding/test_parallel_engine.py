@@ -175,7 +175,7 @@ def moe_reference(moe_dir) -> Reference:
 
 @pytest.mark.parametrize(
     "expert_parallel, spec",
-    [(True, P("tensor", None, None)), (False, P(None, "tensor", None))],
+    [(True, P("tensor", None, None)), (False, P(None, None, "tensor"))],  # [E, H, I]
     ids=["ep4", "tp4-experts-split-by-columns"],
 )
 def test_moe_expert_parallel(moe_dir, moe_reference, expert_parallel, spec):

@@ -99,13 +99,20 @@ class Linear(nn.Module):
 
 
 def quantized_params(
-    module: nn.Module, name: str, shape: tuple, axes: tuple, scheme: quant.QuantScheme
+    module: nn.Module,
+    name: str,
+    shape: tuple,
+    axes: tuple,
+    scheme: quant.QuantScheme,
+    transpose: bool = False,
 ) -> dict:
-    """Declares the leaves storing float weight ``name`` of ``shape`` under ``scheme``
-    (`quant.leaf_specs`: ``name`` and its ``_scale``...) on ``module``; returns them by
-    suffix. They start at zero (scales at one): a checkpoint or dummy fill replaces them."""
+    """Declares the leaves storing float weight ``name`` of ``shape [..., out, in]``
+    under ``scheme`` (`quant.leaf_specs`: ``name`` and its ``_scale``...; ``transpose``:
+    stored ``[..., in, out]``) on ``module``; returns them by suffix. They start at zero
+    (scales at one): a checkpoint or dummy fill replaces them."""
     leaves = {}
-    for suffix, (leaf_shape, dtype, leaf_axes) in quant.leaf_specs(scheme, shape, axes).items():
+    specs = quant.leaf_specs(scheme, shape, axes, transpose)
+    for suffix, (leaf_shape, dtype, leaf_axes) in specs.items():
         fill = nn.initializers.ones if suffix == "_scale" else nn.initializers.zeros
         init = nn.with_logical_partitioning(fill, leaf_axes)
         leaves[suffix] = module.param(name + suffix, init, leaf_shape, dtype)

@@ -1,5 +1,11 @@
 """Gated MLP (gate/up/down) and a sparse mixture of experts with grouped matmuls
-(routes from `layers.routing`, an optional shared expert)."""
+(routes from `layers.routing`, an optional shared expert).
+
+The experts are stacked ``[E, in, out]``, the layout `jax.lax.ragged_dot` takes (a
+weight stored as the checkpoint's ``[E, out, in]`` was transposed, a copy of every
+expert, in every step); the loader swaps each checkpoint tensor once
+(`checkpoint_transposed`).
+"""
 
 from __future__ import annotations
 
@@ -55,6 +61,20 @@ class GatedMLP(nn.Module):
         return down(hidden, lora_slots)
 
 
+TRANSPOSED_EXPERTS = ("experts_gate_proj", "experts_up_proj", "experts_down_proj")
+"""`SparseMoE`'s stacked weights, stored ``[E, in, out]``: their checkpoint tensors'
+transposes."""
+
+
+def checkpoint_transposed(name: str, ndim: int) -> bool:
+    """Whether the parameter leaf ``name`` of ``ndim`` dimensions holds the transpose
+    (last two axes) of what a checkpoint gives for it (``[E, out, in]``, or ``[out,
+    in]`` per expert): a `TRANSPOSED_EXPERTS` weight, or its grouped scales and
+    offsets (`quant.transposed`; per-row ones ``[E, out]`` are not)."""
+    base = next((name.removesuffix(s) for s in quant.SUFFIXES if name.endswith(s)), name)
+    return base in TRANSPOSED_EXPERTS and ndim == 3
+
+
 def clamped_swiglu(alpha: float, limit: float):
     """gpt-oss's expert activation ``(gate, up) -> hidden``: the gate clipped above at
     ``limit``, the up projection to ``[-limit, limit]``, then
@@ -85,10 +105,11 @@ def routed_experts(
     """Weighted sum of the routed experts' outputs, for the experts these weights hold.
 
     ``x [T, H]``, ``weights``/``experts [T, K]`` (routing), stacked weights
-    ``w_gate``/``w_up [E', I, H]`` and ``w_down [E', H, I]`` of experts
-    ``first_expert .. first_expert + E'``. Rows are sorted by expert and each expert
-    runs one `jax.lax.ragged_dot` group; routes to experts held elsewhere sort last,
-    outside every group, and weigh zero. No token is dropped (no capacity limit).
+    ``[E', in, out]``: ``w_gate``/``w_up [E', H, I]`` and ``w_down [E', I, H]`` of experts
+    ``first_expert .. first_expert + E'``, read as `jax.lax.ragged_dot` takes them. Rows
+    are sorted by expert and each expert runs one `jax.lax.ragged_dot` group; routes to
+    experts held elsewhere sort last, outside every group, and weigh zero. No token is
+    dropped (no capacity limit).
     ``scales`` (quantized experts, `layers.quant`): the per-row scales ``[E', out]``
     of the three weights, applied to each row's result by its expert.
     ``biases`` (gpt-oss): ``[E', I]``, ``[E', I]``, ``[E', H]`` added to each row's
@@ -110,8 +131,8 @@ def routed_experts(
     s_gate, s_up, s_down = (None, None, None) if scales is None else scales
     b_gate, b_up, b_down = (None, None, None) if biases is None else biases
 
-    def expert_dot(h, w, s, b=None):  # [T*K, in] x [E', out, in] -> [T*K, out]
-        y = jax.lax.ragged_dot(h, jnp.swapaxes(w, 1, 2).astype(dtype), group_sizes)
+    def expert_dot(h, w, s, b=None):  # [T*K, in] x [E', in, out] -> [T*K, out]
+        y = jax.lax.ragged_dot(h, w.astype(dtype), group_sizes)
         y = y if s is None else y * s[row_expert].astype(dtype)
         return y if b is None else y + b[row_expert].astype(dtype)
 
@@ -128,7 +149,9 @@ class SparseMoE(nn.Module):
     """Top-k routed experts (Qwen3-MoE layout), computed with `jax.lax.ragged_dot`.
 
     Parameters: ``gate.weight [E, H]`` (the router) and the experts stacked on a
-    leading axis: ``experts.{gate_proj,up_proj,down_proj}`` of ``[E, out, in]``. The
+    leading axis, ``[E, in, out]`` (module docstring): ``experts_gate_proj`` and
+    ``experts_up_proj [E, H, I]``, ``experts_down_proj [E, I, H]``; quantized, their
+    `layers.quant` leaves stored transposed (per-row scales ``[E, out]``). The
     expert computation is injected (``experts_fn``, `routed_experts` by default) so
     `sharding/` can run it per expert shard. Routing follows ``config.routing``
     (`layers.routing.route`); with its ``correction_bias`` the layer holds
@@ -157,25 +180,24 @@ class SparseMoE(nn.Module):
             bias = self.param("e_score_correction_bias", init, (e,), jnp.float32)
         weights, experts = route(router, cfg.routing, k, cfg.norm_topk_prob, bias)  # [T, K]
 
-        def stacked(name: str, shape: tuple[int, ...], axes: tuple[str, ...]):
-            """The stacked weight, and its per-row scales when quantized per row.
-            Grouped and int4 weights are dequantized here, to ``dtype``."""
+        def stacked(name: str, out: tuple[int, str], inp: tuple[int, str]):
+            """The stacked weight ``[E, in, out]`` (``out``/``inp``: size and logical
+            axis), and its per-row scales ``[E, out]`` when quantized per row. Grouped
+            and int4 weights are dequantized here, to ``dtype``, in that layout."""
             scheme = cfg.quantization
             if scheme is None:
-                init = nn.with_logical_partitioning(_normal(), axes)
-                return self.param(name, init, shape, cfg.dtype), None
-            leaves = quantized_params(self, name, shape, axes, scheme)
+                init = nn.with_logical_partitioning(_normal(), ("expert", inp[1], out[1]))
+                return self.param(name, init, (e, inp[0], out[0]), cfg.dtype), None
+            shape, axes = (e, out[0], inp[0]), ("expert", out[1], inp[1])  # [E, out, in]
+            leaves = quantized_params(self, name, shape, axes, scheme, transpose=True)
             if scheme.group_size or scheme.has_offset:
-                return quant.dequantize(leaves, scheme).astype(cfg.dtype), None
+                return quant.dequantize(leaves, scheme, transpose=True).astype(cfg.dtype), None
             return leaves[""], leaves["_scale"]
 
-        w_gate, s_gate = stacked(
-            "experts_gate_proj", (e, width, hidden), ("expert", "mlp", "embed")
-        )
-        w_up, s_up = stacked("experts_up_proj", (e, width, hidden), ("expert", "mlp", "embed"))
-        w_down, s_down = stacked(
-            "experts_down_proj", (e, hidden, width), ("expert", "embed", "mlp")
-        )
+        mlp, embed = (width, "mlp"), (hidden, "embed")
+        w_gate, s_gate = stacked("experts_gate_proj", out=mlp, inp=embed)  # [E, H, I]
+        w_up, s_up = stacked("experts_up_proj", out=mlp, inp=embed)
+        w_down, s_down = stacked("experts_down_proj", out=embed, inp=mlp)  # [E, I, H]
         scales = None if s_gate is None else (s_gate, s_up, s_down)
         fn = self.experts_fn or routed_experts
         act = activation(cfg.hidden_act)

@@ -24,6 +24,13 @@ row, ``[..., out, in / group_size]`` grouped; uint8 exponents for ``mxfp4``) and
 with ``act_order`` (GPTQ's ``desc_act``), ``<w>_g_idx [in]``: each input column's
 group, in any order.
 
+A weight may also be stored transposed, ``[..., in, out]`` (the layout a grouped
+matmul takes: `layers.mlp`'s stacked experts): then the leaves of the weight's rank
+(the values, grouped scales and offsets ``[..., in / group_size, out]``; packed bytes
+``[..., in / 2, out]``, each byte still two consecutive input columns) have their last
+two axes swapped (`transposed`), and per-row scales and offsets ``[..., out]`` and
+``_g_idx`` are unchanged.
+
 `quantized_linear` is the matmul (the weight converted inside it, a per-row scale
 applied to the result); `dequantize` is its reference. `quantize` is the one
 quantizer, for numpy (the loader) and jnp (tests) alike: pass the module as ``xp``.
@@ -96,9 +103,34 @@ class QuantScheme:
         return f"{self.method}{group}{', act-order' if self.act_order else ''}"
 
 
-def leaf_specs(scheme: QuantScheme, shape: tuple[int, ...], axes: tuple) -> dict:
+def leaf_specs(
+    scheme: QuantScheme, shape: tuple[int, ...], axes: tuple, transpose: bool = False
+) -> dict:
     """``{suffix: (shape, dtype, logical axes)}`` of the leaves storing a weight of
-    float ``shape [..., out, in]`` with logical ``axes``; suffix "" is the weight."""
+    float ``shape [..., out, in]`` with logical ``axes``; suffix "" is the weight.
+    ``transpose``: the leaves stored ``[..., in, out]`` (module docstring)."""
+    specs = _leaf_specs(scheme, shape, axes)
+    if not transpose:
+        return specs
+    return {
+        suffix: (_swap(s), dtype, _swap(a)) if len(s) == len(shape) else (s, dtype, a)
+        for suffix, (s, dtype, a) in specs.items()
+    }
+
+
+def _swap(dims: tuple) -> tuple:
+    return (*dims[:-2], dims[-1], dims[-2])
+
+
+def transposed(leaves: dict) -> dict:
+    """The leaves of a weight stored ``[..., in, out]`` from its ``[..., out, in]``
+    leaves, or back (the same swap): those of the weight's rank have their last two
+    axes swapped, the others (per-row scales, ``_g_idx``) are kept. numpy or jax."""
+    rank = leaves[""].ndim
+    return {s: v.swapaxes(-1, -2) if v.ndim == rank else v for s, v in leaves.items()}
+
+
+def _leaf_specs(scheme: QuantScheme, shape: tuple[int, ...], axes: tuple) -> dict:
     *lead, out, inp = shape
     packed = inp // 2 if scheme.packed else inp
     specs = {"": ((*lead, out, packed), METHODS[scheme.method][0], axes)}
@@ -118,10 +150,13 @@ def leaf_specs(scheme: QuantScheme, shape: tuple[int, ...], axes: tuple) -> dict
     return specs
 
 
-def unpack_int4(packed: Any, xp: Any = jnp) -> Any:
-    """``[..., n / 2]`` bytes -> ``[..., n]`` values 0..15 (low nibble first)."""
+def unpack_int4(packed: Any, xp: Any = jnp, axis: int = -1) -> Any:
+    """``[..., n / 2]`` bytes -> ``[..., n]`` values 0..15 (low nibble first), along
+    ``axis`` (-1, or -2 for a weight stored ``[..., in / 2, out]``)."""
     low, high = packed & 15, packed >> 4
-    return xp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    shape = list(packed.shape)
+    shape[axis] *= 2
+    return xp.stack([low, high], axis=axis % packed.ndim + 1).reshape(shape)
 
 
 def pack_int4(values: Any, xp: Any = jnp) -> Any:
@@ -130,42 +165,63 @@ def pack_int4(values: Any, xp: Any = jnp) -> Any:
     return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(xp.uint8)
 
 
-def dequantize(leaves: dict, scheme: QuantScheme, xp: Any = jnp) -> Any:
+def dequantize(leaves: dict, scheme: QuantScheme, xp: Any = jnp, transpose: bool = False) -> Any:
     """The float32 weight ``[..., out, in]`` of the ``leaves`` (`leaf_specs` suffixes
-    -> arrays): the reference of `quantized_linear`."""
+    -> arrays): the reference of `quantized_linear`. ``transpose``: leaves stored
+    ``[..., in, out]`` (`transposed`), and the weight comes out so, computed in that
+    layout: no transpose of the result (a copy of the whole weight)."""
+    axis = -2 if transpose else -1  # the input axis
     if scheme.method == "mxfp4":
-        return dequantize_mxfp4(leaves[""], leaves["_scale"], xp)
+        return dequantize_mxfp4(leaves[""], leaves["_scale"], xp, transpose)
     q = leaves[""]
-    q = unpack_int4(q, xp) if scheme.method == "int4" else q
-    q = q.astype(xp.float32)
-    scale = xp.asarray(leaves["_scale"], dtype=xp.float32)
-    if not scheme.group_size:
-        w = q * scale[..., None]
-        return w + xp.asarray(leaves["_offset"])[..., None] if scheme.has_offset else w
-    if scheme.act_order:  # each column's group, in any order: a gather
-        groups = xp.broadcast_to(leaves["_g_idx"][..., None, :], q.shape)  # [..., out, in]
-
-        def per_column(side: Any) -> Any:
-            return xp.take_along_axis(xp.asarray(side, dtype=xp.float32), groups, axis=-1)
-
-        w = q * per_column(scale)
-        return w + per_column(leaves["_offset"]) if scheme.has_offset else w
-    # contiguous groups: a broadcast over [..., out, G, group_size]
-    g = q.reshape(*q.shape[:-1], scale.shape[-1], scheme.group_size) * scale[..., None]
-    if scheme.has_offset:
-        g = g + xp.asarray(leaves["_offset"], dtype=xp.float32)[..., None]
-    return g.reshape(q.shape)
+    q = unpack_int4(q, xp, axis) if scheme.method == "int4" else q
+    q, shape = q.astype(xp.float32), q.shape
+    sides = [xp.asarray(leaves[s], dtype=xp.float32) for s in ("_scale", "_offset") if s in leaves]
+    if not scheme.group_size:  # per row: [..., out]
+        sides = [s[..., None, :] if transpose else s[..., None] for s in sides]
+    elif scheme.act_order:  # each input's group, in any order: a gather
+        g_idx = leaves["_g_idx"]
+        groups = xp.broadcast_to(g_idx[..., None] if transpose else g_idx[..., None, :], q.shape)
+        sides = [xp.take_along_axis(s, groups, axis=axis) for s in sides]
+    else:  # contiguous groups: a broadcast over the group's inputs
+        q = _grouped(q, scheme.group_size, transpose)
+        sides = [s[..., None, :] if transpose else s[..., None] for s in sides]
+    w = q * sides[0] + sides[1] if len(sides) > 1 else q * sides[0]
+    return w.reshape(shape)
 
 
-def dequantize_mxfp4(packed: Any, scales: Any, xp: Any = jnp) -> Any:
+def _grouped(q: Any, size: int, transpose: bool) -> Any:
+    """``[..., out, in]`` as ``[..., out, G, size]``; ``[..., in, out]`` as ``[..., G,
+    size, out]``."""
+    if transpose:
+        return q.reshape(*q.shape[:-2], -1, size, q.shape[-1])
+    return q.reshape(*q.shape[:-1], -1, size)
+
+
+def dequantize_mxfp4(packed: Any, scales: Any, xp: Any = jnp, transpose: bool = False) -> Any:
     """float32 ``[..., out, in]`` of e2m1 codes ``packed [..., out, in / 2]`` (uint8,
     column ``2k`` in the low nibble of byte ``k``) and e8m0 exponents ``scales [...,
-    out, in / 32]`` (uint8): ``E2M1[code] * 2^(scale - 127)``. ``xp``: numpy or jnp."""
-    codes = unpack_int4(xp.asarray(packed, dtype=xp.uint8), xp).astype(xp.int32)
-    values = xp.asarray(E2M1, dtype=xp.float32)[codes]  # [..., out, in]
-    exponents = xp.asarray(scales, dtype=xp.uint8).astype(xp.int32) - E8M0_BIAS  # [..., out, G]
-    blocks = values.reshape(*values.shape[:-1], exponents.shape[-1], MXFP4_BLOCK)
-    return xp.ldexp(blocks, exponents[..., None]).reshape(values.shape)
+    out, in / 32]`` (uint8): ``E2M1[code] * 2^(scale - 127)``. ``transpose``: both
+    stored ``[..., in / 2, out]`` and ``[..., in / 32, out]``, the weight ``[..., in,
+    out]``. ``xp``: numpy or jnp.
+
+    Each value comes from its code's bits (``(1 + m / 2) * 2^(e - 1)``, or ``m / 2`` at
+    exponent bits 0), not a lookup in `E2M1`: XLA makes a lookup a gather, with int32
+    indices and float32 values of the whole weight in HBM. The block's ``2^(scale -
+    127)`` multiplies in two halves of at most ``2^64`` each, so neither factor leaves
+    float32's normal range (a product past it is inf or subnormal, as ``ldexp``'s)."""
+    axis = -2 if transpose else -1
+    codes = unpack_int4(xp.asarray(packed, dtype=xp.uint8), xp, axis).astype(xp.int32)
+    exp_bits, mantissa = (codes >> 1) & 3, (codes & 1).astype(xp.float32)
+    power = (1 << xp.maximum(exp_bits - 1, 0)).astype(xp.float32)  # 2^(e - 1), e > 0
+    magnitude = xp.where(exp_bits == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * power)
+    values = _grouped(xp.where(codes >= 8, -magnitude, magnitude), MXFP4_BLOCK, transpose)
+    exponent = xp.asarray(scales, dtype=xp.uint8).astype(xp.int32) - E8M0_BIAS  # [..., G]
+    half = exponent // 2
+    one = xp.ones((), xp.float32)
+    factors = [xp.ldexp(one, e).astype(xp.float32) for e in (half, exponent - half)]
+    factors = [f[..., None, :] if transpose else f[..., None] for f in factors]
+    return (values * factors[0] * factors[1]).reshape(codes.shape)
 
 
 def quantize_mxfp4(weight: Any, xp: Any) -> dict:
