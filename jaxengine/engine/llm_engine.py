@@ -31,7 +31,7 @@ from jaxengine.engine_args import EngineArgs
 from jaxengine.executor.abstract import StepResult
 from jaxengine.inputs import PreparedPrompt
 from jaxengine.logits_processor import resolve_logits_processors, validate_request
-from jaxengine.multimodal.processor import prompt_images
+from jaxengine.multimodal.processor import media_refusal, prompt_images
 from jaxengine.outputs import RequestOutput
 from jaxengine.pooling_params import PoolingParams, plain_token_ids
 from jaxengine.reasoning.budget import budget_support, requested_budget
@@ -70,6 +70,8 @@ class LLMEngine:
         self.images = host.images
         """A vision-language model's image processor (`multimodal.processor`), else None."""
         """A pooling model's pooler (`--runner pooling`), None for a generating one."""
+        self.media_refusal = media_refusal(host.hf_config)
+        """Why media are refused where a multimodal checkpoint runs as text only."""
         self.structured_outputs = None  # (a pooling model samples nothing to constrain)
         if self.pooler is None:
             self.structured_outputs = make_manager(
@@ -148,7 +150,7 @@ class LLMEngine:
             raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
         limit = self.config.multimodal_config.limit("image")
         rows = self.scheduler.limits.encoder_cache_rows
-        text, ids, items = prompt_images(prompt, self.images, limit, rows)
+        text, ids, items = prompt_images(prompt, self.images, limit, rows, self.media_refusal)
         self._check_whole_images(items)
         if not self.config.scheduler_config.enable_chunked_prefill:
             if sum(i.num_embeds for i in items) > rows:

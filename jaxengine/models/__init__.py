@@ -32,8 +32,10 @@ _ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
     "Idefics3ForConditionalGeneration": "idefics3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Gemma4ForConditionalGeneration": "gemma4",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "BertModel": "bert",
     "BertForSequenceClassification": "bert",
@@ -54,9 +56,11 @@ _MODEL_TYPES: dict[str, str] = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
     "bert": "BertModel",
     "idefics3": "Idefics3ForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma4": "Gemma4ForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 

@@ -25,6 +25,22 @@ _FAMILIES = {
 """Vision-language architectures -> their host module in this package."""
 
 
+_TEXT_DECODER_ONLY = {"Gemma4ForConditionalGeneration": "image, video and audio"}
+"""Multimodal architectures served as their text decoder only -> the inputs refused."""
+
+
+def media_refusal(hf_config: Any) -> str | None:
+    """Why a prompt with media cannot run on a checkpoint of `_TEXT_DECODER_ONLY` (its
+    towers do not run here); None for any other checkpoint."""
+    for arch in getattr(hf_config, "architectures", None) or ():
+        if arch in _TEXT_DECODER_ONLY:
+            return (
+                f"{arch}: {_TEXT_DECODER_ONLY[arch]} inputs are not supported yet "
+                "(only its text decoder runs here)"
+            )
+    return None
+
+
 def is_multimodal(hf_config: Any) -> bool:
     """Whether the checkpoint's architecture takes images here."""
     return any(a in _FAMILIES for a in getattr(hf_config, "architectures", None) or ())
@@ -148,20 +164,27 @@ class ImageProcessor:
 
 
 def prompt_images(
-    prompt: dict, processor: ImageProcessor | None, limit: int, max_embeds: int
+    prompt: dict,
+    processor: ImageProcessor | None,
+    limit: int,
+    max_embeds: int,
+    refusal: str | None = None,
 ) -> tuple[str, list[int], list[ImageItem]]:
     """``(text, token ids, images)`` of a prompt dict with ``multi_modal_data``
     (vLLM's ``{"prompt", "multi_modal_data": {"image": ...}, "mm_processor_kwargs"}``;
     ``"add_special_tokens": False`` for a rendered chat, as `LLM.chat` and the server
     send it).
-    ValueError names what cannot be served: a text-only model, another modality, more
+    ValueError names what cannot be served: a text-only model (``refusal``, from
+    `media_refusal`, where its media are not supported yet), another modality, more
     images than ``limit`` (``--limit-mm-per-prompt``), a prompt given only as token
     ids, or an image larger than the device's ``max_embeds`` image embeddings."""
     data = prompt["multi_modal_data"]
+    kinds = sorted(data) if isinstance(data, dict) else type(data).__name__
+    if processor is None and refusal is not None:
+        raise ValueError(f"{refusal}; the prompt has multi_modal_data {kinds}")
     if processor is None:
         raise ValueError("this model is not a multimodal model: it takes no images")
     if not isinstance(data, dict) or set(data) - {"image"}:
-        kinds = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"multi_modal_data {kinds}: only 'image' is supported")
     images = data.get("image", [])
     images = list(images) if isinstance(images, list | tuple) else [images]

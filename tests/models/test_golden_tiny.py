@@ -17,9 +17,10 @@ import transformers
 
 from jaxengine.config import LoadConfig, ModelConfig
 from jaxengine.loader import load_model
-from jaxengine.runner.attention_backend import kernels
+from jaxengine.runner.attention_backend import kernels, mla_kernels
 from jaxengine.runner.greedy_loop import GreedyLoop
 from tests.models.deepseek_v3_tiny import deepseek_v3_tiny, kimi_k2_tiny
+from tests.models.gemma4_tiny import gemma4_moe_tiny, gemma4_tiny, randomize_scales
 from tests.models.glm4_moe_tiny import glm4_moe_tiny, randomize_correction_bias
 from tests.models.gpt_oss_tiny import gpt_oss_tiny, randomize_sinks_and_biases
 from tests.models.tiny_configs import TINY_SIZES, llama4_tiny, longrope_parameters
@@ -79,6 +80,13 @@ FAMILIES = {
         query_pre_attn_scalar=24,
         final_logit_softcapping=30.0,
     ),
+    # per-layer inputs, sliding and full layers of head widths 16 and 32 (window 6),
+    # the last two sharing layers 2's and 1's KV (double-wide MLP); norms and
+    # layer_scalar off one (`PREPARE`)
+    "gemma4": lambda: transformers.Gemma4TextConfig(**gemma4_tiny(SMALL)),
+    # every layer's MLP beside 4 experts (top 2; router scales off one), full layers
+    # with one KV head (of the sliding layers' two) whose keys are the values
+    "gemma4_moe": lambda: transformers.Gemma4TextConfig(**gemma4_moe_tiny(SMALL)),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **SMALL,
         head_dim=16,
@@ -107,6 +115,8 @@ PREPARE = {
     "deepseek_v3": randomize_correction_bias,
     "kimi_k2": randomize_correction_bias,
     "gpt_oss": randomize_sinks_and_biases,
+    "gemma4": randomize_scales,
+    "gemma4_moe": randomize_scales,
 }
 """Changes to a family's freshly built transformers model before it is saved."""
 
@@ -125,11 +135,14 @@ def test_logits_match_transformers(family, tmp_path):
 
 
 # The Pallas kernels (interpret mode) inside the model's forward: window, qk-norm, GQA,
-# chunked local attention (llama4), attention sinks (gpt_oss).
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "llama4", "mistral", "qwen3"])
+# chunked local attention (llama4), attention sinks (gpt_oss), multi-head latent
+# attention (deepseek_v3: the MLA kernels, over its latent cache).
+@pytest.mark.parametrize(
+    "family", ["deepseek_v3", "gemma3", "gpt_oss", "llama4", "mistral", "qwen3"]
+)
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_pallas_kernels_inside_the_model(family, platform, tmp_path):
-    attention, update = kernels(platform)
+    attention, update = (mla_kernels if family == "deepseek_v3" else kernels)(platform)
     kwargs = {
         "attention_fn": functools.partial(attention, interpret=True),
         "update_fn": functools.partial(update, interpret=True),

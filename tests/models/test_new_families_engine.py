@@ -26,6 +26,7 @@ from tests.models.family_engine import (
     reference,
     save_tiny,
 )
+from tests.models.gemma4_tiny import gemma4_moe_tiny, gemma4_tiny, randomize_saved_scales
 from tests.models.glm4_moe_tiny import glm4_moe_tiny, randomize_saved_correction_bias
 from tests.models.gpt_oss_tiny import gpt_oss_tiny, randomize_saved, set_saved_sinks
 from tests.models.tiny_configs import TINY_SIZES, llama4_tiny, longrope_parameters
@@ -93,6 +94,20 @@ def gpt_oss() -> Any:
     return transformers.GptOssConfig(**gpt_oss_tiny(TINY, sliding_window=16, swiglu_limit=1.0))
 
 
+def gemma4() -> Any:
+    """Gemma 4 text, the small checkpoints' shape (`gemma4_tiny`): per-layer inputs,
+    sliding (a 6-token window) and full layers of head widths 16 and 32, the last two
+    layers sharing the KV of earlier ones; norms and scales off one
+    (`randomize_saved_scales`)."""
+    return transformers.Gemma4TextConfig(**gemma4_tiny(TINY))
+
+
+def gemma4_moe() -> Any:
+    """Gemma 4 text, the MoE shape (`gemma4_moe_tiny`): each layer's dense MLP beside 4
+    experts (top 2), full layers with one KV head whose keys are the values."""
+    return transformers.Gemma4TextConfig(**gemma4_moe_tiny(TINY))
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -122,6 +137,13 @@ CASES = [
     ),
     Case("kimi_k2", kimi_k2, (("tp1", TP1), ("ep2", EP2)), prepare=randomize_saved_correction_bias),
     Case("gpt_oss", gpt_oss, (("tp1", TP1), ("tp2", TP2), ("ep2", EP2)), prepare=randomize_saved),
+    Case("gemma4", gemma4, (("tp1", TP1), ("tp2", TP2)), prepare=randomize_saved_scales),
+    Case(
+        "gemma4_moe",
+        gemma4_moe,
+        (("tp1", TP1), ("tp2", TP2), ("ep2", EP2)),
+        prepare=randomize_saved_scales,
+    ),
 ]
 PARAMS = [
     pytest.param(case, kwargs, id=f"{case.name}-{layout}")

@@ -22,7 +22,7 @@ class RopeSpec:
     theta: float = 10000.0
     """Base frequency."""
     rope_type: str = "default"
-    """One of default, linear, dynamic, llama3, yarn, longrope."""
+    """One of default, linear, dynamic, llama3, yarn, longrope, proportional (Gemma 4)."""
     factor: float = 1.0
     """Scaling factor for the scaled variants."""
     low_freq_factor: float = 1.0
@@ -221,6 +221,11 @@ class TransformerConfig:
     """Multi-head latent attention (DeepSeek-V3, `layers.mla`): then ``num_kv_heads``
     is 1 and ``head_dim`` the cache row's width, ``kv_lora_rank + qk_rope_head_dim``
     (`layers.attention.kv_cache_shape`); None: the q/k/v attention."""
+
+    family_spec: Any = None
+    """A family's own settings beyond these fields, which the shared layers never read
+    (a hashable frozen dataclass of the family file: Gemma 4's per-layer attention
+    shapes and per-layer inputs, `models.gemma4.Gemma4Spec`); None for most."""
 
     @property
     def num_layers(self) -> int:

@@ -98,8 +98,19 @@ def _longrope_scale(spec: RopeSpec) -> float:
     return math.sqrt(1 + math.log(spec.factor) / math.log(spec.original_max_position_embeddings))
 
 
+def _proportional(spec: RopeSpec, dim: int) -> np.ndarray:
+    """Gemma 4's full-attention layers: ``dim`` is the whole head, which rotates (pairs
+    ``i``, ``i + dim / 2``); the first ``partial_rotary_factor * dim / 2`` frequencies
+    are the default ones and the rest zero (those pairs stay put), all over ``factor``."""
+    rotated = int(spec.partial_rotary_factor * dim // 2)
+    inv_freq = np.zeros(dim // 2, np.float64)
+    inv_freq[:rotated] = 1.0 / (spec.theta ** (np.arange(0, 2 * rotated, 2) / dim))
+    return inv_freq / spec.factor
+
+
 _VARIANTS = {
     "default": _default,
+    "proportional": _proportional,
     "linear": lambda spec, dim: _default(spec, dim) / spec.factor,
     "dynamic": _dynamic,
     "llama3": _llama3,
@@ -111,6 +122,8 @@ _VARIANTS = {
 def inv_freq_and_scale(spec: RopeSpec, head_dim: int) -> tuple[np.ndarray, float]:
     """Inverse frequencies ``[rot_dim // 2]`` and the cos/sin scale of a rope spec."""
     rot_dim = int(head_dim * spec.partial_rotary_factor)
+    if spec.rope_type == "proportional":  # its zero frequencies do the partial rotation
+        rot_dim = head_dim
     if spec.rope_type not in _VARIANTS:
         raise ValueError(
             f"unsupported rope_type {spec.rope_type!r}; supported: {sorted(_VARIANTS)}"
