@@ -123,10 +123,13 @@ class SamplingFields(OpenAIModel, RefusingModel):
     thinking_token_budget: int | None = Field(default=None, ge=0)
     """vLLM's thinking budget: after this many reasoning tokens the reasoning parser's
     end token is forced (`jaxengine.reasoning.budget`); ``extra_args`` carry it."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's disaggregated-serving handshake for its KV connector. There is no KV
+    connector here (vLLM's behaviour without ``--kv-transfer-config``): accepted,
+    unused, and the response's ``kv_transfer_params`` is null."""
     # refused unless left at their defaults (server/unsupported_fields.py)
     best_of: int | None = None
     logits_processors: list[Any] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     """Arguments for the engine's image processor, with a chat's images (refused by

@@ -52,9 +52,6 @@ REFUSED: dict[str, Refusal] = {
         "best_of different from n is not supported",
     ),
     "logits_processors": Refusal(_given, "per-request logits processors are not supported"),
-    "kv_transfer_params": Refusal(
-        _given, "KV-cache transfer (disaggregated prefill) is not supported"
-    ),
     "cache_salt": Refusal(
         _given, "cache_salt is not supported: the prefix cache is shared by all requests"
     ),

@@ -220,3 +220,15 @@ class SchedulerStats:
     """Of ``num_waiting``, the requests the last admission pass skipped (vLLM's
     "deferred": LoRA budget, grammar still compiling, a token in flight, the
     partial-prefill limit); the others wait for capacity."""
+    num_kv_cache_total_blocks: int = 0
+    """Usable KV-cache blocks on the device."""
+    num_prefix_cached_blocks: int = 0
+    """Of those, the blocks in the prefix cache now (in use or free until evicted)."""
+    num_prefix_cached_tokens: int = 0
+    """The tokens those blocks hold (``num_prefix_cached_blocks * block_size``)."""
+
+    @property
+    def prefix_cache_usage(self) -> float:
+        """Fraction of the KV-cache blocks in the prefix cache, in [0, 1]."""
+        total = self.num_kv_cache_total_blocks
+        return self.num_prefix_cached_blocks / total if total else 0.0

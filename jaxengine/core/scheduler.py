@@ -205,6 +205,7 @@ class Scheduler:
             max_lora=self.limits.max_loras,
             spec_decoding=self.spec_stats if self.limits.num_speculative_tokens else None,
             num_deferred=min(self.num_deferred, len(self.waiting)),
+            **self.kv.block_stats(),
             **(self.encoder.stats() if self.encoder is not None else {}),
         )
 

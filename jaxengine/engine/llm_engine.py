@@ -322,6 +322,9 @@ class LLMEngine:
             params.update_from_tokenizer(self.tokenizer)
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - num_prompt, 1)
+        cap = self.generation_config.get("max_new_tokens")  # vLLM's max_tokens default
+        if cap:  # (--override-generation-config '{"max_new_tokens": N}' sets one too)
+            params.max_tokens = min(params.max_tokens, cap)
         return params
 
     def _check_prompt(self, ids: list[int], params: SamplingParams | None) -> None:
@@ -400,6 +403,8 @@ class LLMEngine:
             self.outputs.mark_scheduled(
                 (r.req_id for r in sched_out.scheduled_new_reqs), time.time()
             )
+        if sched_out.preempted_req_ids:
+            self.outputs.mark_preempted(sched_out.preempted_req_ids)
         return sched_out
 
     def _update(self, sched_out: SchedulerOutput, runner_out) -> list[RequestOutput]:

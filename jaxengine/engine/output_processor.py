@@ -67,6 +67,8 @@ class RequestState:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    """Preemptions of its sequences, from the scheduler's steps (`mark_preempted`)."""
     lora_request: Any = None
     pooled: Any = None
     """A pooling request's result (`PoolingParams`), once it has finished."""
@@ -99,6 +101,14 @@ class OutputProcessor:
                 metrics = entry[0].metrics
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
+
+    def mark_preempted(self, child_ids) -> None:
+        """Counts one preemption for each scheduler id (a step's
+        ``SchedulerOutput.preempted_req_ids``) on its request."""
+        for cid in child_ids:
+            entry = self.by_child.get(cid)
+            if entry is not None:
+                entry[0].num_preemptions += 1
 
     def add(
         self,
@@ -239,6 +249,7 @@ class OutputProcessor:
                 n=len(state.sequences),
                 max_num_generation_tokens=longest,
                 num_cached_tokens=min(state.num_cached_tokens, len(state.prompt_token_ids)),
+                num_preemptions=state.num_preemptions,
             )
         )
 

@@ -10,11 +10,14 @@ modules (``qkv_proj``, ``gate_up_proj``) are split: their B rows go to q/k/v (or
 gate/up), each with the shared A. Anything it cannot serve is a `LoRAAdapterError`
 (a `LoRAAdapterNotFoundError` when the folder holds no ``adapter_config.json``).
 
-The config is checked before the tensors: its ranks (``r``, ``rank_pattern``) against
-``--max-lora-rank`` even when the tensors are smaller (as vLLM does), and its
-``init_lora_weights``: PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA rewrite the base
-model's weights when the adapter is made (``W - B A``, or a quantized W), so their
-adapters only fit that rewritten base, never the one served here.
+The config is checked before the tensors, with vLLM's checks and words
+(`vllm.lora.peft_helper.PEFTHelper`, every problem in one message): its ranks (``r``,
+``rank_pattern``) positive and at most ``--max-lora-rank`` even when the tensors are
+smaller; no DoRA, ``lora_bias``, ``modules_to_save``, aLoRA, layer replication,
+BD-LoRA, QALoRA or adapter ``bias``; and an ``init_lora_weights`` that leaves the
+base weights alone: PiSSA, OLoRA, CorDA and LoftQ rewrite them when the adapter is
+made (``W - B A``, or a quantized W), so their adapters only fit that rewritten base,
+never the one served here.
 """
 
 from __future__ import annotations
@@ -34,9 +37,19 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[\w-]+)?\.weight$")
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# PEFT's initializations that leave the base weights alone (B A = 0 at the start, or
-# random A and B over the untouched W); every other one is refused (`_check_init`)
-_BASE_KEEPING_INITS = ("gaussian", "eva", "orthogonal", "mica")
+# PEFT's initializations whose saved adapter loads as a plain LoRA over the untouched
+# base weights (vLLM's list: LoRA-GA changes the base only while training); every
+# other string is refused (`_unsupported_features`), as are the flags below
+_BASE_KEEPING_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+_REFUSED_FLAGS = (  # (adapter_config.json key, vLLM's message)
+    ("use_dora", "jaxengine does not yet support DoRA."),
+    ("lora_bias", "jaxengine does not support LoRA bias (lora_bias)."),
+    ("alora_invocation_tokens", "jaxengine does not support Activated LoRA (aLoRA)."),
+    ("layer_replication", "jaxengine does not support layer_replication."),
+    ("use_bdlora", "jaxengine does not support block-diagonal LoRA (BD-LoRA)."),
+    ("use_qalora", "jaxengine does not support QALoRA."),
+    ("fan_in_fan_out", "jaxengine does not support fan_in_fan_out (Conv1D) adapters."),
+)
 
 Weights = dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (A [R, in], B [out, R])
 
@@ -72,7 +85,8 @@ def read_adapter(
 
 
 def read_config(folder: Path, max_rank: int) -> dict:
-    """``adapter_config.json``, checked for what the engine cannot serve."""
+    """``adapter_config.json``, checked for what the engine cannot serve: every
+    problem named in one `LoRAAdapterError`, in vLLM's words (`PEFTHelper`)."""
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except FileNotFoundError:
@@ -83,54 +97,59 @@ def read_config(folder: Path, max_rank: int) -> dict:
         raise LoRAAdapterError(f"{folder}/{CONFIG_FILE}: cannot read: {e}") from e
     if not isinstance(config, dict):
         raise LoRAAdapterError(f"{folder}/{CONFIG_FILE}: not a JSON object")
-    refused = {
-        "peft_type": config.get("peft_type", "LORA") not in ("LORA", None),
-        "bias": config.get("bias", "none") not in ("none", None),
-        "use_dora": bool(config.get("use_dora")),
-        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
-        "modules_to_save": bool(config.get("modules_to_save")),
-    }
-    bad = [key for key, is_bad in refused.items() if is_bad]
-    if bad:
-        shown = ", ".join(f"{k}={config.get(k)!r}" for k in bad)
-        raise LoRAAdapterError(f"{folder}: adapter setting not supported: {shown}")
-    _check_init(folder, config.get("init_lora_weights", True))
-    _check_ranks(folder, config, max_rank)
+    problems = [*_unsupported_features(config), *_rank_problems(config, max_rank)]
+    if problems:
+        raise LoRAAdapterError(f"{folder}: {' '.join(problems)}")
     return config
 
 
-def _check_init(folder: Path, init) -> None:
-    """Refuses an ``init_lora_weights`` that rewrites the base model's weights."""
-    if init is None or isinstance(init, bool):
-        return
-    if isinstance(init, str) and init.lower() in _BASE_KEEPING_INITS:
-        return
-    raise LoRAAdapterError(
-        f"{folder}: adapter setting not supported: init_lora_weights={init!r} (the engine "
-        "serves the base model's weights unchanged, so it serves only adapters made over "
-        f"them: init_lora_weights true, false or one of {', '.join(_BASE_KEEPING_INITS)}; "
-        "PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA rewrite them when the adapter is made: "
-        "save such an adapter with PEFT's save_pretrained(path_initial_model_for_weight_"
-        "conversion=...) to make a plain LoRA of it)"
-    )
+def _unsupported_features(config: dict) -> list[str]:
+    """vLLM's refusals (`PEFTHelper._validate_features`, `validate_legal`), worded as
+    vLLM's with this engine's name, and this engine's own (peft_type, fan_in_fan_out)."""
+    problems = [message for key, message in _REFUSED_FLAGS if config.get(key)]
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type not in ("LORA", None):
+        problems.insert(0, f"jaxengine serves LoRA adapters only, not peft_type={peft_type!r}.")
+    saved = config.get("modules_to_save")
+    if saved:
+        problems.append(
+            "jaxengine only supports modules_to_save being None. "
+            f"Unsupported modules_to_save: {list(saved) if isinstance(saved, list) else saved}"
+        )
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in _BASE_KEEPING_INITS:
+        problems.append(
+            f"jaxengine does not support init_lora_weights={init!r}. Inits such as PiSSA, "
+            "OLoRA, CorDA and LoftQ modify the base model weights when PEFT loads the "
+            "adapter. Convert it to a regular LoRA adapter with PEFT's "
+            "path_initial_model_for_weight_conversion, or set init_lora_weights to true "
+            "if the served base model already contains the modified weights."
+        )
+    if config.get("bias", "none") not in ("none", None):
+        problems.append("Adapter bias is not supported.")
+    return problems
 
 
-def _check_ranks(folder: Path, config: dict, max_rank: int) -> None:
-    """The config's ``r`` and ``rank_pattern`` ranks, each at most ``max_rank``."""
+def _rank_problems(config: dict, max_rank: int) -> list[str]:
+    """The config's ``r`` and ``rank_pattern`` ranks: positive, at most ``max_rank``
+    (vLLM checks the largest, as here, even when the tensors are smaller)."""
     pattern = config.get("rank_pattern") or {}
     if not isinstance(pattern, dict):
-        raise LoRAAdapterError(f"{folder}/{CONFIG_FILE}: rank_pattern is not a JSON object")
+        return [f"{CONFIG_FILE}: rank_pattern is not a JSON object."]
     ranks = {"r": config.get("r")} | {f"rank_pattern[{k!r}]": v for k, v in pattern.items()}
+    problems = []
     for key, rank in ranks.items():
         if rank is None and key == "r":
             continue
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise LoRAAdapterError(f"{folder}/{CONFIG_FILE}: {key} is not a rank: {rank!r}")
-        if rank > max_rank:
-            raise LoRAAdapterError(
-                f"{folder}: LoRA rank {rank} is greater than max_lora_rank {max_rank} "
-                f"({key} in {CONFIG_FILE}; raise --max-lora-rank)"
-            )
+            problems.append(f"LoRA rank `{key}` must be a positive integer, got {rank!r}.")
+    valid = [rank for rank in ranks.values() if isinstance(rank, int) and rank >= 1]
+    if valid and max(valid) > max_rank:
+        problems.append(
+            f"LoRA rank {max(valid)} is greater than max_lora_rank {max_rank} "
+            "(raise --max-lora-rank)."
+        )
+    return problems
 
 
 def _tensors(folder: Path):

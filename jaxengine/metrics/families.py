@@ -60,6 +60,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 
 # Per finished request: (metric name, FinishedRequestStats field, buckets key, help).
 REQUEST_HISTOGRAMS = (
@@ -86,6 +87,8 @@ REQUEST_HISTOGRAMS = (
      "The max_tokens sampling parameter per finished request."),
     ("request_prefill_kv_computed_tokens", "num_prefill_kv_computed_tokens", "tokens",
      "Prompt tokens whose KV was computed (not found in the prefix cache), per request."),
+    ("request_num_preemptions", "num_preemptions", "preemptions",
+     "Times a finished request was preempted (recomputed or swapped out), per request."),
 )
 
 # Per engine step, from IterationStats: (class, metric name, buckets key, help).
@@ -122,6 +125,10 @@ GAUGES = (  # (metric name, SchedulerStats field, help)
     ("num_requests_waiting", "num_waiting", "Number of requests waiting (swapped included)."),
     ("num_requests_swapped", "num_swapped", "Number of requests swapped out to host memory."),
     ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage: 1 means 100 percent."),
+    ("num_kv_cache_total_blocks", "num_kv_cache_total_blocks", "Usable KV-cache blocks."),
+    ("num_prefix_cached_blocks", "num_prefix_cached_blocks", "Blocks in the prefix cache."),
+    ("num_prefix_cached_tokens", "num_prefix_cached_tokens", "Tokens in the prefix cache."),
+    ("prefix_cache_usage_perc", "prefix_cache_usage", "Prefix-cache share of the blocks (0-1)."),
 )
 
 CUMULATIVE_COUNTERS = (  # (metric name, SchedulerStats field, help)
@@ -154,6 +161,7 @@ def bucket_sets(max_model_len: int) -> dict[str, Sequence[float]]:
         "tokens": build_1_2_5_buckets(max_model_len),
         "iteration": ITERATION_TOKEN_BUCKETS,
         "n": N_BUCKETS,
+        "preemptions": PREEMPTION_BUCKETS,
     }
 
 

@@ -38,6 +38,9 @@ class FinishedRequestStats:
     """Tokens of its longest sequence (``num_generation_tokens`` when n == 1)."""
     num_cached_tokens: int
     """Prompt tokens found in the prefix cache when it was first scheduled."""
+    num_preemptions: int = 0
+    """Times the scheduler preempted it (recompute or swap; summed over its ``n``
+    sequences)."""
 
     @property
     def inference_time(self) -> float:

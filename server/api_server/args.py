@@ -52,6 +52,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g = parser.add_argument_group("Frontend", "the OpenAI-compatible HTTP server")
     _add_http_args(g.add_argument)
+    _add_process_args(g.add_argument)
     _add_tls_and_limit_args(g.add_argument)
     _add_shutdown_args(g.add_argument)
     _add_api_args(g.add_argument)
@@ -63,6 +64,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # seconds between the stats lines: $JAXENGINE_LOG_STATS_INTERVAL or $VLLM_LOG_STATS_INTERVAL
     parser.set_defaults(log_stats_interval=envs.log_stats_interval(), background_compile=True)
     return parser
+
+
+NO_FRONTEND_PROCESS = (
+    "vLLM: run the engine in the API server's process rather than its own. Always so "
+    "here (see --api-server-count): accepted, it changes nothing"
+)
 
 
 def _add_http_args(add: Any) -> None:
@@ -84,13 +91,6 @@ def _add_http_args(add: Any) -> None:
         "/v1, /v2, /inference and /cohere, as vLLM (the others, e.g. /health, /metrics, "
         "/tokenize, /invocations, stay open); without the flag, one key is read from "
         "$JAXENGINE_API_KEY or $VLLM_API_KEY",
-    )
-    add(
-        "--api-server-count",
-        "-asc",
-        type=int,
-        default=1,
-        help="API server processes in front of the engine; only 1 is supported",
     )
     add(
         "--chat-template-content-format",
@@ -116,6 +116,22 @@ def _add_http_args(add: Any) -> None:
         "function); may be repeated",
     )
     add("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
+
+
+def _add_process_args(add: Any) -> None:
+    """How many API server processes front the engine (one: the engine is in-process)."""
+    add(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="API server processes in front of the engine (vLLM: several frontend "
+        "processes over one engine core process). Only 1: the engine runs inside the "
+        "API server's process (stepped on a thread), so there is no separate engine "
+        "process for several servers to share; more throughput comes from "
+        "--data-parallel-size (more engines behind the one server)",
+    )
+    add("--disable-frontend-multiprocessing", action="store_true", help=NO_FRONTEND_PROCESS)
 
 
 def _add_shutdown_args(add: Any) -> None:
@@ -313,11 +329,7 @@ def check_server_args(args: argparse.Namespace) -> None:
     negative ``--max-stored-responses``, and `check_http_and_logging_args`'s."""
     from server.serving import tool_parser_class
 
-    if getattr(args, "api_server_count", 1) != 1:
-        raise ValueError(
-            f"--api-server-count {args.api_server_count} is not supported: jaxengine runs "
-            "one API server process in front of its engine (--api-server-count 1)"
-        )
+    check_api_server_count(getattr(args, "api_server_count", 1))
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser to be set")
     tool_parser_class(args.tool_call_parser, args.tool_parser_plugin)
@@ -331,6 +343,24 @@ def check_server_args(args: argparse.Namespace) -> None:
         )
     check_http_and_logging_args(args)
     check_tracing_args(args)
+
+
+def check_api_server_count(count: int) -> None:
+    """ValueError unless ``count`` is 1: the engine lives in the API server's process
+    (vLLM runs its engine core in a process of its own, which N API servers share)."""
+    if count == 1:
+        return
+    if count < 1:
+        raise ValueError(
+            f"--api-server-count={count} is not supported: to run an engine without an "
+            "API server, use --headless"
+        )
+    raise ValueError(
+        f"--api-server-count={count} is not supported: jaxengine's engine runs inside "
+        "its API server's process, not in a separate engine core process that several "
+        "API servers could share. Use --api-server-count=1 (the default); "
+        "--data-parallel-size adds engines behind the one API server."
+    )
 
 
 def check_http_and_logging_args(args: argparse.Namespace) -> None:

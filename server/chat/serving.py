@@ -303,6 +303,7 @@ class _ChatView:
             "usage": self._usage(final, completion),
             "prompt_logprobs": R.prompt_logprobs(final.prompt_logprobs),
             "prompt_token_ids": list(final.prompt_token_ids) if self.token_ids else None,
+            "kv_transfer_params": final.kv_transfer_params,  # (no KV connector: None)
             "metrics": self._metrics(final, completion),
         }
 

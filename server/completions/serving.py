@@ -116,6 +116,7 @@ class _View:
             "model": self.model,
             "choices": choices,
             "usage": self._usage(prompt_tokens, completion_tokens, cached),
+            "kv_transfer_params": finals[0].kv_transfer_params,  # (no KV connector: None)
             "metrics": self._metrics(finals.get(0), completion_tokens),
         }
 

@@ -101,3 +101,15 @@ def test_logits_processor_runs_on_the_host_path(small_llm):
     params = SamplingParams(temperature=0, max_tokens=3, logits_processors=[only_42])
     (out,) = small_llm.generate(PROMPT, params, use_tqdm=False)
     assert out.outputs[0].token_ids == [42, 42, 42]
+
+
+def test_max_new_tokens_of_the_generation_config_caps_every_request(tiny_llm, monkeypatch):
+    """vLLM's ``max_new_tokens`` (a generation config's, or ``--override-generation-config
+    '{"max_new_tokens": N}'``, merged into the same dict): every request's max_tokens
+    is at most N, whether the request sets one or runs to the context's end."""
+    monkeypatch.setitem(tiny_llm.engine.generation_config, "max_new_tokens", 3)
+    for max_tokens, want in ((None, 3), (10, 3), (2, 2)):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        (out,) = tiny_llm.generate(PROMPT, params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == want, max_tokens
+        assert out.outputs[0].finish_reason == "length"

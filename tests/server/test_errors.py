@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from server.chat_rendering.images import NOT_MULTIMODAL
+from server.completions.protocol import NO_PROMPT
 from tests.server.conftest import DP1_ONLY, MODEL
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -59,9 +60,15 @@ INVALID_COMPLETIONS = {
     "stop empty": ({"stop": [""]}, "stop"),
     "logprobs 21": ({"logprobs": 21}, "20"),
     "stream_options without stream": ({"stream_options": {"include_usage": True}}, "stream"),
-    "prompt missing": ({"prompt": None}, "prompt"),
-    "prompt empty list": ({"prompt": []}, "The decoder prompt cannot be empty"),
-    "prompt empty string": ({"prompt": ""}, "The decoder prompt cannot be empty"),  # vLLM's
+    # vLLM's CompletionRequest: "Either prompt or prompt_embeds must be provided and
+    # non-empty." (its test_empty_prompt, test_empty_prompt_list_rejected)
+    "prompt missing": ({"prompt": None}, NO_PROMPT),
+    "prompt empty list": ({"prompt": []}, NO_PROMPT),
+    "prompt empty string": ({"prompt": ""}, NO_PROMPT),
+    "prompt_embeds empty": ({"prompt": None, "prompt_embeds": []}, NO_PROMPT),
+    # one prompt of several empty: the engine's (vLLM's) wording
+    "prompt list of empty strings": ({"prompt": [""]}, "The decoder prompt cannot be empty"),
+    "prompt list of empty ids": ({"prompt": [[]]}, "The decoder prompt cannot be empty"),
 }
 
 
@@ -70,7 +77,7 @@ INVALID_COMPLETIONS = {
 def test_invalid_completion_parameters(server, fields):
     change, needle = fields
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **change}
-    body = {k: v for k, v in body.items() if v is not None}
+    body = {k: v for k, v in body.items() if v is not None}  # "prompt": None: none sent
     check_error(server.post("/v1/completions", body), 400, needle)
     still_serves(server)
 

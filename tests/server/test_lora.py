@@ -199,18 +199,25 @@ def a1_with(folder: Path, adapters, **config) -> Path:
 
 
 def test_bad_adapters_are_refused(server, adapters, tmp_path, expected):
-    """400s naming the folder, as vLLM's BadRequestError: a rank above
-    --max-lora-rank (in the tensors, or only in the config's r), a PiSSA adapter
-    (made over rewritten base weights), corrupt weights."""
+    """400s naming the folder, as vLLM's BadRequestError, in vLLM's words (its
+    test_dynamic_lora_badrequests and test_dynamic_lora_invalid_files): a rank above
+    --max-lora-rank (in the tensors, or only in the config's r), DoRA, modules_to_save,
+    a PiSSA adapter (made over rewritten base weights), a config that is not JSON,
+    corrupt weights."""
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     config = adapters["a1"][0] / "adapter_config.json"
     (corrupt / "adapter_config.json").write_text(config.read_text())
     (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    not_json = a1_with(tmp_path / "not-json", adapters)
+    (not_json / "adapter_config.json").write_text("this is not json")
     bad = {
         "r16": adapters["r16"][0],
         "config-r16": a1_with(tmp_path / "config-r16", adapters, r=16),
+        "dora": a1_with(tmp_path / "dora", adapters, use_dora=True),
+        "saved": a1_with(tmp_path / "saved", adapters, modules_to_save=["lm_head"]),
         "pissa": a1_with(tmp_path / "pissa", adapters, init_lora_weights="pissa"),
+        "not-json": not_json,
         "corrupt": corrupt,
     }
     messages = {}
@@ -222,6 +229,10 @@ def test_bad_adapters_are_refused(server, adapters, tmp_path, expected):
     assert "LoRA rank 16 is greater than max_lora_rank 8" in messages["r16"]
     assert "LoRA rank 16 is greater than max_lora_rank 8" in messages["config-r16"]
     assert "init_lora_weights='pissa'" in messages["pissa"]
+    assert "does not yet support DoRA" in messages["dora"]
+    assert "only supports modules_to_save being None" in messages["saved"]
+    assert "Unsupported modules_to_save: ['lm_head']" in messages["saved"]
+    assert "adapter_config.json: cannot read" in messages["not-json"]
     assert server.post("/v1/load_lora_adapter", {"lora_name": "x"}).status_code == 400
     client = server.client(max_retries=0, timeout=120)
     assert not set(bad) & {m.id for m in client.models.list().data}

@@ -511,7 +511,6 @@ REFUSED_CHAT = {
     "early_stopping": True,
     "best_of": 3,
     "logits_processors": ["my.module:Processor"],
-    "kv_transfer_params": {"do_remote_prefill": True},
     "cache_salt": "salt",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",

@@ -175,6 +175,26 @@ def test_chat_return_token_ids(server):
     assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
 
 
+# ------------------------------------------------------------------ kv_transfer_params
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_kv_transfer_params_without_a_kv_connector(server, path):
+    """vLLM's `kv_transfer_params` ("KVTransfer parameters used for disaggregated
+    serving") go to its KV connector; with none configured (no --kv-transfer-config)
+    the request is served as usual and the response's `kv_transfer_params` is null
+    (`final_res.kv_transfer_params`). The same output as without the field."""
+    handshake = {"do_remote_decode": True, "do_remote_prefill": False}
+    body = {"model": MODEL, "prompt": PROMPT, "messages": MESSAGES, "max_tokens": 3, **GREEDY}
+    plain = server.post(path, body).json()
+    response = server.post(path, {**body, "kv_transfer_params": handshake})
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert "kv_transfer_params" in out and out["kv_transfer_params"] is None
+    assert plain["kv_transfer_params"] is None
+    assert out["choices"] == plain["choices"]
+
+
 # ------------------------------------------------------------------ truncation_side
 
 

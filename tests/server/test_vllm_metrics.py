@@ -51,6 +51,11 @@ VLLM_SERIES = {
     "vllm:request_prefill_time_seconds": ("histogram", ENGINE),
     "vllm:request_decode_time_seconds": ("histogram", ENGINE),
     "vllm:request_prefill_kv_computed_tokens": ("histogram", ENGINE),
+    "vllm:request_num_preemptions": ("histogram", ENGINE),
+    "vllm:num_kv_cache_total_blocks": ("gauge", ENGINE),
+    "vllm:num_prefix_cached_blocks": ("gauge", ENGINE),
+    "vllm:num_prefix_cached_tokens": ("gauge", ENGINE),
+    "vllm:prefix_cache_usage_perc": ("gauge", ENGINE),
     # vLLM v0's (the design doc's "KV Cache Offloading"): requests swap out here
     "vllm:num_requests_swapped": ("gauge", ENGINE),
 }
@@ -183,6 +188,7 @@ def test_vllm_counts_after_traffic(server):
         "request_time_per_output_token_seconds",
         "request_prompt_tokens",
         "request_prefill_kv_computed_tokens",
+        "request_num_preemptions",  # (0 here: the shared server's cache is large)
     ):
         assert delta(f"vllm:{name}_count") == 2, name
     assert delta("vllm:request_params_n_sum") == 1 + 2
@@ -203,6 +209,29 @@ def test_vllm_counts_after_traffic(server):
     # the steps' tokens: the prompt tokens computed plus those generated
     assert delta("vllm:iteration_tokens_total_sum") == computed + 4 + 2 * 3
     after = server.metrics()
+    # the prompt's two full blocks stay in the prefix cache (vLLM's state gauges)
+    assert after["vllm:num_prefix_cached_blocks"] >= 2
+    assert after["vllm:num_prefix_cached_tokens"] == 16 * after["vllm:num_prefix_cached_blocks"]
+    check_prefix_cache_gauges(families(server))
     waiting = 'vllm:num_requests_waiting_by_reason{{model_name="{}",reason="{}"}}'
     by_reason = sum(after[waiting.format(MODEL, r)] for r in ("capacity", "deferred"))
     assert by_reason == after["vllm:num_requests_waiting"]
+
+
+def check_prefix_cache_gauges(exposed: dict) -> None:
+    """Per engine: the usable blocks are cache_config_info's less the null block, and
+    the prefix cache's usage is its blocks' share of them."""
+
+    def per_engine(name: str) -> dict[str, float]:
+        return {s.labels["engine"]: s.value for s in exposed[name].samples}
+
+    allocated = {
+        s.labels["engine"]: int(s.labels["num_gpu_blocks"])
+        for s in exposed["vllm:cache_config_info"].samples
+    }
+    total = per_engine("vllm:num_kv_cache_total_blocks")
+    cached = per_engine("vllm:num_prefix_cached_blocks")
+    usage = per_engine("vllm:prefix_cache_usage_perc")
+    assert total == {engine: blocks - 1 for engine, blocks in allocated.items()}
+    for engine, blocks in total.items():
+        assert usage[engine] == cached[engine] / blocks

@@ -182,12 +182,14 @@ def test_tokenizer_info_is_off_by_default(server):
 
 
 def test_api_server_count_above_one_is_refused(tmp_path):
-    """vLLM's --api-server-count runs several API server processes; here one serves,
-    so more is refused (before any model loads)."""
+    """vLLM's --api-server-count runs several API server processes over one engine
+    process; here the engine lives in the one API server's process, so more is
+    refused, saying why (before any model loads)."""
     cmd = [sys.executable, "-m", "jaxengine.cli.main", "serve", "--api-server-count", "2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode != 0
-    assert "--api-server-count 2 is not supported" in done.stderr
+    assert "--api-server-count=2 is not supported" in done.stderr
+    assert "runs inside its API server's process" in done.stderr
 
 
 VLLM_KEY = "key-from-vllm-env"

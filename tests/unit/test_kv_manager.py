@@ -162,6 +162,30 @@ def test_free_puts_sequence_tail_first_and_evicts_lru():
     mgr.check_invariants()
 
 
+def test_block_stats_count_the_prefix_cache_until_eviction():
+    """vLLM's prefix-cache gauges: cached blocks stay counted while free, and leave
+    the count only when a new allocation evicts them."""
+    mgr = KVCacheManager(7, BS)  # 6 usable
+    stats = mgr.block_stats
+    assert stats() == {
+        "num_kv_cache_total_blocks": 6,
+        "num_prefix_cached_blocks": 0,
+        "num_prefix_cached_tokens": 0,
+    }
+    a = make_req("a", list(range(14)))  # 3 full blocks + 2 tokens
+    compute(mgr, a, 14)
+    assert stats()["num_prefix_cached_blocks"] == 3  # the partial block is not cached
+    assert stats()["num_prefix_cached_tokens"] == 3 * BS
+    mgr.free(a)
+    assert stats()["num_prefix_cached_blocks"] == 3  # free, still findable
+    compute(mgr, make_req("b", list(range(100, 124))), 24)  # all 6 blocks: evicts a's
+    assert stats() == {
+        "num_kv_cache_total_blocks": 6,
+        "num_prefix_cached_blocks": 6,
+        "num_prefix_cached_tokens": 6 * BS,
+    }
+
+
 def test_grow_by_decode():
     mgr = KVCacheManager(8, BS)
     a = make_req("a", list(range(4)))

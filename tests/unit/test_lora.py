@@ -90,8 +90,19 @@ def test_read_adapter_scales_pads_and_splits_fused_modules(tmp_path):
 @pytest.mark.parametrize(
     "config, tensors, message",
     [
-        (dict(use_dora=True), None, "use_dora=True"),
-        (dict(bias="all"), None, "bias='all'"),
+        # vLLM's PEFTHelper checks, in its words (its tests' ERROR_CASES)
+        (dict(use_dora=True), None, "does not yet support DoRA"),
+        (dict(bias="all"), None, "Adapter bias is not supported"),
+        (dict(modules_to_save=["lm_head"]), None, "Unsupported modules_to_save: \\['lm_head'\\]"),
+        (dict(modules_to_save=["lm_head"]), None, "only supports modules_to_save being None"),
+        (dict(lora_bias=True), None, "does not support LoRA bias"),
+        (dict(r=0), None, "LoRA rank `r` must be a positive integer, got 0"),
+        (dict(r=-8), None, "must be a positive integer"),
+        (dict(alora_invocation_tokens=[1, 2]), None, "Activated LoRA"),
+        (dict(layer_replication=[[0, 2]]), None, "layer_replication"),
+        (dict(use_bdlora={"nblocks": 2}), None, "BD-LoRA"),
+        (dict(use_qalora=True), None, "QALoRA"),
+        (dict(init_lora_weights="future_init"), None, "init_lora_weights='future_init'"),
         ({}, "only_a", "has lora_A only"),
         ({}, "wrong_rows", "lora_B has 15 rows"),
         ({}, "embed", "'model.embed_tokens' cannot carry an adapter"),
@@ -104,7 +115,8 @@ def test_read_adapter_scales_pads_and_splits_fused_modules(tmp_path):
         (dict(init_lora_weights="olora"), None, "init_lora_weights='olora'"),
         (dict(init_lora_weights="corda"), None, "init_lora_weights='corda'"),
         (dict(init_lora_weights="loftq"), None, "init_lora_weights='loftq'"),
-        (dict(init_lora_weights="lora_ga"), None, "init_lora_weights='lora_ga'"),
+        # every problem in one message, as vLLM joins them
+        (dict(use_dora=True, r=8), None, "support DoRA. LoRA rank 8 is greater than"),
     ],
 )
 def test_read_adapter_refusals(tmp_path, config, tensors, message):
@@ -121,12 +133,25 @@ def test_read_adapter_refusals(tmp_path, config, tensors, message):
         read_adapter(folder, TARGETS, max_rank=4)
 
 
-@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "lora_ga"])
 def test_inits_that_leave_the_base_alone_are_served(tmp_path, init):
     rng = np.random.default_rng(4)
     folder = _write(tmp_path / "a", _ab(rng, f"{LAYER}.self_attn.q_proj", 2, 8, 6),
                     init_lora_weights=init)  # fmt: skip
     assert set(read_adapter(folder, TARGETS, max_rank=4)) == {f"{LAYER}.self_attn.q_proj"}
+
+
+@pytest.mark.parametrize("text", ["this is not json", "[1, 2]"])
+def test_an_unreadable_config_is_a_bad_adapter(tmp_path, text):
+    """vLLM's test_dynamic_lora_invalid_files: a config that is not JSON (or not an
+    object) is the adapter's fault (the server's 400), not a missing adapter (404)."""
+    folder = _write(
+        tmp_path / "bad", _ab(np.random.default_rng(5), f"{LAYER}.mlp.down_proj", 2, 6, 10)
+    )
+    (folder / "adapter_config.json").write_text(text)
+    with pytest.raises(LoRAAdapterError, match="adapter_config.json: ") as info:
+        read_adapter(folder, TARGETS, max_rank=4)
+    assert not isinstance(info.value, LoRAAdapterNotFoundError)
 
 
 def test_a_path_without_an_adapter_is_not_found_in_vllms_words(tmp_path):

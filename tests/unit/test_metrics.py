@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -289,6 +290,51 @@ def test_new_vllm_series_from_the_stats():
     assert value(metrics, "vllm:request_max_num_generation_tokens_sum") == 3 + 4
     assert value(metrics, "vllm:request_generation_tokens_sum") == 6 + 4
     assert value(metrics, "vllm:request_prefill_kv_computed_tokens_sum") == (20 - 16) + 7
+
+
+def test_prefix_cache_gauges_and_preemptions_per_request():
+    """vLLM's prefix-cache state gauges (``num_kv_cache_total_blocks``,
+    ``num_prefix_cached_blocks`` / ``_tokens``, ``prefix_cache_usage_perc``) and the
+    ``request_num_preemptions`` histogram (vLLM's buckets 1, 2, 3, 4, 5, 10, 20; a
+    request never preempted is observed at 0)."""
+    metrics = PrometheusStatLogger(MODEL)
+    stats = dataclasses.replace(
+        sched(),
+        num_kv_cache_total_blocks=40,
+        num_prefix_cached_blocks=10,
+        num_prefix_cached_tokens=160,
+    )
+    preempted = [dataclasses.replace(finished(), num_preemptions=k) for k in (0, 1, 3, 12)]
+    metrics.record(stats, IterationStats(finished_requests=preempted))
+    assert value(metrics, "vllm:num_kv_cache_total_blocks") == 40
+    assert value(metrics, "vllm:num_prefix_cached_blocks") == 10
+    assert value(metrics, "vllm:num_prefix_cached_tokens") == 160
+    assert value(metrics, "vllm:prefix_cache_usage_perc") == 0.25
+    histogram = "vllm:request_num_preemptions"
+    assert value(metrics, f"{histogram}_count") == 4
+    assert value(metrics, f"{histogram}_sum") == 16
+    buckets = {le: value(metrics, f"{histogram}_bucket", le=le) for le in ("1.0", "3.0", "20.0")}
+    assert buckets == {"1.0": 2, "3.0": 3, "20.0": 4}
+    assert value(metrics, f"{histogram}_bucket", le="+Inf") == 4
+    assert value(metrics, "jaxengine:request_num_preemptions_sum") == 16
+
+
+def test_data_parallel_prefix_cache_usage_is_over_all_blocks():
+    """A data-parallel engine sums its replicas' blocks; the usage is the share of
+    all of them (not an average of shares)."""
+    from jaxengine.engine.data_parallel import DataParallelEngine
+
+    replicas = [
+        SimpleNamespace(get_stats=lambda b=blocks: dataclasses.replace(sched(), **b))
+        for blocks in (
+            dict(num_kv_cache_total_blocks=10, num_prefix_cached_blocks=5),
+            dict(num_kv_cache_total_blocks=30, num_prefix_cached_blocks=3),
+        )
+    ]
+    engine = SimpleNamespace(replicas=replicas)
+    total = DataParallelEngine.get_stats(engine)
+    assert (total.num_kv_cache_total_blocks, total.num_prefix_cached_blocks) == (40, 8)
+    assert total.prefix_cache_usage == 0.2
 
 
 def test_scheduler_reports_deferred_requests():

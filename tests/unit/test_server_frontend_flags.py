@@ -81,11 +81,21 @@ def test_boolean_flags_have_no_forms(flag, dest):
         ),
         (["--h11-max-header-count", "0"], "--h11-max-header-count must be >= 1, got 0"),
         (["--h11-max-incomplete-event-size", "-1"], "--h11-max-incomplete-event-size must be >="),
+        (["--api-server-count", "4"], "--api-server-count=4 is not supported: jaxengine's engine"),
+        (["-asc", "0"], "--api-server-count=0 is not supported: .* use --headless"),
     ],
 )
 def test_flags_refused_at_start_up(argv, message):
     with pytest.raises(ValueError, match=message):
         check_server_args(serve_args(*argv))
+
+
+def test_disable_frontend_multiprocessing_is_accepted():
+    """vLLM's flag (its metrics test serves with it) asks for what is always so here:
+    the engine in the API server's process."""
+    args = serve_args("--disable-frontend-multiprocessing")
+    assert args.disable_frontend_multiprocessing is True
+    check_server_args(args)
 
 
 def test_log_outputs_with_log_requests_is_accepted():

@@ -94,6 +94,17 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def block_stats(self) -> dict[str, int]:
+        """`SchedulerStats`' block fields: the usable device blocks (the null block
+        excluded), and those in the prefix cache now (held by requests, or free until
+        evicted: what a new request could find) with the tokens they hold."""
+        cached = len(self.pool.cached)
+        return {
+            "num_kv_cache_total_blocks": self.pool.num_usable_blocks,
+            "num_prefix_cached_blocks": cached,
+            "num_prefix_cached_tokens": cached * self.block_size,
+        }
+
     @property
     def num_free_host_blocks(self) -> int:
         return self.host_pool.num_free_blocks if self.host_pool else 0
