@@ -11,7 +11,8 @@ instructions read from and write to HBM, by those memory spaces:
   collective) reads its operands and writes its destination, the first element of
   its result; its ``*-done`` moves nothing more;
 - a ``gather`` reads the rows it gathers (its result), not its whole operand; a
-  ``dynamic-update-slice`` writes its update in place;
+  ``dynamic-update-slice`` or ``scatter`` writes its update in place (reads its
+  indices and update, writes the update), also as the root of a fusion;
 - a Pallas kernel (``tpu_custom_call``) is left out: what it moves depends on the
   request lengths at run time, and it declares its own bound (`report`);
 - loop bodies and called computations count once.
@@ -208,10 +209,36 @@ def _moved(module: Module, ins: Instruction) -> int:
     if ins.opcode in _PARTIAL_READS:  # reads what it takes, writes it where it goes
         taken = sum(b.bytes for b in writes if b.shape[1] and b.space != 2)
         return taken + _hbm(writes) + sum(_hbm(bs) for bs in buffers[1:])
-    if ins.opcode == "dynamic-update-slice":  # in place: the update, read and written
-        return 2 * (_hbm(buffers[1]) if len(buffers) > 1 else 0)
+    if ins.opcode in _UPDATE_OPERAND:  # in place: reads indices and update, writes it
+        update = _UPDATE_OPERAND[ins.opcode]
+        written = _hbm(buffers[update]) if len(buffers) > update else 0
+        return sum(_hbm(bs) for bs in buffers[1:]) + written
     reads = [_fusion_read(module, ins, i, bs) for i, bs in enumerate(buffers)]
+    in_place = _in_place_root(module, ins)
+    if in_place is not None:  # the target operand is neither read nor rewritten whole
+        target, update = in_place
+        return sum(r for i, r in enumerate(reads) if i != target) + update
     return sum(reads) + _hbm(writes)
+
+
+_UPDATE_OPERAND = {"dynamic-update-slice": 1, "scatter": 2}  # where the update comes in
+
+
+def _in_place_root(module: Module, ins: Instruction) -> tuple[int, int] | None:
+    """(operand index, update bytes) of a fusion whose root updates one of its
+    parameters in place (a scatter or dynamic-update-slice into it); else None."""
+    if ins.opcode != "fusion" or not ins.calls:
+        return None
+    body = module.computations.get(ins.calls[0], [])
+    root = next((i for i in body if i.text.lstrip().startswith("ROOT")), None)
+    if root is None or root.opcode not in _UPDATE_OPERAND or not root.operands:
+        return None
+    target = next((i for i in body if i.name == root.operands[0]), None)
+    index = target and re.search(r"parameter\((\d+)\)", target.text)
+    if target is None or target.opcode != "parameter" or not index:
+        return None
+    update = next((i for i in body if i.name == root.operands[_UPDATE_OPERAND[root.opcode]]), None)
+    return int(index.group(1)), sum(b.bytes for b in update.results) if update else 0
 
 
 def _produced(op: Instruction) -> tuple[Buffer, ...]:

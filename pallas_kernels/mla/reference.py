@@ -5,7 +5,8 @@ Layout contract:
 
 - ``kv_cache``: one array per layer, ``[num_pages, page_size, 1, W]`` with ``W =
   kv_lora_rank + qk_rope_head_dim``: per token one row, the normalized latent
-  ``c [L]`` then the rotated shared key ``k_pe [R]``. There is no head axis: every
+  ``c [L]`` then the rotated shared key ``k_pe [R]`` (on TPU zeros after them, to a
+  multiple of 128 lanes; the queries carry as many zeros). There is no head axis: every
   query head reads the same row (multi-query attention with one KV "head"). Under
   tensor parallelism each device holds its own copy of this row (the cache's axis 2
   is the tensor axis, one row per device, `sharding.plan`), so attention needs no
@@ -117,9 +118,13 @@ def update_mla_cache(
     (`pallas_kernels.kv_cache_update.reference.update_kv_cache`), so the tensor-parallel
     wrapper (`sharding.attention`) runs it per device unchanged. Slots outside
     ``[0, num_pages * page_size)`` are dropped; donate ``kv_cache`` to update in place.
+    A cache row wider than ``L + R`` (padded to TPU's 128 lanes,
+    `jaxengine.models.layers.attention.kv_cache_shape`) gets zeros after them.
     """
     num_pages, page_size, rows, width = kv_cache.shape
-    row = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)  # [T, 1, W]
+    row = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)  # [T, 1, L + R]
+    if 0 < row.shape[-1] < width:  # a row padded to a multiple of 128 lanes (TPU)
+        row = jnp.pad(row, ((0, 0), (0, 0), (0, width - row.shape[-1])))
     if row.shape[1:] != (rows, width):
         raise ValueError(f"MLA cache {kv_cache.shape} cannot hold rows {row.shape}")
     num_slots = num_pages * page_size

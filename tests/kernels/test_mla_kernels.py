@@ -207,6 +207,27 @@ def test_gpu_cache_write_matches_reference():
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_row_padded_to_tpu_lanes_attends_as_the_unpadded_row():
+    """On TPU the cache row is padded with zeros to a multiple of 128 lanes and the
+    queries with as many: the write puts zeros after ``[latent; k_rope]`` and the
+    kernel's output equals the reference's on the unpadded row."""
+    batch = build(CASES["prefill-chunks"])
+    args = batch.args()
+    want = np.asarray(jitted(reference.ragged_paged_mla, **STATIC)(*args))
+    width = 128
+    pad = ((0, 0),) * 2 + ((0, width - LAT - ROPE),)
+    q, cache = jnp.pad(args[0], pad), jnp.pad(args[1], ((0, 0),) + pad)
+    got = jitted(tpu.ragged_paged_mla, **STATIC, interpret=True)(q, cache, *args[2:])
+    real = batch.num_real_tokens
+    assert relative_error(np.asarray(got)[:real], want[:real]) < TOLERANCE["float32"]
+    rng = np.random.default_rng(3)
+    latent, k_rope = rng.standard_normal((2, 3, 1, LAT)), rng.standard_normal((3, 1, ROPE))
+    written = reference.update_mla_cache(cache, latent[0], k_rope, jnp.array([0, 5, 9]))
+    rows = np.asarray(written).reshape(-1, width)[[0, 5, 9]]
+    np.testing.assert_allclose(rows[:, :LAT], latent[0][:, 0], rtol=1e-6)
+    np.testing.assert_array_equal(rows[:, LAT + ROPE :], 0.0)
+
+
 def test_block_tables_and_checks():
     decode = tpu.choose_blocks(64, 64, 16, 16, 512, 576, 512, jnp.bfloat16)
     assert decode == tpu.Blocks(block_q=8, pages_per_block=16, heads_per_block=16)

@@ -22,7 +22,8 @@ from tests.models.tiny_configs import TINY_SIZES
 def test_real_v3_caches_576_values_a_token_and_layer():
     """DeepSeek-V3's own dimensions (kv_lora_rank 512 + rope 64, 61 layers, 128 heads,
     bfloat16): one cache row of 576 values a token, no head axis, where the expanded
-    keys and values would take 128 x (192 + 128)."""
+    keys and values would take 128 x (192 + 128); on TPU the row is padded to 640 lanes
+    (5 x 128), which its kernels and cache write read and write in place."""
     hf = transformers.DeepseekV3Config()  # the published model's sizes
     assert (hf.kv_lora_rank, hf.qk_rope_head_dim, hf.num_hidden_layers) == (512, 64, 61)
     config = family_config(hf, jnp.bfloat16)
@@ -31,6 +32,8 @@ def test_real_v3_caches_576_values_a_token_and_layer():
     kv_parts = kv_cache_shape(config, 1, 1, 1)[2]  # what worker.build._size_cache passes
     per_block = bytes_per_block(61, block, 1, config.head_dim, 2, kv_parts=kv_parts)
     assert per_block / block == 576 * 2 * 61
+    assert kv_cache_shape(config, 10, block, platform="tpu") == (10, block, 1, 640)
+    assert kv_cache_shape(config, 10, block, platform="gpu") == (10, block, 1, 576)
 
 
 @pytest.mark.parametrize("parallel", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
@@ -96,8 +99,8 @@ def test_the_tpu_mla_kernel_is_sized_for_its_generation():
 
 
 def test_unsupported_options_are_refused_not_ignored():
-    """An fp8 KV cache with k/v scales (or LoRA, or quantized attention) would be
-    silently skipped by the latent attention: building the model says so instead."""
+    """An fp8 KV cache with k/v scales (or LoRA) would be silently skipped by the
+    latent attention: building the model says so instead."""
     import dataclasses
 
     from jaxengine.loader.params import abstract_params

@@ -187,16 +187,28 @@ def _project_qkv(x: jax.Array, cfg: TransformerConfig, lora_slots=None) -> tuple
 
 
 def kv_cache_shape(
-    config: TransformerConfig, num_pages: int, page_size: int, num_kv_heads: int | None = None
+    config: TransformerConfig,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int | None = None,
+    platform: str | None = None,
 ) -> tuple:
     """Shape of one layer's cache: ``[num_pages, page_size, 2 * Hkv, D]``; with
-    multi-head latent attention (``config.mla``) ``[num_pages, page_size, Hkv, D]``,
+    multi-head latent attention (``config.mla``) ``[num_pages, page_size, Hkv, W]``,
     one row a token (latent and rope key, `pallas_kernels.mla.reference`), Hkv 1.
 
     ``num_kv_heads`` overrides the model's count where a tensor-parallel layout stores
     KV heads once per device (`sharding.plan.ShardingPlan.kv_cache_heads`; an MLA
-    cache: one copy of the latent row per tensor device).
+    cache: one copy of the latent row per tensor device). On ``platform`` "tpu" an MLA
+    row ``W`` is padded with zeros to a multiple of 128 lanes (DeepSeek-V3's 576 to
+    640): TPU's HBM layout of a 576-lane row puts the pages on lanes, which no kernel
+    reads in place, so XLA would copy the whole cache around every step's attention.
     """
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    parts = 1 if getattr(config, "mla", None) is not None else 2  # latent row, or K and V
-    return (num_pages, page_size, parts * heads, config.head_dim)
+    if getattr(config, "mla", None) is None:
+        return (num_pages, page_size, 2 * heads, config.head_dim)  # K and V
+    lanes = TPU_LANES if platform == "tpu" else 1
+    return (num_pages, page_size, heads, -(-config.head_dim // lanes) * lanes)
+
+
+TPU_LANES = 128

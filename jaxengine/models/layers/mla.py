@@ -10,7 +10,10 @@ Every step runs the absorbed form: ``kv_b_proj``'s key rows fold into the querie
 attention reads the latent rows directly as multi-query attention; this equals
 transformers' expanded keys and values exactly (up to float rounding) for prefill
 chunks and decodes alike. ``kv_b_proj`` is therefore held as a weight, not a layer
-(no quantization or LoRA on it).
+(no LoRA on it), always in the model dtype: a quantized checkpoint's ``kv_b_proj``
+(DeepSeek-V3's block fp8) is dequantized to it at load (`loader.params`), as its
+two halves are contracted with the queries and the attention output, not used as
+one linear. The other projections are `Linear`s, quantized as the model is.
 
 The attention and write functions are injected as `layers.attention.Attention`'s are
 (``attention_fn``, ``update_fn``: the MLA backend, `runner.attention_backend`, wrapped
@@ -81,6 +84,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [Hq, nope, L], [Hq, v, L]
         q_lat = jnp.einsum("thn,hnl->thl", q_nope, w_uk.astype(q_nope.dtype))  # [T, Hq, L]
         q_abs = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)  # [T, Hq, L + R]
+        pad = kv_cache.shape[-1] - q_abs.shape[-1]  # a row padded to TPU lanes: zeros
+        q_abs = jnp.pad(q_abs, ((0, 0), (0, 0), (0, pad))) if pad else q_abs
         out = self.attention_fn(
             q_abs,
             kv_cache,
@@ -121,11 +126,9 @@ class MLAttention(nn.Module):
 
 def _check_supported(cfg: TransformerConfig) -> None:
     """Refuses what the latent attention does not implement yet, rather than ignore it."""
-    quantized = cfg.quantization is not None and not cfg.quantization.experts_only
     missing = {
         "LoRA adapters": cfg.lora is not None,
         "an fp8 KV cache with k/v scales": cfg.kv_cache_scales,
-        "quantized attention weights": quantized,
     }
     named = [name for name, asked in missing.items() if asked]
     if named:

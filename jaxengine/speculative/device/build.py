@@ -47,7 +47,7 @@ def draft_bytes_per_block(config: EngineConfig, draft: LoadedDraft | None) -> in
         len(model.layers),
         config.cache_config.block_size,
         draft.placement.plans[0].kv_heads_per_device,
-        model.head_dim,
+        kv_cache_shape(model, 1, 1, 1, draft.placement.platform)[3],  # a row's (padded) width
         cache_dtype(config, draft.loaded.config).itemsize,
         kv_parts=kv_cache_shape(model, 1, 1, 1)[2],  # K and V, or one MLA latent row
     )
@@ -78,7 +78,9 @@ def make_proposer(
         token_buckets=settings.token_buckets,
         max_num_seqs=settings.max_num_seqs,
         vocab_size=model.vocab_size,
-        cache_page_shape=kv_cache_shape(model, 1, settings.block_size, heads)[1:],
+        cache_page_shape=kv_cache_shape(
+            model, 1, settings.block_size, heads, draft.placement.platform
+        )[1:],
         cache_dtype=cache_dtype(config, draft.loaded.config),
         disable_by_batch_size=sc.disable_by_batch_size,
     )
