@@ -35,7 +35,7 @@ from jaxengine.loader.quantized import (
 from jaxengine.loader.sources import ModelSource, resolve_model
 from jaxengine.models.layers.config import with_context_length
 from jaxengine.models.layers.lora import LoRASpec
-from jaxengine.models.layers.quant import QuantScheme
+from jaxengine.models.layers.quant import QuantScheme, layer_unquantized
 
 TokenLookup = Callable[[ModelSource, list[str]], list[int | None]]
 """(model source, tokens) -> each token's id in the model's tokenizer (None: unknown)."""
@@ -245,10 +245,16 @@ def _model(hf_config: Any, dtype: Any, scheme: QuantScheme | None, placement: An
     module, config = get_model(hf_config, dtype)
     config = dataclasses.replace(config, kv_cache_scales=kv_scales, lora=lora)
     if scheme is not None:
-        config = dataclasses.replace(config, quantization=scheme)
+        layers = tuple(
+            dataclasses.replace(spec, unquantized=layer_unquantized(scheme.unquantized, i))
+            for i, spec in enumerate(config.layers)
+        )
+        config = dataclasses.replace(config, quantization=scheme, layers=layers)
     fusable = getattr(type(module), "supports_fused_projections", True) and lora is None
-    # act-order's per-column groups differ between q, k and v: they stay apart
-    if fusable and fuse_projections(placement) and not (scheme and scheme.act_order):
+    # act-order's per-column groups differ between q, k and v: they stay apart; so do
+    # they where the checkpoint keeps modules unquantized (named apart, not fused)
+    apart = scheme is not None and (scheme.act_order or bool(scheme.unquantized))
+    if fusable and fuse_projections(placement) and not apart:
         config = dataclasses.replace(config, fused_projections=True)
     return module.clone(config=config), config
 
@@ -315,7 +321,8 @@ def fuse_projections(placement: Any) -> bool:
 
 def checkpoint_format(requested: str | None, source: ModelSource, hf_config: Any):
     """The quantized checkpoint's `CheckpointFormat` (None for a float or GGUF one);
-    refuses a ``--quantization`` the checkpoint does not match."""
+    refuses a ``--quantization`` the checkpoint does not match. ``fp8`` is both an
+    online method (a float checkpoint) and a block-fp8 checkpoint's own."""
     if requested == "gguf" and source.gguf_file is None:
         raise CheckpointError(f"{source.path}: --quantization gguf needs a .gguf model")
     if source.gguf_file is not None:
@@ -323,11 +330,11 @@ def checkpoint_format(requested: str | None, source: ModelSource, hf_config: Any
     stored = checkpoint_quantization(
         hf_config, None if requested in ONLINE_QUANTIZATION else requested
     )
-    if stored is not None and requested in ONLINE_QUANTIZATION:
+    if stored is not None and requested in ONLINE_QUANTIZATION and stored.method != requested:
         raise ValueError(
             f"{source.path} is already quantized ({stored.method}): drop --quantization {requested}"
         )
-    if stored is None and requested in CHECKPOINT_METHODS:
+    if stored is None and requested in CHECKPOINT_METHODS and requested not in ONLINE_QUANTIZATION:
         raise CheckpointError(
             f"{source.path}: --quantization {requested} needs a {requested} checkpoint "
             "(config.json has no quantization_config)"

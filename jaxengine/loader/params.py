@@ -9,7 +9,8 @@ with `fused_projections` holds ``qkv_proj`` and ``gate_up_proj``: the checkpoint
 q/k/v and gate/up tensors are concatenated into them here, once. The MoE experts are
 stored ``[E, in, out]`` (`layers.mlp.checkpoint_transposed`): their tensors are read
 and checked as the checkpoint orients them (``[out, in]``) and swapped as they are
-placed, once.
+placed, once. A quantized checkpoint weight whose leaf the model holds in float (MLA's
+``kv_b_proj``) is dequantized as it is read (`float_where_held`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_par
 from jaxengine.models.layers.lora import LORA_LEAVES
 from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.models.layers.mlp import checkpoint_transposed
-from jaxengine.models.layers.quant import METHODS, quantize
+from jaxengine.models.layers.quant import METHODS, SUFFIXES, dequantize, quantize
 
 NameMapper = Callable[[str], tuple[tuple[str, ...], int | None] | None]
 """A checkpoint tensor name -> (parameter path, stacked index), or None to skip it."""
@@ -287,7 +288,8 @@ def params_from_tensors(
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], set] = {}
     names = checkpoint_names(module)
-    for name, array in family_tensors(module, config, tensors):
+    tensors = family_tensors(module, config, tensors)
+    for name, array in float_where_held(tensors, names, shapes, config.quantization):
         slot = tensor_slot(names(name), name, array, config, shapes, source)
         if slot is None:
             continue
@@ -309,6 +311,53 @@ def params_from_tensors(
             f"{source}: {len(missing)} tensors missing from the checkpoint: {shown}"
         )
     return out
+
+
+def float_where_held(
+    tensors: Iterable[tuple[str, np.ndarray]], names: NameMapper, shapes: Any, scheme: Any
+) -> Iterable[tuple[str, np.ndarray]]:
+    """``tensors`` with each quantized weight that the model holds in float (MLA's
+    ``kv_b_proj``, `layers.mla`) dequantized with ``scheme`` (float32, emitted once its
+    ``weight`` and scale leaves have all been read); the rest as they come. A part left
+    without the others goes on as it is, for `params_from_tensors` to name."""
+    if scheme is None:
+        yield from tensors
+        return
+    need = {"", "_scale"} | ({"_offset"} if scheme.has_offset else set())
+    need |= {"_g_idx"} if scheme.act_order else set()
+    held: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
+    for name, array in tensors:
+        part = _float_part(name, array, names, shapes)
+        if part is None:
+            yield name, array
+            continue
+        module, suffix = part
+        parts = held.setdefault(module, {})
+        parts[suffix] = (name, array)
+        if set(parts) == need:
+            leaves = {s: np.asarray(a) for s, (_, a) in held.pop(module).items()}
+            yield f"{module}.weight", dequantize(leaves, scheme, np).astype(np.float32)
+    for parts in held.values():
+        yield from parts.values()
+
+
+def _float_part(name: str, array: np.ndarray, names: NameMapper, shapes: Any):
+    """``(module, suffix)`` of a quantized weight's part (suffix "" the values) whose
+    weight the model holds in float; None for any other tensor."""
+    module, _, leaf_name = name.rpartition(".")
+    suffix = leaf_name.removeprefix("weight")
+    mapped = names(name) if leaf_name.startswith("weight") else None
+    if mapped is None or (suffix and suffix not in SUFFIXES):
+        return None
+    path = mapped[0]
+    if suffix == "" and not is_quantized(array.dtype):
+        return None
+    if suffix and leaf_at(shapes, path) is not None:
+        return None
+    weight = leaf_at(shapes, (*path[:-1], path[-1].removesuffix(suffix)))
+    if weight is None or is_quantized(weight.dtype):
+        return None
+    return module, suffix
 
 
 def _default_leaves(out: dict, placement: Any, path: tuple[str, ...] = (), shapes=None) -> None:

@@ -24,6 +24,9 @@ repacked on the host once, so the device keeps the weight packed:
   dtype, as vLLM runs such checkpoints on hardware without int8/fp8 matmuls.
 - MXFP4 (gpt-oss): the MoE experts' ``<w>_blocks`` and ``<w>_scales`` (`loader.mxfp4`),
   kept as the ``mxfp4`` scheme's packed bytes and exponents; the rest is float.
+- block fp8 (``quant_method: fp8``, DeepSeek-V3 and its kin): e4m3 ``weight`` and
+  ``weight_scale_inv`` per ``weight_block_size`` block, kept as ``fp8`` groups
+  (`_block_fp8`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ CHECKPOINT_METHODS = {
     "awq_marlin": "awq",
     "compressed-tensors": "compressed-tensors",
     "mxfp4": "mxfp4",
+    "fp8": "fp8",
 }
 """``--quantization`` (and ``quant_method``) values of quantized checkpoints -> format."""
 
@@ -61,7 +65,7 @@ AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 class CheckpointFormat:
     """How a quantized checkpoint stores its linear weights."""
 
-    method: str  # "gptq" | "awq" | "compressed-tensors" | "mxfp4"
+    method: str  # "gptq" | "awq" | "compressed-tensors" | "mxfp4" | "fp8"
     scheme: QuantScheme
     required: tuple[str, ...]  # tensor suffixes that make up one weight
     dropped: tuple[str, ...]  # tensor suffixes with nothing to give (this scheme)
@@ -102,6 +106,7 @@ def checkpoint_quantization(hf_config: Any, requested: str | None) -> Checkpoint
         "awq": _awq,
         "compressed-tensors": _compressed_tensors,
         "mxfp4": _mxfp4,
+        "fp8": _block_fp8,
     }
     return build[CHECKPOINT_METHODS[method]](quant)
 
@@ -173,6 +178,49 @@ def _mxfp4(quant: dict) -> CheckpointFormat:
 
     scheme = QuantScheme("mxfp4", MXFP4_BLOCK)
     return CheckpointFormat("mxfp4", scheme, (), (), convert, canonical=mxfp4_tensors)
+
+
+def _block_fp8(quant: dict) -> CheckpointFormat:
+    """Block-scaled fp8 (``quant_method: fp8`` with ``weight_block_size [n, k]``:
+    DeepSeek-V3, Kimi K2, GLM-4.5-FP8, Qwen3-FP8): e4m3 ``weight [out, in]`` and
+    float32 ``weight_scale_inv [ceil(out / n), ceil(in / k)]``, the weight being
+    ``weight * weight_scale_inv`` over each ``n x k`` block. Loaded as the ``fp8``
+    scheme with groups of ``k`` inputs, each block's scale repeated on its ``n`` rows
+    (``[out, ceil(in / k)]``: a float32 per ``k`` bytes of weight). Activations stay in
+    the model dtype (``activation_scheme`` dynamic; static input scales are refused).
+    ``ignored_layers`` (or ``modules_to_not_convert``) stay in the model dtype."""
+    fmt = str(quant.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise _refuse("fp8", f"quantization_config.fmt {fmt!r} (only 'e4m3')")
+    activations = str(quant.get("activation_scheme", "dynamic")).lower()
+    if activations != "dynamic":
+        raise _refuse(
+            "fp8", f"quantization_config.activation_scheme {activations!r} (only 'dynamic')"
+        )
+    block = quant.get("weight_block_size")
+    if block is None:
+        raise _refuse("fp8", "per-tensor scales (no quantization_config.weight_block_size)")
+    if len(block) != 2 or any(not isinstance(b, int) or b <= 0 for b in block):
+        raise _refuse("fp8", f"quantization_config.weight_block_size {block!r}")
+    rows, cols = block
+    unquantized = quant.get("ignored_layers") or quant.get("modules_to_not_convert") or ()
+
+    def convert(parts: dict) -> dict:
+        weight, scale_inv = np.asarray(parts["weight"]), np.asarray(parts["weight_scale_inv"])
+        if weight.dtype != ml_dtypes.float8_e4m3fn:
+            raise ValueError(f"weight stored as {weight.dtype}, not float8_e4m3fn")
+        *lead, out, inp = weight.shape
+        blocks = (*lead, -(-out // rows), -(-inp // cols))
+        if scale_inv.shape != blocks:
+            raise ValueError(
+                f"weight_scale_inv has shape {scale_inv.shape}; a weight of shape "
+                f"{weight.shape} in blocks of {rows} x {cols} needs {blocks}"
+            )
+        scale = np.repeat(scale_inv.astype(np.float32), rows, axis=-2)[..., :out, :]
+        return {"": weight, "_scale": scale}
+
+    scheme = QuantScheme("fp8", cols, unquantized=tuple(unquantized))
+    return CheckpointFormat("fp8", scheme, ("weight", "weight_scale_inv"), (), convert)
 
 
 def _unpack_words(words: np.ndarray, axis: int, order: Iterable[int] = range(8)) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -72,7 +73,9 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         shape = (self.features, x.shape[-1])  # x: [T, in] -> [T, out]
-        scheme = None if self.quant is None or self.quant.experts_only else self.quant
+        scheme = self.quant
+        if scheme is not None and (scheme.experts_only or not quantizes(scheme, self)):
+            scheme = None
         if scheme is None:
             init = nn.with_logical_partitioning(_normal(), self.axes)
             wdtype = self.weight_dtype or self.dtype
@@ -96,6 +99,22 @@ class Linear(nn.Module):
             )
             y = y + bias
         return y
+
+
+def quantizes(scheme: quant.QuantScheme, module: nn.Module, child: str = "") -> bool:
+    """Whether ``scheme`` stores ``module``'s weights (or those of its ``child``
+    parameter group): not where the checkpoint keeps that module unquantized
+    (`quant.QuantScheme.quantizes`). Inside a decoder layer the module is named from
+    the layer (``mlp.gate_proj``: a layer runs as its own module too,
+    `layers.decoder.run_layers`), against the layer's scheme (`LayerSpec.unquantized`)."""
+    if not scheme.unquantized:
+        return True
+    path = [*module.scope.path, child] if child else list(module.scope.path)
+    layer = max((i for i, p in enumerate(path) if _LAYER_NAME.match(p)), default=-1)
+    return scheme.quantizes(".".join(path[layer + 1 :]))
+
+
+_LAYER_NAME = re.compile(r"^layers_\d+$")
 
 
 def quantized_params(

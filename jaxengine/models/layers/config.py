@@ -82,6 +82,12 @@ class LayerSpec:
     """``(floor_scale, attn_scale)``: queries multiplied by
     ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` at position p (Llama 4's
     ``attn_temperature_tuning`` on its NoPE layers); None: no scaling."""
+    unquantized: tuple[str, ...] = ()
+    """Modules of this layer that a quantized checkpoint keeps in the model dtype,
+    named from the layer (``mlp``, ``mlp.experts``, ``self_attn.o_proj``; ``""`` the
+    whole layer): `layers.quant.layer_unquantized` of the checkpoint's list. The layer
+    gives its modules a scheme with these (`layers.decoder.DecoderLayer`); layers that
+    differ here hold different parameters, so they trace apart (`layer_kind`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,15 @@ class DecoderLayer(nn.Module):
     moe_kwargs: Any = None
     input_norm: bool = True
 
+    def __post_init__(self) -> None:
+        # the layer's modules see its own unquantized modules (`LayerSpec.unquantized`)
+        scheme = self.config.quantization
+        if scheme is not None and scheme.unquantized != self.spec.unquantized:
+            scheme = dataclasses.replace(scheme, unquantized=self.spec.unquantized)
+            config = dataclasses.replace(self.config, quantization=scheme)
+            object.__setattr__(self, "config", config)
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, x, positions, kv_cache, md):
         cfg = self.config

@@ -16,7 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.models.layers import quant
-from jaxengine.models.layers.basic import Linear, _normal, activation, quantized_params
+from jaxengine.models.layers.basic import (
+    Linear,
+    _normal,
+    activation,
+    quantized_params,
+    quantizes,
+)
 from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.routing import route
 
@@ -185,6 +191,8 @@ class SparseMoE(nn.Module):
             axis), and its per-row scales ``[E, out]`` when quantized per row. Grouped
             and int4 weights are dequantized here, to ``dtype``, in that layout."""
             scheme = cfg.quantization
+            if scheme is not None and not quantizes(scheme, self, "experts"):
+                scheme = None  # the checkpoint keeps these experts unquantized
             if scheme is None:
                 init = nn.with_logical_partitioning(_normal(), ("expert", inp[1], out[1]))
                 return self.param(name, init, (e, inp[0], out[0]), cfg.dtype), None

@@ -7,7 +7,9 @@ weight is always ``q * scale (+ offset)``, per output row or per group of
 - ``int8``: int8 values, ``|q| <= 127``, symmetric (``--quantization int8``,
   compressed-tensors int8, GGUF Q8_0 with groups of 32);
 - ``fp8``: float8_e4m3fn values, ``|q| <= 448`` (``--quantization fp8``, vLLM's
-  dynamic fp8; compressed-tensors fp8 checkpoints);
+  dynamic fp8; compressed-tensors fp8 checkpoints; block-scaled ``fp8`` checkpoints,
+  DeepSeek-V3's, as groups of the block's width, each block's scale repeated on its
+  rows: `loader.quantized`);
 - ``int4``: unsigned 4-bit values 0..15, two per byte (column ``2k`` in the low
   nibble of byte ``k``, ``2k + 1`` in the high one), always with an ``offset`` per
   group or row (``w = q * scale + offset``), which holds symmetric
@@ -22,7 +24,8 @@ weight is always ``q * scale (+ offset)``, per output row or per group of
 The leaves beside ``<w>`` are ``<w>_scale`` and ``<w>_offset`` (``[..., out]`` per
 row, ``[..., out, in / group_size]`` grouped; uint8 exponents for ``mxfp4``) and,
 with ``act_order`` (GPTQ's ``desc_act``), ``<w>_g_idx [in]``: each input column's
-group, in any order.
+group, in any order. int8 and fp8 groups may leave a partial last group (``in /
+group_size`` rounded up), as block-scaled checkpoints do.
 
 A weight may also be stored transposed, ``[..., in, out]`` (the layout a grouped
 matmul takes: `layers.mlp`'s stacked experts): then the leaves of the weight's rank
@@ -74,6 +77,11 @@ class QuantScheme:
     """Input columns per scale; 0: one scale per output row."""
     act_order: bool = False
     """Groups given per input column by ``<w>_g_idx`` (GPTQ ``desc_act``)."""
+    unquantized: tuple[str, ...] = ()
+    """Modules kept in the model dtype (a checkpoint's ``ignored_layers`` or
+    ``modules_to_not_convert``): Hugging Face module names, each matching the modules
+    whose dotted name contains it as whole components (`quantizes`); a decoder layer's
+    scheme holds them as the layer sees them (`layer_unquantized`)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -82,6 +90,10 @@ class QuantScheme:
             raise ValueError("act-order needs a group size")
         if self.method == "mxfp4" and (self.group_size != MXFP4_BLOCK or self.act_order):
             raise ValueError(f"mxfp4 has groups of {MXFP4_BLOCK} contiguous columns")
+        if not isinstance(self.unquantized, tuple) or not all(
+            isinstance(m, str) for m in self.unquantized
+        ):
+            raise ValueError(f"unquantized modules must be a tuple of names: {self.unquantized!r}")
 
     @property
     def has_offset(self) -> bool:
@@ -98,9 +110,38 @@ class QuantScheme:
         checkpoints); `layers.basic.Linear` keeps its weight in the model dtype."""
         return self.method == "mxfp4"
 
+    def quantizes(self, module: str) -> bool:
+        """Whether the module of dotted name ``module`` (a decoder layer's modules
+        named from the layer, ``mlp.experts``: `layer_unquantized`) is stored this
+        way: not when an `unquantized` entry is a run of its components (``mlp.gate``
+        in ``mlp.gate``, not in ``mlp.gate_proj``), or is ``""`` (a whole layer)."""
+        parts = module.split(".")
+        for entry in self.unquantized:
+            want = entry.split(".") if entry else []
+            if any(parts[i : i + len(want)] == want for i in range(len(parts) - len(want) + 1)):
+                return False
+        return True
+
     def __str__(self) -> str:
         group = f", group {self.group_size}" if self.group_size else ""
         return f"{self.method}{group}{', act-order' if self.act_order else ''}"
+
+
+def layer_unquantized(entries: tuple[str, ...], index: int) -> tuple[str, ...]:
+    """A checkpoint's unquantized modules (``ignored_layers``: Hugging Face names) as
+    decoder layer ``index`` sees them (`LayerSpec.unquantized`): an entry under
+    ``layers.<index>.`` (or ``layers.*.``) named from the layer, ``""`` for the whole
+    layer; one under another layer dropped; one without a layer index (``mlp.gate``)
+    kept, for every layer."""
+    kept = []
+    for entry in entries:
+        parts = entry.split(".")
+        at = next((i for i in range(len(parts) - 1) if parts[i] == "layers"), None)
+        if at is None or not (parts[at + 1].isdigit() or parts[at + 1] == "*"):
+            kept.append(entry)
+        elif parts[at + 1] in ("*", str(index)):
+            kept.append(".".join(parts[at + 2 :]))
+    return tuple(dict.fromkeys(kept))
 
 
 def leaf_specs(
@@ -135,11 +176,13 @@ def _leaf_specs(scheme: QuantScheme, shape: tuple[int, ...], axes: tuple) -> dic
     packed = inp // 2 if scheme.packed else inp
     specs = {"": ((*lead, out, packed), METHODS[scheme.method][0], axes)}
     if scheme.group_size:
-        if inp % scheme.group_size or (scheme.packed and inp % 2):
+        whole_groups = scheme.packed or scheme.has_offset or scheme.act_order
+        if (whole_groups and inp % scheme.group_size) or (scheme.packed and inp % 2):
             raise ValueError(f"{inp} input columns do not split into groups of {scheme.group_size}")
         in_axis = None if scheme.act_order else axes[-1]
         side_dtype = jnp.uint8 if scheme.method == "mxfp4" else jnp.float32  # e8m0 exponents
-        side = ((*lead, out, inp // scheme.group_size), side_dtype, (*axes[:-1], in_axis))
+        groups = -(-inp // scheme.group_size)  # int8/fp8: the last group may be partial
+        side = ((*lead, out, groups), side_dtype, (*axes[:-1], in_axis))
     else:
         side = ((*lead, out), jnp.float32, axes[:-1])
     specs["_scale"] = side
@@ -183,11 +226,20 @@ def dequantize(leaves: dict, scheme: QuantScheme, xp: Any = jnp, transpose: bool
         g_idx = leaves["_g_idx"]
         groups = xp.broadcast_to(g_idx[..., None] if transpose else g_idx[..., None, :], q.shape)
         sides = [xp.take_along_axis(s, groups, axis=axis) for s in sides]
+    elif shape[axis] % scheme.group_size:  # a partial last group: scales per input
+        sides = [_per_input(s, scheme.group_size, shape[axis], axis, xp) for s in sides]
     else:  # contiguous groups: a broadcast over the group's inputs
         q = _grouped(q, scheme.group_size, transpose)
         sides = [s[..., None, :] if transpose else s[..., None] for s in sides]
     w = q * sides[0] + sides[1] if len(sides) > 1 else q * sides[0]
     return w.reshape(shape)
+
+
+def _per_input(side: Any, size: int, inputs: int, axis: int, xp: Any) -> Any:
+    """Group scales (``G`` along ``axis``, the input axis) repeated per input and cut
+    to ``inputs``: the last group holds fewer than ``size``."""
+    per_input = xp.repeat(side, size, axis=axis)
+    return per_input[..., :inputs] if axis == -1 else per_input[..., :inputs, :]
 
 
 def _grouped(q: Any, size: int, transpose: bool) -> Any:
@@ -269,7 +321,9 @@ def quantize(weight: Any, scheme: QuantScheme | str, xp: Any) -> dict:
     w = xp.asarray(weight, dtype=xp.float32)
     *lead, out, inp = w.shape
     group = scheme.group_size or inp
-    g = w.reshape(*lead, out, inp // group, group)
+    pad = -inp % group  # int8/fp8: a partial last group, padded with zeros here
+    padded = xp.concatenate([w, xp.zeros((*lead, out, pad), xp.float32)], -1) if pad else w
+    g = padded.reshape(*lead, out, -1, group)
     if scheme.method == "int4":
         low, high = xp.min(g, axis=-1), xp.max(g, axis=-1)
         scale = xp.where(high > low, (high - low) / largest, 1.0).astype(xp.float32)
@@ -284,7 +338,7 @@ def quantize(weight: Any, scheme: QuantScheme | str, xp: Any) -> dict:
         scaled = xp.clip(g / scale[..., None], -largest, largest)
         if scheme.method == "int8":
             scaled = xp.round(scaled)
-        q = scaled.reshape(*lead, out, inp).astype(dtype)
+        q = scaled.reshape(*lead, out, inp + pad)[..., :inp].astype(dtype)
         leaves = {"": q, "_scale": scale if scheme.group_size else scale[..., 0]}
     if scheme.act_order:  # contiguous groups, spelled out per column
         leaves["_g_idx"] = xp.broadcast_to(xp.arange(inp) // group, (*lead, inp)).astype(xp.int32)
