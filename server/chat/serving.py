@@ -89,10 +89,14 @@ class ChatHandler:
         """The prompt token ids of a request's messages (also used by /tokenize, token
         counting and embeddings' messages). Messages with images are refused (400):
         their prompt is the engine's to tokenize (`render_text`)."""
+        if self.chat_format is None and image_urls(request.messages):
+            raise APIError(NOT_HERE, param="messages")
+        return self._token_ids(request)
+
+    def _token_ids(self, request: Any) -> list[int]:
+        """`render` once its messages are known to hold no image."""
         if self.chat_format is not None:
             return self.chat_format.render(request)
-        if image_urls(request.messages):
-            raise APIError(NOT_HERE, param="messages")
         ids = self._template(request, tokenize=True)
         if getattr(request, "add_special_tokens", False):
             bos = getattr(self.ctx.need_tokenizer(), "bos_token_id", None)
@@ -195,9 +199,9 @@ class ChatHandler:
     async def _prompt(self, request: ChatCompletionRequest) -> dict[str, Any]:
         """The engine prompt: the token ids, or with images the text and the images
         (`server/chat_rendering/images.py`), rendered before any image is fetched."""
-        urls = image_urls(request.messages)
+        urls = image_urls(request.messages)  # the one scan of the messages for images
         if not urls or self.chat_format is not None:  # harmony refuses images itself
-            return {"prompt_token_ids": request.kept_prompt(self.render(request))}
+            return {"prompt_token_ids": request.kept_prompt(self._token_ids(request))}
         if not getattr(self.ctx.engine, "takes_images", False):
             raise APIError(NOT_MULTIMODAL, param="messages")
         check_image_request(request)
