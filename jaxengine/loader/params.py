@@ -31,6 +31,7 @@ from jaxengine.loader.errors import CheckpointError
 from jaxengine.models.layers.attention import KV_SCALES, kv_cache_shape
 from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.decoder import fused_name, fused_param_path, hf_param_path
+from jaxengine.models.layers.gated_delta import layer_state_shapes
 from jaxengine.models.layers.lora import LORA_LEAVES
 from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.models.layers.mlp import checkpoint_transposed
@@ -58,13 +59,18 @@ def family_tensors(module: nn.Module, config: TransformerConfig, tensors: Iterab
 def init_inputs(config: TransformerConfig) -> tuple:
     """Smallest valid forward inputs (one token, one page), for init and shapes."""
     page = kv_cache_shape(config, 1, 1)
-    kv_caches = tuple(jnp.zeros(page, config.dtype) for _ in config.layers)
+    states = layer_state_shapes(config, 1)  # a hybrid model's linear-attention layers
+    kv_caches = tuple(
+        jnp.zeros(page, config.dtype) if s is None else tuple(jnp.zeros(x) for x in s)
+        for s in states or (None,) * config.num_layers
+    )
     md = AttentionMetadata(
         seq_lens=jnp.ones((1,), jnp.int32),
         query_start_loc=jnp.array([0, 1], jnp.int32),
         page_table=jnp.zeros((1, 1), jnp.int32),
         slot_mapping=jnp.zeros((1,), jnp.int32),
         num_seqs=jnp.array(1, jnp.int32),
+        state_rows=None if states is None else jnp.zeros((1,), jnp.int32),
     )
     return jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), kv_caches, md
 

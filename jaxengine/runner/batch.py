@@ -30,6 +30,7 @@ class SeqChunk:
     image_rows: Sequence[int] | None = None  # per token: its image embedding row, or -1
     attend_until: Sequence[int] | None = None  # per token: its last key (None: itself)
     mrope_positions: np.ndarray | None = None  # [3, n]: M-RoPE rows (None: as text)
+    state_row: int = -1  # its slot in a hybrid model's state pools (`runner.states`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +50,13 @@ class PackedBatch:
     image_rows: np.ndarray | None = None  # [T] int32: image embedding row or -1 (images)
     attend_until: np.ndarray | None = None  # [T] int32: last key position (Gemma 3 images)
     mrope_positions: np.ndarray | None = None  # [3, T] int32: M-RoPE rows (Qwen2.5-VL)
+    state_rows: np.ndarray | None = None  # [R] int32: state slots, -1 padding (hybrid models)
 
     def metadata_fields(self) -> dict[str, np.ndarray]:
         """The fields of `AttentionMetadata`, by name (``image_rows`` only in a
         vision-language model's batches)."""
         names = ("seq_lens", "query_start_loc", "page_table", "slot_mapping", "num_seqs")
-        names += ("lora_slots", "image_rows", "attend_until", "mrope_positions")
+        names += ("lora_slots", "image_rows", "attend_until", "mrope_positions", "state_rows")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
@@ -89,15 +91,14 @@ def pack_batch(
     images: bool = False,
     both_ways: bool = False,
     mrope: bool = False,
+    states: bool = False,
 ) -> PackedBatch:
-    """Flattens ``chunks`` into arrays padded to ``num_tokens`` and ``num_reqs``;
-    the logits rows (``num_logits``, default ``num_reqs``) follow the chunks' order;
-    ``images``: with ``image_rows`` (every batch of a vision-language model), and
-    ``both_ways`` ``attend_until`` (one whose image tokens attend both ways);
-    ``mrope``: with ``mrope_positions`` (an M-RoPE model's: a chunk's own, else every
-    row its ``positions``). Raises
-    ValueError when the chunks do not fit the bucket or a request's pages do not
-    cover its tokens."""
+    """Flattens ``chunks`` into arrays padded to ``num_tokens`` and ``num_reqs``; the
+    logits rows (``num_logits``, default ``num_reqs``) follow the chunks' order. With
+    ``image_rows`` when ``images`` (a vision-language model), ``attend_until`` when
+    ``both_ways`` (image tokens attend both ways), ``mrope_positions`` when ``mrope`` (a
+    chunk's own, else every row its ``positions``), ``state_rows`` when ``states``.
+    Raises ValueError when the chunks do not fit or pages do not cover the tokens."""
     num_logits = num_reqs if num_logits is None else num_logits
     _check_fits(chunks, num_tokens, num_reqs, num_logits)
     token_ids, positions, lora_slots = np.zeros((3, num_tokens), np.int32)
@@ -137,7 +138,15 @@ def pack_batch(
         feed_rows=np.full(num_tokens, -1, np.int32),
         lora_slots=lora_slots,
         **_image_fields(chunks, positions, images, both_ways, mrope),
+        state_rows=_state_rows(chunks, num_reqs) if states else None,
     )
+
+
+def _state_rows(chunks: Sequence[SeqChunk], num_reqs: int) -> np.ndarray:
+    """``[R]``: each request's state slot, -1 for the padding requests."""
+    rows = np.full(num_reqs, -1, np.int32)
+    rows[: len(chunks)] = [c.state_row for c in chunks]
+    return rows
 
 
 def _image_fields(chunks, positions: np.ndarray, images: bool, both_ways: bool, mrope: bool):

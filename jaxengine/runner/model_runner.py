@@ -63,6 +63,7 @@ from jaxengine.runner.sampling_metadata import (
     pick_variant,
     step_sampling_rows,
 )
+from jaxengine.runner.states import make_caches
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
 from jaxengine.runner.weights import WeightLayout
@@ -93,6 +94,7 @@ class RunnerSettings:
     num_speculative_tokens: int = 0  # proposals verified per request and step
     pooler: PoolerSettings | None = None  # a pooling model's (no sampling at all)
     hidden_size: int = 0  # (a classification head's input width)
+    state_shapes: tuple | None = None  # per layer: state pools' shapes or None (`runner.states`)
 
     @property
     def pages_per_req(self) -> int:
@@ -141,12 +143,8 @@ class ModelRunner:
         self.buckets = BucketSet(
             list(settings.token_buckets), settings.max_num_seqs, 1 + settings.num_speculative_tokens
         )
-        shape = (settings.num_blocks, *settings.cache_page_shape)
         self.abstract = abstract
-        if abstract:
-            self.kv_caches: Caches = program.abstract_caches(shape, settings.cache_dtype)
-        else:
-            self.kv_caches = program.allocate_caches(shape, settings.cache_dtype)
+        self.kv_caches: Caches = make_caches(program, settings, abstract)  # (`runner.states`)
         self.swap = None
         if settings.num_host_blocks and not abstract:  # (its copies run at warm-up)
             self.swap = HostSwapSpace(
@@ -157,7 +155,8 @@ class ModelRunner:
                 chunk=settings.pages_per_req,
                 num_device_blocks=settings.num_blocks,
             )
-        self.table = RequestTable(settings.pages_per_req, settings.seed)
+        slots = settings.max_num_seqs if settings.state_shapes else 0  # hybrid models' states
+        self.table = RequestTable(settings.pages_per_req, settings.seed, state_slots=slots)
         self._feed: Feed | None = None
         # the ``fed_ids`` of a step with no token in flight
         zeros = np.zeros(settings.num_sample_slots, np.int32)
@@ -416,6 +415,7 @@ class ModelRunner:
             images=self.encoder is not None,
             both_ways=self.encoder is not None and self.encoder.both_ways,
             mrope=self.encoder is not None and self.encoder.mrope,
+            states=self.settings.state_shapes is not None,
         )
 
     def _launch(

@@ -35,6 +35,7 @@ class RequestState:
     lora_request: Any = None  # its `LoRARequest`, None for the base model
     images: tuple = ()  # its images' ``(key, prompt positions)`` (`runner.encoder`)
     image_grids: tuple = ()  # an M-RoPE model's: its images' token grids (`runner.encoder`)
+    state_slot: int = -1  # a hybrid model's: its slot in the state pools (`runner.states`)
 
     @property
     def output_ids(self) -> list[int]:
@@ -44,13 +45,21 @@ class RequestState:
 class RequestTable:
     """Requests by id, and their pages in one ``[rows, pages_per_req]`` int32 table."""
 
-    def __init__(self, pages_per_req: int, base_seed: int, rows: int = 64) -> None:
+    def __init__(
+        self, pages_per_req: int, base_seed: int, rows: int = 64, state_slots: int = 0
+    ) -> None:
+        """``state_slots``: a hybrid model's state-pool slots (`runner.states`), one per
+        running request: taken when a request is scheduled from no computed tokens,
+        given back when it finishes or is preempted (a recompute re-prefills it from
+        a zero state; the model zeroes a request whose context is empty)."""
         self.pages_per_req = pages_per_req
         self.base_seed = base_seed
         self.block_table = np.full((rows, pages_per_req), NULL_PAGE, np.int32)
         self.requests: dict[str, RequestState] = {}
         self._free_rows = list(range(rows - 1, -1, -1))
         self._counter = 0
+        self._state_slots = state_slots
+        self._free_slots = list(range(state_slots - 1, -1, -1))
 
     def __getitem__(self, req_id: str) -> RequestState:
         return self.requests[req_id]
@@ -59,6 +68,9 @@ class RequestTable:
         """Forgets finished requests, registers new ones, updates the running ones."""
         for req_id in out.finished_req_ids:
             self._remove(req_id)
+        for req_id in out.preempted_req_ids:
+            if req_id in self.requests:
+                self._free_slot(self.requests[req_id])
         for new in out.scheduled_new_reqs:
             seed = request_seed(new.sampling_params, self.base_seed, self._counter)
             self._counter += 1
@@ -75,10 +87,12 @@ class RequestTable:
             )
             self._set_pages(state, new.block_ids, append=False)
             self.requests[new.req_id] = state
+            self._take_slot(state)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             self._set_pages(state, cached.new_block_ids, append=not cached.resumed_from_preemption)
             state.num_computed = cached.num_computed_tokens
+            self._take_slot(state)
             num_drafts = len(out.scheduled_spec_decode_tokens.get(cached.req_id, ()))
             known = cached.new_token_ids[: len(cached.new_token_ids) - num_drafts]
             if cached.num_computed_tokens + len(known) > len(state.token_ids):  # (defensive)
@@ -92,6 +106,7 @@ class RequestTable:
             state.token_ids[start : start + num_tokens],
             start,
             self.block_table[state.row, : state.num_pages],
+            state_row=state.state_slot,
         )
 
     def clear(self) -> None:
@@ -128,3 +143,17 @@ class RequestTable:
         if state is not None:
             self.block_table[state.row] = NULL_PAGE
             self._free_rows.append(state.row)
+            self._free_slot(state)
+
+    def _take_slot(self, state: RequestState) -> None:
+        """A state slot for a request that runs without one (hybrid models only)."""
+        if not self._state_slots or state.state_slot >= 0:
+            return
+        if not self._free_slots:
+            raise RuntimeError("more running requests than state slots (max_num_seqs)")
+        state.state_slot = self._free_slots.pop()
+
+    def _free_slot(self, state: RequestState) -> None:
+        if state.state_slot >= 0:
+            self._free_slots.append(state.state_slot)
+            state.state_slot = -1

@@ -26,6 +26,7 @@ from jaxengine.logits_processor import resolve_logits_processors
 from jaxengine.lora.store import AdapterStore
 from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.models.layers.config import TransformerConfig
+from jaxengine.models.layers.gated_delta import layer_state_shapes
 from jaxengine.models.layers.lora import target_shapes
 from jaxengine.reasoning.budget import budget_support
 from jaxengine.reasoning.budget_processor import ThinkingTokenBudgetProcessor
@@ -45,6 +46,7 @@ from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
 from jaxengine.runner.pooler import PoolerSettings
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import logprobs_bucket
+from jaxengine.runner.states import hybrid_limits, reserve_states
 from jaxengine.runner.step import make_classifier
 from jaxengine.runner.weights import WeightLayout
 from jaxengine.speculative.device.build import (
@@ -194,8 +196,10 @@ def _size_cache(
     in use) bytes of a device (None: measured on an accelerator, unknown on CPU)."""
     cc, sc = config.cache_config, config.scheduler_config
     dtype = cache_dtype(config, model)
+    states = layer_state_shapes(model, sc.max_num_seqs)  # a hybrid model's (`runner.states`)
+    layers = max(len(r) for r in placement.layer_ranges)
     per_block = bytes_per_block(  # on one device: its stage's layers, its KV heads
-        max(len(r) for r in placement.layer_ranges),
+        layers if states is None else sum(s is None for s in states),
         cc.block_size,
         placement.plans[0].kv_heads_per_device,
         kv_cache_shape(model, 1, 1, 1, placement.platform)[3],  # a row's (padded) width
@@ -203,21 +207,24 @@ def _size_cache(
         kv_parts=kv_cache_shape(model, 1, 1, 1)[2],  # K and V, or one MLA latent row
     )
     max_model_len = config.model_config.max_model_len
+    kv_bytes, memory = reserve_states(
+        states, cc.kv_cache_memory_bytes, memory or _measured(placement)
+    )
     kv_size = plan_kv_cache(
         per_block=per_block + extra,
         block_size=cc.block_size,
         max_model_len=max_model_len,
         max_num_seqs=sc.max_num_seqs,
         num_gpu_blocks_override=cc.num_gpu_blocks_override,
-        kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=kv_bytes,
         gpu_memory_utilization=cc.gpu_memory_utilization,
-        memory=memory or _measured(placement),
+        memory=memory,
     )
     logger.info("%s, %s", kv_size.describe(max_model_len), dtype.name)
     limits = SchedulerLimits.from_configs(
         sc, cc, kv_size.num_blocks, max_model_len, bytes_per_block=per_block
     )
-    return kv_size, limits, dtype
+    return kv_size, hybrid_limits(config, limits, states), dtype
 
 
 def _measured(placement: Placement) -> tuple[int, int] | None:
@@ -282,6 +289,7 @@ def _runner_settings(config, model, kv_size, limits, dtype, page, eos, pooler) -
         num_speculative_tokens=num_speculative_tokens(config),
         pooler=pooler,
         hidden_size=model.hidden_size,
+        state_shapes=layer_state_shapes(model, config.scheduler_config.max_num_seqs),
     )
 
 
@@ -335,8 +343,8 @@ def build_worker(
     memory = None if target is None else (target.hbm_bytes, device_bytes(loaded.params))
     kv_size, limits, dtype = _size_cache(config, placement, model, extra, memory)
     heads = placement.plans[0].kv_cache_heads
-    page = kv_cache_shape(model, 1, kv_size.block_size, heads, placement.platform)[1:]
-    settings = _runner_settings(config, model, kv_size, limits, dtype, page, eos, pooler)
+    page_shape = kv_cache_shape(model, 1, kv_size.block_size, heads, placement.platform)[1:]
+    settings = _runner_settings(config, model, kv_size, limits, dtype, page_shape, eos, pooler)
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
     store = executable_store(config, loaded, backend, images and images.encoder.config)
     store = store if target is None else target.store

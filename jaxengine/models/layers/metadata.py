@@ -39,3 +39,6 @@ class AttentionMetadata:
     mrope_positions: jax.Array | None = None
     """[3, T] int32: each token's (temporal, height, width) rotary positions in an
     M-RoPE model (Qwen2.5-VL: `layers.rope.apply_mrope`); None: ``positions`` rotate."""
+    state_rows: jax.Array | None = None
+    """[R] int32: each request's slot in the linear-attention layers' state pools
+    (`layers.gated_delta`), -1 for padding requests; None in a model without them."""

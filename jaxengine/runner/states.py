@@ -1,0 +1,180 @@
+"""The caches of a model with linear-attention layers (Qwen3-Next, Qwen3.5): pages for
+its attention layers, state pools for the others, and what their memory admits.
+
+A hybrid model's per-layer cache tuple mixes two kinds of entries
+(`models.layers.gated_delta.layer_state_shapes`): a paged array ``[num_blocks,
+page_size, 2 * Hkv, D]`` for a full-attention layer, and a pair of float32 state pools
+``([S, K - 1, conv_dim], [S, Hv, Dk, Dv])`` for a Gated DeltaNet layer, one slot per
+running request (``S = max_num_seqs``; `runner.request_table` hands the slots out).
+The pools' memory is fixed by ``max_num_seqs``, so it comes out of the KV budget
+before pages are sized (`state_bytes`, `worker.build`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine.runner.program import _placed
+
+logger = logging.getLogger(__name__)
+
+STATE_DTYPE = jnp.float32
+
+
+def make_caches(program: Any, settings: Any, abstract: bool = False) -> Any:
+    """The runner's caches: ``program``'s pages for every layer, or, with
+    ``settings.state_shapes`` (a hybrid model), pages for its attention layers and
+    zeroed state pools for the others (one tensor group only). ``abstract``: placed
+    shapes, nothing allocated."""
+    shape = (settings.num_blocks, *settings.cache_page_shape)
+    states = getattr(settings, "state_shapes", None)
+    if states is None:
+        if abstract:
+            return program.abstract_caches(shape, settings.cache_dtype)
+        return program.allocate_caches(shape, settings.cache_dtype)
+    plan = getattr(program, "plan", None)
+    pages = None if plan is None else plan.kv_cache_sharding
+    placed = _state_shardings(plan)
+    specs = []
+    for entry in states:
+        if entry is None:
+            specs.append((shape, settings.cache_dtype, pages))
+        else:
+            specs.append(tuple((s, STATE_DTYPE, p) for s, p in zip(entry, placed, strict=True)))
+    if abstract:
+        return _abstract(specs)
+    return _zeros(specs)
+
+
+def _state_shardings(plan: Any) -> tuple:
+    """Where the (conv window, delta-rule state) pools live: split like the layer's
+    channels and value heads over ``tensor`` (where the step's partitioner puts
+    them, so a step's output pools are placed as its inputs), whole on one device."""
+    if plan is None or plan.tensor_size == 1:
+        return (None if plan is None else plan.replicated,) * 2
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    conv, heads = PartitionSpec(None, None, "tensor"), PartitionSpec(None, "tensor")
+    return NamedSharding(plan.mesh, conv), NamedSharding(plan.mesh, heads)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)
+
+
+def _abstract(specs: list) -> tuple:
+    def one(spec):
+        shape, dtype, sharding = spec
+        struct = jax.ShapeDtypeStruct(shape, dtype)
+        return struct if sharding is None else _placed(struct, sharding)
+
+    return tuple(jax.tree_util.tree_map(one, specs, is_leaf=_is_spec))
+
+
+def _zeros(specs: list) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(specs, is_leaf=_is_spec)
+    placed = [sharding for _, _, sharding in leaves]
+    shardings = None if any(s is None for s in placed) else tuple(placed)
+    make = jax.jit(
+        lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype, _ in leaves),
+        out_shardings=shardings,
+    )
+    return tuple(jax.tree_util.tree_unflatten(tree, list(make())))
+
+
+def state_bytes(state_shapes: tuple | None, layers: range | None = None) -> int:
+    """Bytes of the state pools of ``state_shapes`` (the layers in ``layers``: one
+    pipeline stage's; None: all), float32."""
+    if state_shapes is None:
+        return 0
+    chosen = state_shapes if layers is None else [state_shapes[i] for i in layers]
+    itemsize = jnp.dtype(STATE_DTYPE).itemsize
+    total = 0
+    for entry in chosen:
+        for shape in entry or ():
+            count = 1
+            for n in shape:
+                count *= n
+            total += count * itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """How many requests of one length a memory budget holds (`admitted_requests`)."""
+
+    requests: int
+    kv_bytes_per_request: int
+    state_bytes_per_request: int
+
+
+def admitted_requests(
+    config: Any, budget_bytes: int, num_tokens: int, *, block_size: int = 16, itemsize: int = 2
+) -> Admission:
+    """Concurrent requests of ``num_tokens`` tokens that ``budget_bytes`` of cache
+    holds for ``config`` (a `TransformerConfig`): each takes the pages of its
+    attention layers (K and V, ``itemsize`` bytes each) and, in a hybrid model, one
+    float32 state per linear-attention layer. Host-side arithmetic, on one device."""
+    from jaxengine.models.layers.gated_delta import layer_state_shapes
+
+    states = layer_state_shapes(config, 1)
+    num_attention = sum(1 for s in states if s is None) if states else config.num_layers
+    pages = -(-num_tokens // block_size)
+    kv_row = 2 * config.num_kv_heads * config.head_dim * itemsize
+    kv = num_attention * pages * block_size * kv_row
+    state = state_bytes(states)
+    return Admission(budget_bytes // (kv + state), kv, state)
+
+
+def hybrid_limits(config: Any, limits: Any, state_shapes: tuple | None) -> Any:
+    """The scheduler's limits (`core.limits.SchedulerLimits`) for a hybrid model: no
+    prefix caching (a cached prefix would need the states at its block boundary,
+    which are not kept) and no swap space (the states are not swapped with the
+    pages: preemption recomputes, exactly); raises for what it cannot run
+    (speculative decoding, pipeline stages). Unchanged without ``state_shapes``."""
+    if state_shapes is None:
+        return limits
+    if config.speculative_config.enabled:
+        raise ValueError(
+            "speculative decoding is not supported for models with linear-attention "
+            "layers (Qwen3-Next, Qwen3.5): their recurrent state cannot be rolled back"
+        )
+    if config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("pipeline parallelism is not supported for linear-attention models")
+    if limits.enable_prefix_caching:
+        logger.warning(
+            "prefix caching is disabled for this model: its linear-attention layers keep "
+            "a recurrent state that is not cached at block boundaries"
+        )
+    if limits.num_host_blocks:
+        logger.warning(
+            "swap preemption is disabled for this model: its linear-attention states "
+            "are not swapped; preempted requests are recomputed"
+        )
+    return dataclasses.replace(limits, enable_prefix_caching=False, num_host_blocks=0)
+
+
+def reserve_states(
+    state_shapes: tuple | None, kv_cache_memory_bytes: int | None, memory: Any
+) -> tuple[int | None, Any]:
+    """``(--kv-cache-memory-bytes, device (limit, in use))`` with the state pools'
+    bytes taken out first, so pages are sized from what is left; logs the pools."""
+    reserved = state_bytes(state_shapes)
+    if not reserved:
+        return kv_cache_memory_bytes, memory
+    slots = next(entry[0][0] for entry in state_shapes if entry is not None)
+    logger.info(
+        "linear-attention states: %d layers x %d request slots, %.3f GiB, taken from the "
+        "KV-cache budget",
+        sum(entry is not None for entry in state_shapes), slots, reserved / (1 << 30),
+    )  # fmt: skip
+    if kv_cache_memory_bytes is not None:
+        kv_cache_memory_bytes -= reserved
+    if memory is not None:
+        memory = (memory[0], memory[1] + reserved)
+    return kv_cache_memory_bytes, memory
