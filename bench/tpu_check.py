@@ -114,8 +114,24 @@ DEEPSEEK_V3 = dict(
         type="yarn", rope_type="yarn", factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0,
         mscale_all_dim=1.0, original_max_position_embeddings=4096,
     ),
+    quantization_config=dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128],
+    ),  # as published: block fp8
     torch_dtype="bfloat16",
 )  # fmt: skip
+
+
+def _defaults(config_class: str, architecture: str) -> dict:
+    """A transformers config class's defaults (its reference checkpoint's dimensions)."""
+    import transformers
+
+    config = getattr(transformers, config_class)().to_dict()
+    return dict(config, architectures=[architecture], torch_dtype="bfloat16")
+
+
+QWEN3_NEXT_80B_A3B = _defaults("Qwen3NextConfig", "Qwen3NextForCausalLM")
+QWEN3_5 = _defaults("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")
+GEMMA4 = _defaults("Gemma4TextConfig", "Gemma4ForCausalLM")
 
 ROWS = {
     "llama3-8b@v5e-4": (LLAMA3_8B, "v5e-4", ["-tp", "4"]),
@@ -128,9 +144,16 @@ ROWS = {
     "mixtral-8x7b@v6e-8": (MIXTRAL_8X7B, "v6e-8", ["-tp", "8", "--enable-expert-parallel"]),
     "phi-4@v6e-4": (PHI4, "v6e-4", ["-tp", "2"]),
     "glm-4.5-air@v6e-8": (GLM45_AIR, "v6e-8", ["-tp", "8", "--enable-expert-parallel"]),
-    "gpt-oss-120b@v6e-4": (GPT_OSS_120B, "v6e-4", ["-tp", "4", "--enable-expert-parallel"]),
+    "gpt-oss-120b@v6e-8": (GPT_OSS_120B, "v6e-8", ["-tp", "8", "--enable-expert-parallel"]),
     "llama4-scout@v6e-8": (LLAMA4_SCOUT, "v6e-8", ["-tp", "8", "--enable-expert-parallel"]),
     "deepseek-v3@v5p-64": (DEEPSEEK_V3, "v5p-64", ["-tp", "32", "--enable-expert-parallel"]),
+    "qwen3-next-80b-a3b@v6e-8": (
+        QWEN3_NEXT_80B_A3B,
+        "v6e-8",
+        ["-tp", "8", "--enable-expert-parallel"],
+    ),
+    "qwen3.5@v6e-4": (QWEN3_5, "v6e-4", ["-tp", "4"]),
+    "gemma4@v6e-1": (GEMMA4, "v6e-1", []),
 }
 PER_LAYER_LISTS = ("layer_types", "no_rope_layers")
 """Config entries with one item per layer, cut with the depth (`--layers`)."""

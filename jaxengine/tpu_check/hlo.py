@@ -14,7 +14,11 @@ instructions read from and write to HBM, by those memory spaces:
   ``dynamic-update-slice`` or ``scatter`` writes its update in place (reads its
   indices and update, writes the update), also as the root of a fusion;
 - a Pallas kernel (``tpu_custom_call``) is left out: what it moves depends on the
-  request lengths at run time, and it declares its own bound (`report`);
+  request lengths at run time, and it declares its own bound (`report`); except the
+  weights it takes (``weight_shapes``: the grouped matmul XLA lowers `ragged_dot`
+  to on TPU takes the MoE experts), counted as read whole: an upper bound (a decode
+  step's few tokens touch only some experts), so a step whose weights stream through
+  a kernel is not taken for one that reads less than its weights;
 - loop bodies and called computations count once.
 
 XLA's own ``cost_analysis()["bytes accessed"]`` counts every memory space alike (a
@@ -173,22 +177,31 @@ def is_kernel(ins: Instruction) -> bool:
     return ins.opcode == "custom-call" and ins.custom_call_target == "tpu_custom_call"
 
 
-def hbm_bytes(module: Module) -> int:
-    """Bytes the program's instructions move in HBM, Pallas kernels excepted."""
-    return _computation_bytes(module, module.entry, set())
+def hbm_bytes(module: Module, weight_shapes: frozenset = frozenset()) -> int:
+    """Bytes the program's instructions move in HBM, Pallas kernels excepted but for
+    their operands of ``weight_shapes`` (each a per-device weight's shape)."""
+    return _computation_bytes(module, module.entry, set(), weight_shapes)
 
 
-def _computation_bytes(module: Module, name: str, seen: set) -> int:
+def _computation_bytes(module: Module, name: str, seen: set, weights: frozenset) -> int:
     if name in seen:
         return 0
     seen.add(name)
     total = 0
     for ins in module.computations.get(name, []):
         if ins.opcode in ("while", "call", "conditional"):
-            total += sum(_computation_bytes(module, c, seen) for c in ins.calls)
-        elif ins.opcode not in _NOTHING_MOVED and not is_kernel(ins):
+            total += sum(_computation_bytes(module, c, seen, weights) for c in ins.calls)
+        elif is_kernel(ins):
+            total += _kernel_weight_reads(module, ins, weights)
+        elif ins.opcode not in _NOTHING_MOVED:
             total += _moved(module, ins)
     return total
+
+
+def _kernel_weight_reads(module: Module, ins: Instruction, weights: frozenset) -> int:
+    """Bytes of the weights (shapes in ``weights``) a kernel takes from HBM."""
+    buffers = (_produced(op) for n in ins.operands if (op := module.operand(n)) is not None)
+    return sum(b.bytes for bs in buffers for b in bs if b.space == HBM and b.shape in weights)
 
 
 def _hbm(buffers) -> int:

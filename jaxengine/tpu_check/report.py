@@ -9,7 +9,8 @@
   that reuse no argument, `ProgramRecord.transient_bytes`) and the program that needs
   it; it fits when the three together are at most the chip's HBM;
 - **per step bucket**: the bytes its instructions move in HBM outside the Pallas
-  kernels (`hlo.hbm_bytes`, read from the compiled program's memory spaces), against
+  kernels, and the weights those kernels take (`hlo.hbm_bytes`, read from the
+  compiled program's memory spaces: MoE experts in the grouped matmul), against
   the least a step must move: the weights it reads on this chip (`weights_read`: all
   but the input embedding's table, of which it gathers a few rows) and its outputs.
   ``bytes_over_minimum`` is their ratio; a copy of the cache or of a weight, or a
@@ -192,8 +193,8 @@ class CheckReport:
             kind = "decode " if s.decode else "prefill"
             out.append(
                 f"  {kind} {s.tokens:>5} tokens {s.requests:>4} requests: HBM "
-                f"{s.hbm_bytes / GiB:.3f} GiB outside the kernels = {s.bytes_over_minimum:.3f}x "
-                f"the minimum ({s.seconds_at_hbm * 1e3:.2f} ms at "
+                f"{s.hbm_bytes / GiB:.3f} GiB outside the kernels and in their weights = "
+                f"{s.bytes_over_minimum:.3f}x the minimum ({s.seconds_at_hbm * 1e3:.2f} ms at "
                 f"{chip.hbm_bandwidth / 1e12:.2f} TB/s); XLA's count {s.bytes_accessed / GiB:.3f} "
                 f"GiB, the kernels' bound {s.kernel_bytes / GiB:.3f} GiB"
             )
@@ -257,16 +258,13 @@ def _traffic(record, tpu, model, cache_shard, runner) -> StepTraffic:
     module = hlo.parse(record.hlo or "")
     record.hlo = None  # read once: the text of a deep model's step is large
     outputs = max(record.output_bytes - record.alias_bytes, 0)
-    findings = (
-        audit(module, *_audit_shapes(runner.params, runner.kv_caches))
-        if (tokens == requests)
-        else []
-    )
+    shapes = _audit_shapes(runner.params, runner.kv_caches)
+    findings = audit(module, *shapes) if tokens == requests else []
     return StepTraffic(
         tokens=tokens,
         requests=requests,
         bytes_accessed=record.bytes_accessed,
-        hbm_bytes=float(hlo.hbm_bytes(module)),
+        hbm_bytes=float(hlo.hbm_bytes(module, frozenset(shapes[1]))),
         kernel_bytes=_kernel_bytes(model, tokens, requests, cache_shard, runner),
         minimum_bytes=float(weights_read(runner.params) + outputs),
         bandwidth=tpu.chip.hbm_bandwidth,
