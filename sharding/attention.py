@@ -9,9 +9,17 @@ With fewer KV heads than tensor devices the projections produce every KV head on
 every device (their weights are replicated) and each device keeps the one head its
 query heads read: device ``i`` holds KV head ``i // (tp / Hkv)`` in its one-head slice
 of the cache.
+
+A hybrid model's gated delta rule (``gated_delta_fn``, `layers.gated_delta`) runs per
+shard too, on its heads' slice: q and k ``[T, Hk/tp, Dk]``, v ``[T, Hv/tp, Dv]``, g and
+beta ``[T, Hv/tp]``, the state ``[R, Hv/tp, Dk, Dv]`` (a value head reads key head
+``h // (Hv / Hk)``, so contiguous slices keep each value head with its key head).
+With key heads that do not divide by ``tp`` it runs replicated.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 from jax.sharding import Mesh
@@ -64,4 +72,28 @@ def shard_attention_fns(attention_kwargs: dict, mesh: Mesh, num_kv_heads: int) -
             check_vma=False,
         )(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, sinks)
 
-    return {**attention_kwargs, "attention_fn": attention, "update_fn": update}
+    sharded = {**attention_kwargs, "attention_fn": attention, "update_fn": update}
+    if attention_kwargs.get("gated_delta_fn") is not None:
+        sharded["gated_delta_fn"] = shard_gated_delta(attention_kwargs["gated_delta_fn"], mesh)
+    return sharded
+
+
+def shard_gated_delta(rule: Callable, mesh: Mesh) -> Callable:
+    """``rule`` (the gated delta rule's signature) run per tensor shard of its heads."""
+    tp = mesh.shape["tensor"]
+    by_head = P(None, "tensor")  # [T, Hv]: g, beta
+    state = P(None, "tensor")  # [R, Hv, Dk, Dv]
+
+    def sharded(q, k, v, g, beta, query_start_loc, num_seqs, initial_state):
+        args = (q, k, v, g, beta, query_start_loc, num_seqs, initial_state)
+        split = q.shape[1] % tp == 0  # else every device runs all heads (replicated)
+        heads, rows, states = (HEADS, by_head, state) if split else (META, META, META)
+        return jax.shard_map(
+            rule,
+            mesh=mesh,
+            in_specs=(heads, heads, heads, rows, rows, META, META, states),
+            out_specs=(heads, states),
+            check_vma=False,
+        )(*args)
+
+    return sharded

@@ -134,18 +134,23 @@ class GatedAttention(nn.Module):
 
 class Qwen3NextDecoderLayer(DecoderLayer):
     """``x + mixer(norm(x))`` then ``x + ffn(norm(x))``; the mixer is ``linear_attn``
-    (Gated DeltaNet, its cache the state pools) or ``self_attn`` (`GatedAttention`)."""
+    (Gated DeltaNet, its cache the state pools) or ``self_attn`` (`GatedAttention`).
+    ``attention_kwargs``: the attention functions, and the backend's
+    ``gated_delta_fn``, which goes to the Gated DeltaNet."""
 
     @nn.compact
     def __call__(self, x, positions, cache, md):
         cfg = self.config
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
         h = RMSNorm(**norm, name="input_layernorm")(x)
+        kwargs = dict(self.attention_kwargs or {})
+        rule = kwargs.pop("gated_delta_fn", None)  # the backend's; None: the reference
         if self.spec.linear:
-            mixer = GatedDeltaNet(cfg, cfg.family_spec.gated_delta, name="linear_attn")
-            h, cache = mixer(h, cache, md)
+            gdn = cfg.family_spec.gated_delta
+            rule_kwargs = {} if rule is None else {"gated_delta_fn": rule}
+            h, cache = GatedDeltaNet(cfg, gdn, **rule_kwargs, name="linear_attn")(h, cache, md)
         else:
-            attn = GatedAttention(cfg, self.spec, **(self.attention_kwargs or {}), name="self_attn")
+            attn = GatedAttention(cfg, self.spec, **kwargs, name="self_attn")
             h, cache = attn(h, positions, cache, md)
         x = x + h
         h = RMSNorm(**norm, name="post_attention_layernorm")(x)

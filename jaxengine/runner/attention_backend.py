@@ -25,6 +25,13 @@ reference's XLA scatter, as Mosaic's DMAs cannot write one row inside a bfloat16
 tile), "mla-pallas-gpu" (Triton), "mla-pallas-gpu-interpret" (``pallas`` on CPU) and
 "mla-reference" (``reference`` anywhere, ``auto`` on CPU).
 
+A hybrid model (Qwen3-Next, Qwen3.5: ``gated_delta``) also gets the gated delta rule of
+its linear-attention layers (`pallas_kernels.gated_delta`, ``gated_delta_fn``) by the
+same table: the Mosaic kernel on TPU, Triton's on GPU, Triton's interpreted for
+``pallas`` on CPU, and the reference in 16-token chunks
+(`models.layers.gated_delta.reference_rule`) for ``reference`` and ``auto`` on CPU.
+The causal convolution before it is the reference's everywhere (no kernel).
+
 The TPU attention kernel sizes its blocks to the scoped VMEM of the generation it is
 compiled for: ``device_kind``, that of the engine's devices (the compile target,
 which ``jaxengine tpu-check`` sets to a TPU slice on a machine without one), looked up
@@ -50,10 +57,17 @@ class AttentionBackend:
     name: str  # "reference", "xla-cpu", "pallas-tpu", "pallas-gpu", "pallas-gpu-interpret"
     attention_fn: Callable
     update_fn: Callable
+    gated_delta_fn: Callable | None = None
+    """The gated delta rule of a hybrid model's linear-attention layers (the signature
+    of `pallas_kernels.gated_delta.reference.gated_delta_rule`); None elsewhere."""
 
     def module_kwargs(self) -> dict:
-        """What the model modules take as ``attention_kwargs``."""
-        return {"attention_fn": self.attention_fn, "update_fn": self.update_fn}
+        """What the model modules take as ``attention_kwargs`` (``gated_delta_fn`` only
+        for a hybrid model, whose decoder layer hands it to its Gated DeltaNet)."""
+        kwargs = {"attention_fn": self.attention_fn, "update_fn": self.update_fn}
+        if self.gated_delta_fn is not None:
+            kwargs["gated_delta_fn"] = self.gated_delta_fn
+        return kwargs
 
 
 def select_attention_backend(
@@ -63,6 +77,7 @@ def select_attention_backend(
     device_kind: str | None = None,
     *,
     mla: bool = False,
+    gated_delta: bool = False,
 ) -> AttentionBackend:
     """The backend for ``--attention-backend requested`` on ``platform`` (default:
     JAX's); ``device_kind``: the generation the TPU kernels are sized for (None: the
@@ -71,10 +86,12 @@ def select_attention_backend(
     take no per-token key limit yet, so the reference attention runs instead, with a
     warning. ``mla`` (a model with multi-head latent attention, DeepSeek-V3): its cache
     holds one latent row a token, which only the MLA functions read and write
-    (`pallas_kernels.mla`, `_mla_backend`)."""
+    (`pallas_kernels.mla`, `_mla_backend`). ``gated_delta`` (a hybrid model, Qwen3-Next
+    and Qwen3.5): the backend also carries ``gated_delta_fn`` (`gated_delta_kernel`)."""
+    platform = platform or jax.default_backend()
     if mla:
-        return _mla_backend(requested, platform or jax.default_backend(), device_kind)
-    backend = _select(requested, platform or jax.default_backend())
+        return _mla_backend(requested, platform, device_kind)
+    backend = _select(requested, platform)
     if backend.name == "pallas-tpu" and device_kind is not None:
         backend = _sized_for(backend, device_kind)
     if both_ways and backend.name.startswith("pallas"):
@@ -83,7 +100,10 @@ def select_attention_backend(
             "image tokens attend both ways, so the reference attention runs",
             backend.name,
         )
-        return AttentionBackend("reference", *kernels("reference"))
+        backend = AttentionBackend("reference", *kernels("reference"))
+    if gated_delta:
+        rule = gated_delta_kernel(requested, platform, device_kind)
+        backend = dataclasses.replace(backend, gated_delta_fn=rule)
     return backend
 
 
@@ -140,6 +160,29 @@ def _sized_for(backend: AttentionBackend, device_kind: str) -> AttentionBackend:
         return backend
     attention = functools.partial(backend.attention_fn, vmem_limit_bytes=chip.vmem_limit_bytes)
     return dataclasses.replace(backend, attention_fn=attention)
+
+
+def gated_delta_kernel(requested: str, platform: str, device_kind: str | None = None) -> Callable:
+    """The gated delta rule by the table of `_select`: the Mosaic kernel on TPU (its
+    VMEM limit that of ``device_kind``'s generation), Triton's on GPU or, for
+    ``pallas`` on CPU, interpreted; the reference in 16-token chunks for
+    ``reference``, and for ``auto`` on CPU (the CPU default)."""
+    _select(requested, "cpu")  # the same validation of the flag
+    if requested == "reference" or (requested == "auto" and platform not in ("tpu", "gpu")):
+        from jaxengine.models.layers.gated_delta import reference_rule
+
+        return reference_rule
+    if platform not in ("tpu", "gpu"):
+        gpu = importlib.import_module("pallas_kernels.gated_delta.gpu")
+        return functools.partial(gpu.gated_delta_rule, interpret=True)
+    rule = importlib.import_module(f"pallas_kernels.gated_delta.{platform}").gated_delta_rule
+    if platform == "tpu" and device_kind is not None:
+        from jaxengine.hardware import chip_of
+
+        chip = chip_of(device_kind)
+        if chip is not None and chip.is_tpu:
+            rule = functools.partial(rule, vmem_limit_bytes=chip.vmem_limit_bytes)
+    return rule
 
 
 def kernels(name: str) -> tuple[Callable, Callable]:

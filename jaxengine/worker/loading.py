@@ -40,12 +40,14 @@ def load_replica(config: EngineConfig, devices: Sequence[Any] | None, abstract: 
     loaded = load_jax_or_torch(config, placement, abstract)
     requested = config.attention_config.attention_backend
     both_ways = images_both_ways(loaded.hf_config)
+    family_spec = getattr(loaded.config, "family_spec", None)
     backend = select_attention_backend(
         requested,
         placement.platform,
         both_ways,
         placement.device_kind,
         mla=getattr(loaded.config, "mla", None) is not None,  # DeepSeek-V3's latent cache
+        gated_delta=getattr(family_spec, "gated_delta", None) is not None,  # Qwen3-Next, 3.5
     )
     logger.info(
         "attention backend: %s (--attention-backend %s, platform %s)",

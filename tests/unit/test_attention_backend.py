@@ -65,3 +65,33 @@ def test_images_both_ways_run_the_reference_where_kernels_cannot(platform, caplo
     assert backend.name == "reference"
     assert "no bidirectional image attention" in caplog.text
     assert select_attention_backend("auto", "cpu", both_ways=True).name == "xla-cpu"
+
+
+def test_gated_delta_rule_by_platform():
+    """A hybrid model's backend carries the gated delta rule by the same table: the
+    reference in 16-token chunks (the CPU default) for ``reference`` and ``auto`` on
+    CPU, the Mosaic kernel on TPU (sized for its generation), Triton's on GPU and
+    interpreted for ``pallas`` on CPU; other models' backends carry none."""
+    from jaxengine.models.layers.gated_delta import reference_rule
+    from pallas_kernels.gated_delta import gpu as gdn_gpu
+    from pallas_kernels.gated_delta import tpu as gdn_tpu
+
+    def rule(requested, platform, **kwargs):
+        backend = select_attention_backend(requested, platform, gated_delta=True, **kwargs)
+        assert backend.module_kwargs()["gated_delta_fn"] is backend.gated_delta_fn
+        return backend.gated_delta_fn
+
+    for platform in ("cpu", "tpu", "gpu"):
+        assert rule("reference", platform) is reference_rule
+    assert rule("auto", "cpu") is reference_rule
+    assert rule("auto", "tpu") is rule("pallas", "tpu") is gdn_tpu.gated_delta_rule
+    assert rule("auto", "gpu") is rule("pallas", "gpu") is gdn_gpu.gated_delta_rule
+    interpreted = rule("pallas", "cpu")
+    assert interpreted.func is gdn_gpu.gated_delta_rule and interpreted.keywords["interpret"]
+    sized = rule("auto", "tpu", device_kind="TPU v6 lite")
+    assert sized.func is gdn_tpu.gated_delta_rule
+    assert sized.keywords["vmem_limit_bytes"] == 96 * 1024 * 1024
+    assert select_attention_backend("auto", "tpu").gated_delta_fn is None
+    assert "gated_delta_fn" not in select_attention_backend("auto", "tpu").module_kwargs()
+    with pytest.raises(ValueError, match="--attention-backend 'flash'"):
+        select_attention_backend("flash", "cpu", gated_delta=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -86,6 +87,24 @@ XLA's CPU backend 16-token chunks ran a 32-token step in ~0.2 ms where 64-token 
 took 1-250 ms (their larger solves and matmuls stall on a busy thread pool)."""
 
 
+def reference_rule(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    g: jax.Array,  # [T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    query_start_loc: jax.Array,  # [R + 1] int32
+    num_seqs: jax.Array,  # [] int32
+    initial_state: jax.Array,  # [R, Hv, Dk, Dv]
+) -> tuple[jax.Array, jax.Array]:
+    """The layer's default rule (the CPU path, `runner.attention_backend`): the
+    reference, token by token on decode-like batches and in ``CHUNK``-token chunks
+    otherwise. The kernels take the same arguments and choose their own chunks."""
+    chunk = gdn.choose_chunk(q.shape[0], initial_state.shape[0]) and CHUNK
+    args = (q, k, v, g, beta, query_start_loc, num_seqs, initial_state)
+    return gdn.gated_delta_rule(*args, chunk_size=chunk)
+
+
 def layer_state_shapes(config: TransformerConfig, slots: int) -> tuple | None:
     """Per layer: its state pools' shapes (a linear-attention layer: ``spec.linear``)
     or None (a paged attention layer); None for a model without linear attention
@@ -118,10 +137,12 @@ def fresh_requests(md: AttentionMetadata) -> jax.Array:
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet token mixer: ``(x [T, H], (conv_pool, ssm_pool), md) ->
     (out [T, H], new pools)``. Heads name the ``q_heads`` logical axis, so tensor
-    parallelism splits them like attention heads."""
+    parallelism splits them like attention heads. ``gated_delta_fn``: the rule (the
+    backend's, `runner.attention_backend.gated_delta_kernel`; the reference by default)."""
 
     config: TransformerConfig
     spec: GatedDeltaSpec
+    gated_delta_fn: Callable[..., tuple[jax.Array, jax.Array]] = reference_rule
 
     @nn.compact
     def __call__(self, x: jax.Array, state: tuple[jax.Array, jax.Array], md: AttentionMetadata):
@@ -149,8 +170,7 @@ class GatedDeltaNet(nn.Module):
         decay = jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
         g = -jnp.exp(a_log.astype(jnp.float32)) * decay  # [T, Hv] log decay
         ssm0 = read_states(ssm_pool, rows, fresh)  # [R, Hv, Dk, Dv]
-        chunk = gdn.choose_chunk(num_tokens, ssm0.shape[0]) and CHUNK
-        out, ssm1 = gdn.gated_delta_rule(q, k, v, g, beta, qsl, num_seqs, ssm0, chunk_size=chunk)
+        out, ssm1 = self.gated_delta_fn(q, k, v, g, beta, qsl, num_seqs, ssm0)
         norm_w = _param("norm", "weight", (spec.head_v_dim,), cfg.dtype, nn.initializers.ones)
         out = gated_rms_norm(out, z.reshape(out.shape), norm_w, cfg.rms_norm_eps)
         out_proj = Linear(cfg.hidden_size, ("embed", "q_heads"), name="out_proj", **lin)
