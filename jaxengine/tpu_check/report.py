@@ -212,8 +212,8 @@ class CheckReport:
 def analyse(tpu: TpuSlice, runner: Any, host: Any, records: list) -> CheckReport:
     """The report of a compile-only engine (`check.check_engine`)."""
     model, config = host.model, host.config  # (max_model_len resolved)
-    caches = runner.kv_caches
-    cache_shard = caches[0].sharding.shard_shape(caches[0].shape)
+    paged = _paged(runner.kv_caches)  # (a hybrid model's state pools aside)
+    cache_shard = paged[0].sharding.shard_shape(paged[0].shape)
     params_bytes = device_bytes(runner.params)
     per_token = host.kv_size.bytes_per_block / host.kv_size.block_size
     transients = [(p.label, p.transient_bytes) for p in records]
@@ -286,7 +286,13 @@ def _kernel_bytes(model, tokens: int, requests: int, cache_shard: tuple, runner)
         (tokens, max(heads, 1), head_dim), cache_shard, (requests, pages), model.dtype
     ).bytes_accessed
     write = tokens * two_hkv * head_dim * itemsize * 2
-    return float(len(model.layers) * (read + write))
+    return float(len(_paged(runner.kv_caches)) * (read + write))
+
+
+def _paged(caches: Any) -> list:
+    """The paged KV caches of ``caches`` (a linear-attention layer's entry is a tuple
+    of state pools, `runner.states`)."""
+    return [c for c in caches if not isinstance(c, tuple)]
 
 
 def _audit_shapes(params: Any, caches: Any) -> tuple[set, set, set]:
@@ -297,7 +303,7 @@ def _audit_shapes(params: Any, caches: Any) -> tuple[set, set, set]:
 
     leaves = jax.tree_util.tree_leaves(params)
     return (
-        {shard(c) for c in caches},
+        {shard(c) for c in jax.tree_util.tree_leaves(caches)},
         {shard(w) for w in leaves if len(w.shape) >= 2},
         {(_hlo_dtype(w.dtype), tuple(w.shape)) for w in leaves if len(w.shape) >= 2},
     )
