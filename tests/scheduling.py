@@ -50,6 +50,9 @@ GROUP_SECONDS = {
     "tests/kernels/test_gated_delta.py": 80,  # measured alone, 2026-11-29
     "tests/engine/test_mtp.py": 35,  # measured alone, 2026-11-29
     "tests/models/test_gemma4.py": 65,  # -n 2 beside other work, 2026-11-29
+    "tests/models/test_qwen3_next.py": 44,  # beside other work, 2026-11-29
+    "tests/models/test_block_fp8.py": 25,  # beside other work, 2026-11-29
+    "tests/models/test_qwen3_next_kernels.py": 18,  # beside other work, 2026-11-29
     "tests/kernels/test_cpu_attention.py": 32,
     "tests/torch_fallback/test_golden.py": 31,
     "agents_server": 28,
