@@ -146,7 +146,9 @@ ROWS = {
     "glm-4.5-air@v6e-8": (GLM45_AIR, "v6e-8", ["-tp", "8", "--enable-expert-parallel"]),
     "gpt-oss-120b@v6e-8": (GPT_OSS_120B, "v6e-8", ["-tp", "8", "--enable-expert-parallel"]),
     "llama4-scout@v6e-8": (LLAMA4_SCOUT, "v6e-8", ["-tp", "8", "--enable-expert-parallel"]),
-    "deepseek-v3@v5p-64": (DEEPSEEK_V3, "v5p-64", ["-tp", "32", "--enable-expert-parallel"]),
+    # TP 16: block fp8's 128-column groups split evenly (18432 / 16 = 9 x 128; at TP 32
+    # a group would straddle two chips, which the loader refuses, as vLLM does)
+    "deepseek-v3@v5p-32": (DEEPSEEK_V3, "v5p-32", ["-tp", "16", "--enable-expert-parallel"]),
     "qwen3-next-80b-a3b@v6e-8": (
         QWEN3_NEXT_80B_A3B,
         "v6e-8",
