@@ -9,6 +9,8 @@ tests/server/test_vllm_metrics.py."""
 
 from __future__ import annotations
 
+import time
+
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,6 +28,17 @@ def _samples(client: TestClient) -> dict[str, float]:
         for s in family.samples
         if s.name.startswith("vllm:") and "le" not in s.labels
     }
+
+
+def _recorded(client: TestClient, seconds: float = 10.0) -> dict[str, float]:
+    """The samples once the finished request is in them: the reply can reach the
+    client before the engine's loop hands that step's stats to the logger."""
+    deadline = time.monotonic() + seconds
+    samples = _samples(client)
+    while not samples.get("vllm:e2e_request_latency_seconds_count") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        samples = _samples(client)
+    return samples
 
 
 def test_a_preempted_request_shows_in_the_histogram(tiny_llm):
@@ -53,7 +66,7 @@ def test_a_preempted_request_shows_in_the_histogram(tiny_llm):
             reply = client.post("/v1/completions", json=body)
             assert reply.status_code == 200, reply.text
             assert reply.json()["usage"]["completion_tokens"] == 8 * 64
-            after = _samples(client)
+            after = _recorded(client)
     finally:
         async_llm.shutdown(shutdown_engine=False)
         engine.abort_request(list(engine.outputs.requests))
