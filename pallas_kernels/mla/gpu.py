@@ -58,6 +58,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_cache_update.gpu import write_rows
 from pallas_kernels.kv_cache_update.reference import to_cache_dtype
+from pallas_kernels.mla import reference
 from pallas_kernels.mla.cost import mla_cost
 from pallas_kernels.ragged_paged_attention.gpu import (
     _check_block,
@@ -211,15 +212,6 @@ def _kernel(
     plgpu.store(o_ref.at[o_row[:, None], d], out.astype(o_ref.dtype), mask=row_ok & (d < value_dim))
 
 
-def _check(q, kv_cache, value_dim) -> None:
-    _, _, rows, cache_width = kv_cache.shape
-    if rows != 1 or cache_width != q.shape[-1] or not 0 < value_dim <= cache_width:
-        raise ValueError(
-            f"MLA: cache {kv_cache.shape} (one row per token), queries {q.shape}, "
-            f"value_dim {value_dim}"
-        )
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -257,7 +249,7 @@ def ragged_paged_mla(
     out, padding tokens exactly zero. ``pages_per_chunk`` (the reference's loop step)
     is accepted and unused. ``interpret=True`` runs the kernel on CPU."""
     del pages_per_chunk
-    _check(q, kv_cache, value_dim)
+    reference.check_shapes(q, kv_cache, value_dim)
     num_tokens, num_heads, width = q.shape
     num_pages, page_size, _, _ = kv_cache.shape
     num_reqs, max_pages = page_table.shape

@@ -106,6 +106,17 @@ def ragged_paged_mla(
     return out.astype(q.dtype)
 
 
+def check_shapes(q, kv_cache, value_dim: int) -> None:
+    """ValueError unless the cache holds one row a token as wide as the queries and
+    ``value_dim`` fits in it (the kernels' shared input check)."""
+    _, _, rows, cache_width = kv_cache.shape
+    if rows != 1 or cache_width != q.shape[-1] or not 0 < value_dim <= cache_width:
+        raise ValueError(
+            f"MLA: cache {kv_cache.shape} (one row per token), queries {q.shape}, "
+            f"value_dim {value_dim}"
+        )
+
+
 def update_mla_cache(
     kv_cache: jax.Array,  # [P, S, 1, L + R]
     latent: jax.Array,  # [T, 1, L]: kv_a_layernorm's output

@@ -252,15 +252,6 @@ def _kernel(
     o_ref[...] = out.reshape(bq, hb, value_dim).astype(o_ref.dtype)
 
 
-def _check(q, kv_cache, value_dim) -> None:
-    _, _, rows, cache_width = kv_cache.shape
-    if rows != 1 or cache_width != q.shape[-1] or not 0 < value_dim <= cache_width:
-        raise ValueError(
-            f"MLA: cache {kv_cache.shape} (one row per token), queries {q.shape}, "
-            f"value_dim {value_dim}"
-        )
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -295,7 +286,7 @@ def ragged_paged_mla(
     value_dim]`` (`reference.ragged_paged_mla`). ``pages_per_chunk`` (the reference's
     loop step) is accepted and unused: ``pages_per_block`` sizes this kernel's."""
     del pages_per_chunk
-    _check(q, kv_cache, value_dim)
+    reference.check_shapes(q, kv_cache, value_dim)
     num_tokens, num_heads, width = q.shape
     page_size = kv_cache.shape[1]
     num_reqs, max_pages = page_table.shape
