@@ -61,6 +61,11 @@ class SchedulerLimits:
     whole_images: bool = False
     """An image's tokens attend to each other both ways (Gemma 3): no prefill chunk
     ends inside an image."""
+    state_cache_rows: tuple[int, int] = (0, 0)
+    """A hybrid model with prefix caching: (first row, count) of its state pools
+    kept for states saved at block ends (`core.kv_cache.state_cache`); count 0: none.
+    A prefix hit then stops at a saved state, and a partial prefill chunk ends at a
+    block's end where it can."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

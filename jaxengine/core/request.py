@@ -177,6 +177,16 @@ class Request:
             return False
         return self.num_output_tokens + self.num_output_placeholders >= self.max_tokens
 
+    def waits_for_placeholder(self, max_model_len: int) -> bool:
+        """Whether the token in flight must arrive before it is scheduled again."""
+        if not self.num_output_placeholders:
+            return False
+        return (
+            self.needs_known_outputs
+            or self.length_reached_in_flight
+            or self.num_tokens_with_placeholders >= max_model_len
+        )
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

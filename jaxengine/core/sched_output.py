@@ -29,6 +29,9 @@ One step, as the runner sees it (`SchedulerOutput`):
    among its known tokens). Sample after its last known token and after each draft
    (each with the outputs before it), accept the drafts while each equals the token
    sampled before it, and return the accepted drafts plus the next sampled token.
+   A hybrid model's saved states: copy each `state_restores` row into its request's
+   state slot before the forward pass, and each request's slot into its
+   `state_saves` row after it.
    Images (a vision-language model): first run `encoder_inputs` in order, each
    image's embeddings into its rows; a new request's `images` then say which prompt
    positions take which key's rows as their input embeddings.
@@ -121,6 +124,12 @@ class SchedulerOutput:
     """Images to encode before the forward, in order. Every image position a step
     computes has its key encoded in this step or an earlier one, and its rows are
     not reassigned before the step runs (`core.encoder_cache`)."""
+    state_restores: tuple[tuple[str, int], ...] = ()
+    """A hybrid model's prefix hits: (request, saved-state row) pairs; the row's
+    states go into the request's slot before the forward pass."""
+    state_saves: tuple[tuple[str, int], ...] = ()
+    """(request, saved-state row) pairs: the request's states at the end of this
+    step (at a block's end) go into the row after the forward pass."""
 
     @property
     def is_empty(self) -> bool:

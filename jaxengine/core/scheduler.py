@@ -27,7 +27,9 @@ one budget (`max_num_batched_tokens`) and one request cap (`max_num_seqs`):
    long-prefill threshold). When blocks run out, `_preempt` the policy's victim (swap
    to host if there is room, else recompute) until the request fits or is the victim.
 2. `_schedule_waiting` (skipped in a step that preempted): waiting requests in policy
-   order. Prefix-cache hits are skipped; the rest is chunked to the budget (without
+   order. Prefix-cache hits are skipped (a hybrid model's stop at a saved state, and
+   its partial prefill chunks end at a block's end, where states are saved:
+   `core.kv_cache.state_cache`); the rest is chunked to the budget (without
    chunked prefill a prompt that does not fit waits). The partial-prefill limiter may
    skip a prompt that would be left part-way, letting later ones in. A request that
    lacks blocks stops admission (head-of-line order is kept). A LoRA request waits
@@ -95,6 +97,7 @@ class Scheduler:
             enable_caching=limits.enable_prefix_caching,
             hash_algo=limits.prefix_caching_hash_algo,
             num_host_blocks=limits.num_host_blocks,
+            state_rows=limits.state_cache_rows,
         )
         self.policy = get_policy(limits.scheduling_policy)
         self.partial = PartialPrefillLimiter(
@@ -239,12 +242,13 @@ class Scheduler:
                 continue
             if step.budget <= 0:
                 break
-            if self._waits_for_placeholder(req):
+            if req.waits_for_placeholder(self.limits.max_model_len):
                 continue
             remaining = req.num_tokens_with_placeholders - req.num_computed_tokens
             drafts = self._drafts(req, remaining, step.budget)
             n = remaining + len(drafts) if drafts else self._cap(remaining, step.budget)
             n = self._images(req, req.num_computed_tokens, n)
+            n = self.kv.chunk_end(req, req.num_computed_tokens, n)
             if n <= 0 or (n < remaining and not self.limits.enable_chunked_prefill):
                 continue
             extra = self._lookahead(req, req.num_computed_tokens + n)
@@ -254,7 +258,8 @@ class Scheduler:
                 if victim is req:
                     break
             if block_ids is not None:
-                step.add(req, n, block_ids)
+                save = self.kv.reserve_state_save(req, req.num_computed_tokens + n)
+                step.add(req, n, block_ids, save)
                 if drafts:
                     step.spec[req.request_id] = drafts
 
@@ -283,16 +288,6 @@ class Scheduler:
         if drafts and self.grammars is not None:
             drafts = self.grammars.check_drafts(req, drafts)
         return drafts
-
-    def _waits_for_placeholder(self, req: Request) -> bool:
-        """Whether the token in flight must arrive before `req` is scheduled again."""
-        if not req.num_output_placeholders:
-            return False
-        return (
-            req.needs_known_outputs
-            or req.length_reached_in_flight
-            or req.num_tokens_with_placeholders >= self.limits.max_model_len
-        )
 
     def _preempt(self, victim: Request, step: StepPlan) -> None:
         """Take `victim` out of the running set: its KV goes to host blocks when there is
@@ -350,7 +345,7 @@ class Scheduler:
         verdict, n = self._admission_chunk(remaining, step, whole=req.pooling)
         if verdict is not Verdict.ADMIT:
             return verdict
-        n = self._images(req, start, n)
+        n = self.kv.chunk_end(req, start, self._images(req, start, n))
         if n <= 0 or (n < remaining and not self.limits.enable_chunked_prefill):
             return Verdict.STOP
         extra = self._lookahead(req, start + n)
@@ -368,7 +363,9 @@ class Scheduler:
             step.first_time.add(req.request_id)
         elif req.status in (_RS.PREEMPTED, _RS.SWAPPED):
             step.resumed.add(req.request_id)
-        step.add(req, n, self.kv.get_block_ids(req.request_id))
+        restore = self.kv.state_restore_row(req, len(hit_ids) * self.limits.block_size)
+        save = self.kv.reserve_state_save(req, start + n)
+        step.add(req, n, self.kv.get_block_ids(req.request_id), save, restore)
         req.status = _RS.RUNNING
         self.running.append(req)
         return Verdict.ADMIT

@@ -33,16 +33,35 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     spec: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    state_restores: list[tuple[str, int]] = field(default_factory=list)
+    state_saves: list[tuple[str, int]] = field(default_factory=list)
 
-    def add(self, req: Request, n: int, block_ids: list[int]) -> None:
+    def add(
+        self,
+        req: Request,
+        n: int,
+        block_ids: list[int],
+        state_save: int | None = None,
+        state_restore: int | None = None,
+    ) -> None:
+        """``req`` computes ``n`` tokens in ``block_ids``; a hybrid model's saved-state
+        rows: its state goes into ``state_save`` after the step, and comes from
+        ``state_restore`` before it (`core.kv_cache.state_cache`)."""
         self.num_scheduled[req.request_id] = n
         self.new_block_ids[req.request_id] = block_ids
         self.budget -= n
+        if state_save is not None:
+            self.state_saves.append((req.request_id, state_save))
+        if state_restore is not None:
+            self.state_restores.append((req.request_id, state_restore))
 
     def drop(self, req: Request) -> None:
         self.budget += self.num_scheduled.pop(req.request_id, 0)
         self.new_block_ids.pop(req.request_id, None)
         self.spec.pop(req.request_id, None)
+        rid = req.request_id
+        self.state_restores = [p for p in self.state_restores if p[0] != rid]
+        self.state_saves = [p for p in self.state_saves if p[0] != rid]
 
 
 def step_output(
@@ -101,4 +120,6 @@ def step_output(
         grammar_bitmask=bitmask,
         scheduled_spec_decode_tokens=dict(step.spec),
         encoder_inputs=encoder_inputs,
+        state_restores=tuple(step.state_restores),
+        state_saves=tuple(step.state_saves),
     )

@@ -47,7 +47,6 @@ from jaxengine.runner.logprobs import prompt_logprobs
 from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.runner.pending import Feed, Launched, PendingStep
 from jaxengine.runner.pooled import classifier_heads, padded_logits, pooled_output
-from jaxengine.runner.pooler import PoolerSettings
 from jaxengine.runner.program import (
     Caches,
     Params,
@@ -63,47 +62,14 @@ from jaxengine.runner.sampling_metadata import (
     pick_variant,
     step_sampling_rows,
 )
-from jaxengine.runner.states import make_caches
+from jaxengine.runner.settings import RunnerSettings
+from jaxengine.runner.states import make_caches, slot_pairs, state_copier
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
 from jaxengine.runner.weights import WeightLayout
 from jaxengine.speculative import ProposalInput, Proposer, StepFeatures
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunnerSettings:
-    """The runner's shape parameters, fixed for its lifetime."""
-
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    max_num_seqs: int
-    token_buckets: tuple[int, ...]
-    vocab_size: int
-    cache_page_shape: tuple[int, ...]  # one layer's page: (block_size, 2 * Hkv, D)
-    cache_dtype: np.dtype
-    num_layers: int
-    num_host_blocks: int = 0
-    max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"
-    seed: int = 0
-    eos_token_id: int | None = None
-    calculate_kv_scales: bool = False  # `runner.kv_scales`
-    num_speculative_tokens: int = 0  # proposals verified per request and step
-    pooler: PoolerSettings | None = None  # a pooling model's (no sampling at all)
-    hidden_size: int = 0  # (a classification head's input width)
-    state_shapes: tuple | None = None  # per layer: state pools' shapes or None (`runner.states`)
-
-    @property
-    def pages_per_req(self) -> int:
-        return -(-self.max_model_len // self.block_size)
-
-    @property
-    def num_sample_slots(self) -> int:
-        """The sampled ids' padded length: the most logits rows of a step."""
-        return self.max_num_seqs * (1 + self.num_speculative_tokens)
 
 
 class ModelRunner:
@@ -157,6 +123,7 @@ class ModelRunner:
             )
         slots = settings.max_num_seqs if settings.state_shapes else 0  # hybrid models' states
         self.table = RequestTable(settings.pages_per_req, settings.seed, state_slots=slots)
+        self.state_copier = state_copier(settings)  # saved states' copies (prefix caching)
         self._feed: Feed | None = None
         # the ``fed_ids`` of a step with no token in flight
         zeros = np.zeros(settings.num_sample_slots, np.int32)
@@ -211,6 +178,8 @@ class ModelRunner:
             jobs += self.encoder.compile_jobs()
         if self.classifier is not None:
             jobs.append((("classify",), lambda: self._classify(np.zeros((1, 1), np.float32))))
+        if self.state_copier is not None:
+            jobs.append((("state_copy",), lambda: self.state_copier.precompile(caches)))
         if self.calibrate_kv:
             largest = self.buckets.buckets[-1]
             batch = self._pack([], largest)
@@ -268,6 +237,7 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.forget(_restarted(out))
             self._swap(out)
+            self._copy_states(out.state_restores, restore=True)
             if out.encoder_inputs:
                 self.encoder.run(out.encoder_inputs, self.compiles.ensure)
             order = list(out.num_scheduled_tokens)
@@ -289,6 +259,7 @@ class ModelRunner:
             # dispatch every micro-batch's forward and sampling before reading any
             # result, so pipeline stages work on different micro-batches at once
             launched = [self._launch(g, chunks, sampling, fed, fed_ids, order) for g in groups]
+            self._copy_states(out.state_saves, restore=False)
             if len(launched) == 1:
                 part = launched[0]
                 pairs = zip(part.rows, part.group, strict=True)
@@ -342,6 +313,13 @@ class ModelRunner:
         if out.blocks_to_swap_in:
             pairs = list(out.blocks_to_swap_in)
             self.kv_caches = self.swap.swap_in(self.program, self.kv_caches, pairs)
+
+    def _copy_states(self, pairs: tuple, restore: bool) -> None:
+        """A hybrid model's saved states in (``restore``) or out (`runner.states`)."""
+        if pairs:
+            self.compiles.ensure(("state_copy",))
+            rows = slot_pairs(self.table, pairs, restore)
+            self.kv_caches = self.state_copier.copy(self.kv_caches, rows)
 
     # ------------------------------------------------------------------ read back
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxengine.runner.program import _placed
 
@@ -132,11 +133,11 @@ def admitted_requests(
 
 
 def hybrid_limits(config: Any, limits: Any, state_shapes: tuple | None) -> Any:
-    """The scheduler's limits (`core.limits.SchedulerLimits`) for a hybrid model: no
-    prefix caching (a cached prefix would need the states at its block boundary,
-    which are not kept) and no swap space (the states are not swapped with the
-    pages: preemption recomputes, exactly); raises for what it cannot run
-    (speculative decoding, pipeline stages). Unchanged without ``state_shapes``."""
+    """The scheduler's limits (`core.limits.SchedulerLimits`) for a hybrid model: its
+    saved states' rows for prefix caching (`pool_rows`) and no swap space (the
+    states are not swapped with the pages: preemption recomputes, exactly); raises
+    for what it cannot run (speculative decoding, pipeline stages). Unchanged
+    without ``state_shapes``."""
     if state_shapes is None:
         return limits
     if config.speculative_config.enabled:
@@ -146,17 +147,14 @@ def hybrid_limits(config: Any, limits: Any, state_shapes: tuple | None) -> Any:
         )
     if config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("pipeline parallelism is not supported for linear-attention models")
-    if limits.enable_prefix_caching:
-        logger.warning(
-            "prefix caching is disabled for this model: its linear-attention layers keep "
-            "a recurrent state that is not cached at block boundaries"
-        )
+    slots, saved = pool_rows(config)
     if limits.num_host_blocks:
         logger.warning(
             "swap preemption is disabled for this model: its linear-attention states "
             "are not swapped; preempted requests are recomputed"
         )
-    return dataclasses.replace(limits, enable_prefix_caching=False, num_host_blocks=0)
+    rows = (slots, saved if limits.enable_prefix_caching else 0)
+    return dataclasses.replace(limits, num_host_blocks=0, state_cache_rows=rows)
 
 
 def reserve_states(
@@ -169,8 +167,8 @@ def reserve_states(
         return kv_cache_memory_bytes, memory
     slots = next(entry[0][0] for entry in state_shapes if entry is not None)
     logger.info(
-        "linear-attention states: %d layers x %d request slots, %.3f GiB, taken from the "
-        "KV-cache budget",
+        "linear-attention states: %d layers x %d rows (request slots and saved states), "
+        "%.3f GiB, taken from the KV-cache budget",
         sum(entry is not None for entry in state_shapes), slots, reserved / (1 << 30),
     )  # fmt: skip
     if kv_cache_memory_bytes is not None:
@@ -178,3 +176,74 @@ def reserve_states(
     if memory is not None:
         memory = (memory[0], memory[1] + reserved)
     return kv_cache_memory_bytes, memory
+
+
+class StateCopier:
+    """Copies rows of a hybrid model's state pools, every linear-attention layer at
+    once: a prefix hit's saved state into its request's slot before a step, a
+    request's state into a saved-state row after one (`core.kv_cache.state_cache`).
+    One compiled program moves ``chunk`` rows a call, padded with rows past the
+    pools' end, which the scatter drops; the pools are donated (updated in place)."""
+
+    def __init__(self, num_rows: int, chunk: int = 8) -> None:
+        self.num_rows = num_rows
+        self.chunk = chunk
+        self._copy = jax.jit(_copy_rows, donate_argnums=0)
+        self._compiled = None
+
+    def precompile(self, caches: Any) -> None:
+        """Compiles the copy for ``caches``' pools (placed shapes will do)."""
+        index = jax.ShapeDtypeStruct((self.chunk,), jnp.int32)
+        self._compiled = self._copy.lower(_pools(caches), index, index).compile()
+
+    def copy(self, caches: tuple, pairs: list[tuple[int, int]]) -> tuple:
+        """``caches`` with each (source row, destination row) of ``pairs`` copied, in
+        order (the caches passed in are donated)."""
+        if not pairs:
+            return caches
+        pools = _pools(caches)
+        for i in range(0, len(pairs), self.chunk):
+            part = pairs[i : i + self.chunk]
+            src = np.zeros(self.chunk, np.int32)
+            dst = np.full(self.chunk, self.num_rows, np.int32)  # past the end: dropped
+            src[: len(part)], dst[: len(part)] = zip(*part, strict=True)
+            pools = self._compiled(pools, src, dst)
+        it = iter(pools)
+        return tuple(next(it) if isinstance(e, tuple) else e for e in caches)
+
+
+def _pools(caches: tuple) -> tuple:
+    """The (conv window, delta-rule state) pools of ``caches``' linear-attention layers."""
+    return tuple(entry for entry in caches if isinstance(entry, tuple))
+
+
+def _copy_rows(pools: tuple, src: jax.Array, dst: jax.Array) -> tuple:
+    return jax.tree_util.tree_map(lambda p: p.at[dst].set(p[src], mode="drop"), pools)
+
+
+def state_copier(settings: Any) -> StateCopier | None:
+    """The copier of a hybrid model whose pools keep saved states (rows past its
+    ``max_num_seqs`` request slots, `pool_rows`); None for any other model."""
+    shapes = getattr(settings, "state_shapes", None)
+    if not shapes:
+        return None
+    rows = next(entry[0][0] for entry in shapes if entry is not None)
+    return StateCopier(rows) if rows > settings.max_num_seqs else None
+
+
+def slot_pairs(table: Any, pairs: tuple, restore: bool) -> list[tuple[int, int]]:
+    """(source row, destination row) for each (request, saved-state row) of a
+    `SchedulerOutput`'s ``state_restores`` (``restore``: the saved row into the
+    request's slot) or ``state_saves`` (the slot into the saved row)."""
+    out = []
+    for req_id, row in pairs:
+        slot = table[req_id].state_slot
+        out.append((row, slot) if restore else (slot, row))
+    return out
+
+
+def pool_rows(config: Any) -> tuple[int, int]:
+    """A hybrid model's state-pool rows: (request slots, saved states). Saved states
+    (prefix caching's) take half as many rows again as there are request slots."""
+    slots = config.scheduler_config.max_num_seqs
+    return slots, max(1, slots // 2) if config.cache_config.prefix_caching else 0

@@ -46,7 +46,7 @@ from jaxengine.runner.model_runner import ModelRunner, RunnerSettings
 from jaxengine.runner.pooler import PoolerSettings
 from jaxengine.runner.sampler_functions import SamplerFunctions
 from jaxengine.runner.sampling_metadata import logprobs_bucket
-from jaxengine.runner.states import hybrid_limits, reserve_states
+from jaxengine.runner.states import hybrid_limits, pool_rows, reserve_states
 from jaxengine.runner.step import make_classifier
 from jaxengine.runner.weights import WeightLayout
 from jaxengine.speculative.device.build import (
@@ -196,7 +196,7 @@ def _size_cache(
     in use) bytes of a device (None: measured on an accelerator, unknown on CPU)."""
     cc, sc = config.cache_config, config.scheduler_config
     dtype = cache_dtype(config, model)
-    states = layer_state_shapes(model, sc.max_num_seqs)  # a hybrid model's (`runner.states`)
+    states = layer_state_shapes(model, sum(pool_rows(config)))  # a hybrid's (`runner.states`)
     layers = max(len(r) for r in placement.layer_ranges)
     per_block = bytes_per_block(  # on one device: its stage's layers, its KV heads
         layers if states is None else sum(s is None for s in states),
@@ -289,7 +289,7 @@ def _runner_settings(config, model, kv_size, limits, dtype, page, eos, pooler) -
         num_speculative_tokens=num_speculative_tokens(config),
         pooler=pooler,
         hidden_size=model.hidden_size,
-        state_shapes=layer_state_shapes(model, config.scheduler_config.max_num_seqs),
+        state_shapes=layer_state_shapes(model, sum(pool_rows(config))),
     )
 
 

@@ -2,13 +2,14 @@
 attention models through `jaxengine.LLM` against transformers' float32 model.
 
 Each tiny config has both layer kinds. One engine per family serves both checks of
-`tests.models.family_engine` without its prefix-cache one (prefix caching is off for
-hybrid models): a prompt longer than the token budget (chunked prefill that stops
-inside a chunk of the delta rule), few KV pages (a recompute preemption; the second
-call reuses state slots, so a fresh request must start from zeros), greedy tokens
-and top-5 logprobs equal to transformers' within 1e-4, and no compilation after
-warm-up; then again under tensor parallelism 2 with FULL steps. The last tests are host
-only: the memory figure (`runner.states.admitted_requests`), state slots, refusals.
+`tests.models.family_engine`: a prompt longer than the token budget (chunked prefill
+that stops inside a chunk of the delta rule, at a block's end), few KV pages (a
+recompute preemption; the second call reuses state slots, so a fresh request must
+start from zeros), prefix-cache hits that resume from a saved state (the second call,
+and the fourth prompt sharing the first's 24 tokens), greedy tokens and top-5
+logprobs equal to transformers' within 1e-4, and no compilation after warm-up; then
+again under tensor parallelism 2 with FULL steps. The last tests are host only: the
+memory figure (`runner.states.admitted_requests`), state slots, refusals.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def check_hybrid(path, ref, prompts, **engine_kwargs) -> None:
     from jaxengine import LLM, SamplingParams
 
     kwargs = {**ENGINE_KWARGS, "num_gpu_blocks_override": 9, "max_model_len": 48}
-    # a budget of 29 tokens: the 37-token prompt's first step ends 13 tokens into the
-    # second 16-token chunk of the delta rule (`layers.gated_delta.CHUNK`) and inside
-    # the kernels' 64-token chunk; the next step resumes mid-chunk from the state
+    # a budget of 29 tokens: the 37-token prompt's first step ends at the end of its
+    # third 8-token block (24, where its state is saved: `core.kv_cache.state_cache`),
+    # 8 tokens into the second 16-token chunk of the delta rule (`layers.gated_delta.
+    # CHUNK`) and inside the kernels' 64-token chunk; the next step resumes mid-chunk
     kwargs = {**kwargs, "max_num_batched_tokens": 29, **engine_kwargs}
     llm = LLM(str(path), **kwargs)
     try:
@@ -79,8 +81,11 @@ def check_hybrid(path, ref, prompts, **engine_kwargs) -> None:
         compiles = executor.compiles_after_warmup
         params = SamplingParams(temperature=0, logprobs=TOP, max_tokens=MAX_TOKENS, ignore_eos=True)
         _generate_and_compare(llm, params, prompts, ref, range(len(prompts)))
-        assert llm.engine.get_stats().num_preemptions > 0, "no request was preempted"
+        first = llm.engine.get_stats()
+        assert first.num_preemptions > 0, "no request was preempted"
         _generate_and_compare(llm, params, prompts, ref, reversed(range(len(prompts))))
+        hits = llm.engine.get_stats().prefix_cache_hits - first.prefix_cache_hits
+        assert hits > 0, "no prefix-cache hit resumed from a saved state"
         assert executor.compiles_after_warmup == compiles, "compiled after warm-up"
     finally:
         llm.engine.shutdown()
@@ -172,21 +177,25 @@ def test_state_slots_follow_running_requests():
 
 
 def test_hybrid_limits_refuse_and_disable():
-    """Speculative decoding is refused; prefix caching and swap space are turned off."""
+    """Speculative decoding is refused; swap space is turned off; prefix caching keeps
+    half as many saved-state rows again as request slots, after them."""
     import dataclasses
     import types
 
     from jaxengine.runner.states import hybrid_limits
 
-    limits = dataclasses.make_dataclass("Limits", ["enable_prefix_caching", "num_host_blocks"])
-    limits = limits(True, 5)
-    parallel = types.SimpleNamespace(pipeline_parallel_size=1)
+    fields = ["enable_prefix_caching", "num_host_blocks", "state_cache_rows"]
+    limits = dataclasses.make_dataclass("Limits", fields)(True, 5, (0, 0))
     config = types.SimpleNamespace(
-        speculative_config=types.SimpleNamespace(enabled=False), parallel_config=parallel
+        speculative_config=types.SimpleNamespace(enabled=False),
+        parallel_config=types.SimpleNamespace(pipeline_parallel_size=1),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=6),
+        cache_config=types.SimpleNamespace(prefix_caching=True),
     )
     states = ((((1, 3, 8), (1, 2, 4, 4))),)
     out = hybrid_limits(config, limits, states)
-    assert (out.enable_prefix_caching, out.num_host_blocks) == (False, 0)
+    assert (out.enable_prefix_caching, out.num_host_blocks) == (True, 0)
+    assert out.state_cache_rows == (6, 3)
     assert hybrid_limits(config, limits, None) is limits
     config.speculative_config.enabled = True
     with pytest.raises(ValueError, match="speculative decoding is not supported"):

@@ -21,6 +21,11 @@ Swap preemption: `swap_out` moves a request's table to host blocks and returns
 bookkeeping: the runner copies the pages, swap-outs before swap-ins, both before the
 step's forward pass (a swapped-out device block may be reused in the same step).
 
+Linear-attention states (a hybrid model's, ``state_rows``): a hit must also resume its
+recurrent state, so hits stop at the last block whose end state was saved
+(`core.kv_cache.state_cache`); `reserve_state_save` and `state_restore_row` give the
+rows the runner copies.
+
 Invariant: a block's ref count equals the number of request tables holding it; after
 every request is freed, every block is free.
 """
@@ -31,6 +36,7 @@ from typing import Any, Protocol
 
 from jaxengine.core.kv_cache.block_pool import BlockPool, KVBlock
 from jaxengine.core.kv_cache.hashing import extend_block_hashes, get_hash_fn
+from jaxengine.core.kv_cache.state_cache import StateCache
 
 
 class Request(Protocol):
@@ -39,6 +45,7 @@ class Request(Protocol):
 
     request_id: str
     all_token_ids: list[int]
+    num_prompt_tokens: int
     num_computed_tokens: int
     block_hashes: list[Any]  # extended here, as the request's tokens fill blocks
     skip_prefix_cache: bool
@@ -48,6 +55,9 @@ class Request(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+    @property
+    def num_tokens_with_placeholders(self) -> int: ...
 
     @property
     def prefix_salt(self) -> Any: ...
@@ -68,7 +78,10 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "builtin",
         num_host_blocks: int = 0,
+        state_rows: tuple[int, int] = (0, 0),
     ) -> None:
+        """``state_rows``: (first row, count) of a hybrid model's state pools kept
+        for saved states (`core.kv_cache.state_cache`); count 0: none."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_fn(hash_algo)
@@ -77,6 +90,8 @@ class KVCacheManager:
             BlockPool(num_host_blocks, reserve_null_block=False) if num_host_blocks else None
         )
         self._tables: dict[str, list[KVBlock]] = {}
+        first, count = state_rows
+        self.states = StateCache(first, count) if enable_caching and count else None
         self._num_cached: dict[str, int] = {}  # leading blocks already in the cache map
         self._host_tables: dict[str, list[KVBlock]] = {}
         self.prefix_queries = 0
@@ -140,7 +155,34 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block.block_id)
+        if self.states is not None:
+            hits = hits[: self.states.usable_blocks(request.block_hashes, len(hits))]
         return hits, len(hits) * self.block_size
+
+    def state_restore_row(self, request: Request, num_hit_tokens: int) -> int | None:
+        """The saved-state row a hit of ``num_hit_tokens`` tokens resumes from (None
+        without a hit or without states)."""
+        if self.states is None or not num_hit_tokens:
+            return None
+        return self.states.row_for(request.block_hashes[num_hit_tokens // self.block_size - 1])
+
+    def chunk_end(self, request: Request, start: int, n: int) -> int:
+        """``n`` new tokens from ``start``, or fewer so that a partial prefill chunk
+        ends at a block's end, where a hybrid model's state is saved (with states)."""
+        if self.states is None or start + n >= request.num_tokens_with_placeholders:
+            return n
+        end = (start + n) // self.block_size * self.block_size
+        return end - start if end > start else n
+
+    def reserve_state_save(self, request: Request, end: int) -> int | None:
+        """The row to save ``request``'s state into after a step that computes it up
+        to position ``end``: only at the end of a block (None elsewhere, without
+        states, or when every row waits for a save). Past the prompt, the request's
+        previous such row is reused (`StateCache.reserve`'s rolling save)."""
+        if self.states is None or end <= 0 or end % self.block_size:
+            return None
+        rolling = end > request.num_prompt_tokens
+        return self.states.reserve(request.request_id, end // self.block_size - 1, rolling)
 
     # ---- allocation --------------------------------------------------------------
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hits: int = 0) -> int:
@@ -198,18 +240,21 @@ class KVCacheManager:
         known = min(request.num_computed_tokens, request.num_tokens)  # not placeholders
         num_full = min(known // self.block_size, len(table))
         start = self._num_cached.get(rid, 0)
-        if num_full <= start:
-            return
-        self._update_hashes(request, num_full * self.block_size)
-        for i in range(start, num_full):
-            self.pool.cache_block(table[i], request.block_hashes[i])
-        self._num_cached[rid] = num_full
+        if num_full > start:
+            self._update_hashes(request, num_full * self.block_size)
+            for i in range(start, num_full):
+                self.pool.cache_block(table[i], request.block_hashes[i])
+            self._num_cached[rid] = num_full
+        if self.states is not None:
+            self.states.publish(rid, request.block_hashes, num_full)
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (device and host). Idempotent."""
         rid = request.request_id
         table = self._tables.pop(rid, None)
         self._num_cached.pop(rid, None)
+        if self.states is not None:
+            self.states.drop(rid)
         if table:
             self.pool.free_blocks(reversed(table))
         host = self._host_tables.pop(rid, None)
@@ -256,7 +301,10 @@ class KVCacheManager:
     # ---- maintenance -------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Drop all cached hashes; only when no request holds blocks. Returns success."""
-        return self.pool.reset_prefix_cache()
+        done = self.pool.reset_prefix_cache()
+        if done and self.states is not None:
+            self.states.reset()
+        return done
 
     def check_invariants(self) -> None:
         """Pool invariants, plus: ref count == number of tables holding the block."""
@@ -272,3 +320,5 @@ class KVCacheManager:
                 assert block.ref_cnt == counts[block.block_id], (block, counts[block.block_id])
         if self.host_pool is not None:
             self.host_pool.check_invariants()
+        if self.states is not None:
+            self.states.check_invariants()
