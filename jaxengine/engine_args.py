@@ -28,6 +28,7 @@ from jaxengine.config import (
     LoRAConfig,
     ModelConfig,
     MultiModalConfig,
+    ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -82,6 +83,7 @@ CONFIG_CLASSES: dict[str, type] = {
     "lora_config": LoRAConfig,
     "speculative_config": SpeculativeConfig,
     "multimodal_config": MultiModalConfig,
+    "observability_config": ObservabilityConfig,
 }
 
 
@@ -207,6 +209,8 @@ class EngineArgs:
     mm_processor_kwargs: dict | None = _default("mm_processor_kwargs")
     allowed_local_media_path: str = _default("allowed_local_media_path")
     allowed_media_domains: list[str] | None = _default("allowed_media_domains")
+    # ObservabilityConfig
+    show_hidden_metrics_for_version: str | None = _default("show_hidden_metrics_for_version")
 
     def __post_init__(self) -> None:
         """Validates every value against its config field, then cross-field rules."""
@@ -244,8 +248,7 @@ class EngineArgs:
                 "Flags given on the command line override the file.",
             )
         for cls in CONFIG_CLASSES.values():
-            doc = (cls.__doc__ or "").strip().splitlines()[0]
-            group = parser.add_argument_group(cls.__name__, doc)
+            group = _group(parser, cls)
             for f in dataclasses.fields(cls):
                 flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
                 group.add_argument(*flags, **_flag_kwargs(cls, f.name))
@@ -320,6 +323,16 @@ class EngineArgs:
         )
         check_supported(config)
         return config
+
+
+def _group(parser: argparse.ArgumentParser, cls: type) -> Any:
+    """The help group of ``cls``: the one the caller already made under its name
+    (the server's ObservabilityConfig holds its tracing flags), else a new one."""
+    for group in parser._action_groups:
+        if group.title == cls.__name__:
+            return group
+    doc = (cls.__doc__ or "").strip().splitlines()[0]
+    return parser.add_argument_group(cls.__name__, doc)
 
 
 def _flag_name(field_name: str) -> str:

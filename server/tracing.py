@@ -120,8 +120,11 @@ REQUEST_PARAMS = (
 
 
 def add_tracing_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's two observability flags, in their own group."""
-    group = parser.add_argument_group("ObservabilityConfig", "OpenTelemetry request traces")
+    """vLLM's two tracing flags, in vLLM's ObservabilityConfig group (which
+    `EngineArgs.add_cli_args` then adds ``--show-hidden-metrics-for-version`` to)."""
+    group = parser.add_argument_group(
+        "ObservabilityConfig", "OpenTelemetry request traces and deprecated metrics"
+    )
     group.add_argument(
         "--otlp-traces-endpoint",
         default=None,

@@ -13,6 +13,7 @@ from jaxengine.config.load import LoadConfig
 from jaxengine.config.lora import LoRAConfig
 from jaxengine.config.model import ModelConfig
 from jaxengine.config.multimodal import MultiModalConfig
+from jaxengine.config.observability import ObservabilityConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import SchedulerConfig
 from jaxengine.config.speculative import SpeculativeConfig
@@ -29,6 +30,7 @@ __all__ = [
     "SpeculativeConfig",
     "ModelConfig",
     "MultiModalConfig",
+    "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
     "StructuredOutputsConfig",

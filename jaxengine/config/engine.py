@@ -12,6 +12,7 @@ from jaxengine.config.load import LoadConfig
 from jaxengine.config.lora import LoRAConfig
 from jaxengine.config.model import ModelConfig
 from jaxengine.config.multimodal import MultiModalConfig
+from jaxengine.config.observability import ObservabilityConfig
 from jaxengine.config.parallel import ParallelConfig
 from jaxengine.config.scheduler import MIN_UNCHUNKED_BATCHED_TOKENS, SchedulerConfig
 from jaxengine.config.speculative import SpeculativeConfig
@@ -51,6 +52,10 @@ class EngineConfig:
     """Speculative decoding (`--speculative-config`)."""
     multimodal_config: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
     """Images in (`--limit-mm-per-prompt`, `--mm-processor-kwargs`, media paths)."""
+    observability_config: ObservabilityConfig = dataclasses.field(
+        default_factory=ObservabilityConfig
+    )
+    """Deprecated metrics kept behind a version (`--show-hidden-metrics-for-version`)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -175,4 +180,5 @@ _CLASSES = {
     "lora_config": LoRAConfig,
     "speculative_config": SpeculativeConfig,
     "multimodal_config": MultiModalConfig,
+    "observability_config": ObservabilityConfig,
 }

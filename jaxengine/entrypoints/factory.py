@@ -82,15 +82,18 @@ def offline_engine(
 
 def prometheus_logger(engine: LLMEngine | DataParallelEngine, model_name: str):
     """The `PrometheusStatLogger` of ``engine``: one ``engine="i"`` label per
-    data-parallel rank (local or remote)."""
+    data-parallel rank (local or remote), with the hidden deprecated families that
+    ``--show-hidden-metrics-for-version`` shows."""
     from jaxengine.metrics.families import engine_cache_config_info
     from jaxengine.metrics.loggers import PrometheusStatLogger
 
+    observability_config = engine.config.observability_config
     return PrometheusStatLogger(
         model_name,
         max_model_len=engine.max_model_len,
         engine_indexes=range(engine.config.parallel_config.data_parallel_size),
         cache_config_info=engine_cache_config_info(engine),
+        show_hidden_metrics_for_version=observability_config.show_hidden_metrics_for_version,
     )
 
 

@@ -7,6 +7,8 @@
   loggers the engine fronts hand each step's `SchedulerStats` and `IterationStats`;
 - `families`: the families' names, buckets and labels, and the collector that
   exposes each under both prefixes;
+- `hidden`: vLLM's hidden deprecated families, registered for
+  ``--show-hidden-metrics-for-version`` (under ``vllm:`` only);
 - `reader`: `LLM.get_metrics()`'s records (`Counter`, `Gauge`, `Histogram`,
   `Vector`) read from a registry.
 """

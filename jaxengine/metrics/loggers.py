@@ -35,7 +35,9 @@ TTFT and inter-token latency, one histogram per finished request for each of its
 latencies and sizes, ``cache_config_info`` (when the engine's cache is given),
 ``admission_rejections_total`` (the server's admission control, `watch_admission`),
 and LoRA's and speculative decoding's families below. docs/architecture.md lists vLLM's
-series that are left out because their feature is not here.
+series that are left out because their feature is not here. vLLM's hidden deprecated
+names (``gpu_cache_usage_perc``, ...) come with ``show_hidden_metrics_for_version``
+(`metrics.hidden`), under ``vllm:`` only.
 
 With LoRA on (``SchedulerStats.max_lora`` > 0) there is also vLLM's
 ``lora_requests_info``: one series per engine, labelled ``max_lora`` and the
@@ -86,6 +88,7 @@ from jaxengine.metrics.families import (
     PrefixedCollector,
     bucket_sets,
 )
+from jaxengine.metrics.hidden import EngineHiddenMetrics, HiddenMetrics
 from jaxengine.metrics.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger("jaxengine.metrics")
@@ -110,7 +113,8 @@ class PrometheusStatLogger:
     iteration_stats)`` signature that records as engine ``i``, for that replica's
     engine thread. ``cache_config_info`` (`metrics.families.cache_config_info`) adds
     vLLM's ``cache_config_info`` gauge: 1, labelled with the cache config and the
-    engine, one series per engine.
+    engine, one series per engine. ``show_hidden_metrics_for_version`` adds the
+    deprecated names vLLM hid that this version still showed (`metrics.hidden`).
 
     The metrics live in ``families`` under bare names; ``registry`` holds one
     `PrefixedCollector` that exposes them as ``vllm:*`` and ``jaxengine:*``.
@@ -127,11 +131,14 @@ class PrometheusStatLogger:
         max_model_len: int = 8192,
         engine_indexes: Sequence[int] = (0,),
         cache_config_info: Mapping[str, str] | None = None,
+        show_hidden_metrics_for_version: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         self.families = CollectorRegistry()
         self.registry.register(PrefixedCollector(self.families, PREFIXES))
+        self.hidden = HiddenMetrics(show_hidden_metrics_for_version)
+        self.registry.register(self.hidden.collector)
         self._lock = threading.Lock()
         shared = self._shared(max_model_len)
         self._engines = {
@@ -160,6 +167,7 @@ class PrometheusStatLogger:
                 name: (self._make(cls, name, help_, extra=label), values)
                 for cls, name, label, values, help_ in LABELLED
             },
+            "hidden": self.hidden,
         }
 
     def _make(self, cls: type, name: str, help_: str, buckets=None, extra: str | None = None):
@@ -248,12 +256,15 @@ class _EngineMetrics:
     step: dict
     labelled: dict  # metric name -> {extra label value -> child}
     last_cumulative: dict
+    hidden: EngineHiddenMetrics  # vLLM's deprecated families the version shows
     labels: tuple[str, str] = ("", "")  # (model_name, engine)
     lora_labels: tuple[str, ...] | None = None  # of the engine's lora_requests_info series
     last_spec: SpecDecodingStats = dataclasses.field(default_factory=SpecDecodingStats)
 
     @classmethod
-    def of(cls, labels, gauges, cumulative, request_histograms, step, labelled) -> _EngineMetrics:
+    def of(
+        cls, labels, gauges, cumulative, request_histograms, step, labelled, hidden
+    ) -> _EngineMetrics:
         def bind(metrics: dict) -> dict:
             return {key: metric.labels(*labels) for key, metric in metrics.items()}
 
@@ -268,6 +279,7 @@ class _EngineMetrics:
                 for name, (metric, values) in labelled.items()
             },
             last_cumulative={field: 0 for _, field, _ in CUMULATIVE_COUNTERS},
+            hidden=hidden.bind(labels),
             labels=labels,
         )
         metrics.labelled["engine_sleep_state"]["awake"].set(1)  # an engine starts awake
@@ -282,10 +294,13 @@ class _EngineMetrics:
         waiting["deferred"].set(stats.num_deferred)
         for level, state in enumerate(SLEEP_STATES):
             self.labelled["engine_sleep_state"][state].set(int(stats.sleep_level == level))
+        increases = {}
         for field, counter in self.cumulative.items():
             current = getattr(stats, field)
-            counter.inc(_delta(current, self.last_cumulative[field]))
+            increases[field] = _delta(current, self.last_cumulative[field])
+            counter.inc(increases[field])
             self.last_cumulative[field] = current
+        self.hidden.record_scheduler(stats, increases)
 
     def record_lora(self, stats: SchedulerStats, gauge: Gauge, now: float) -> None:
         """Sets this engine's ``lora_requests_info`` series to ``now`` (the caller
@@ -339,6 +354,7 @@ class _EngineMetrics:
             self._record_finished(finished)
         if stats.num_aborted:
             self.labelled["request_success"]["abort"].inc(stats.num_aborted)
+        self.hidden.record_iteration(stats)
 
     def _record_finished(self, finished: FinishedRequestStats) -> None:
         self.labelled["request_success"][finished.finish_reason].inc()

@@ -141,6 +141,7 @@ VALID_FLAGS = [
     (["--allowed-local-media-path", "/data/images"], "allowed_local_media_path", "/data/images"),
     (["--allowed-media-domains", "example.com", "cdn.example.com"], "allowed_media_domains",
      ["example.com", "cdn.example.com"]),
+    (["--show-hidden-metrics-for-version", "0.11"], "show_hidden_metrics_for_version", "0.11"),
 ]  # fmt: skip
 
 
@@ -234,6 +235,7 @@ def test_a_pooling_models_auto_dtype_on_cpu(monkeypatch, tmp_path):
         (["--quantization", "nonsense"], "--quantization"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
         (["--attention-backend", "flash"], "--attention-backend"),
+        (["--show-hidden-metrics-for-version", "latest"], "--show-hidden-metrics-for-version"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
         (["--master-port", "70000"], "--master-port"),
         (["-dp", "2", "-dpl", "3"], "--data-parallel-size-local"),
