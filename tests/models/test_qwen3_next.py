@@ -2,7 +2,8 @@
 attention models through `jaxengine.LLM` against transformers' float32 model.
 
 Each tiny config has both layer kinds. One engine per family serves both checks of
-`tests.models.family_engine`: a prompt longer than the token budget (chunked prefill
+`tests.models.family_engine` (and Qwen3.5-MoE once, under TP 2 with expert
+parallelism): a prompt longer than the token budget (chunked prefill
 that stops inside a chunk of the delta rule, at a block's end), few KV pages (a
 recompute preemption; the second call reuses state slots, so a fresh request must
 start from zeros), prefix-cache hits that resume from a saved state (the second call,
@@ -55,6 +56,17 @@ def qwen3_next_tiny():
         shared_expert_intermediate_size=48,
         mlp_only_layers=[3],
         architectures=["Qwen3NextForCausalLM"],
+    )
+
+
+def qwen3_5_moe_tiny():
+    return transformers.Qwen3_5MoeTextConfig(
+        **_SHAPES,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        architectures=["Qwen3_5MoeForCausalLM"],
     )
 
 
@@ -113,6 +125,17 @@ def test_tensor_parallel_2_full_step(tiny):
     CPU default, PIECEWISE, runs a program per kind of layer)."""
     _, path, prompts, ref = tiny
     check_hybrid(path, ref, prompts, tensor_parallel_size=2, cudagraph_mode="FULL")
+
+
+def test_qwen3_5_moe_expert_parallel(tmp_path_factory):
+    """Qwen3.5-MoE (every layer's MLP routed, with the shared expert) under TP 2 with
+    expert parallelism: the same checks against transformers."""
+    config = qwen3_5_moe_tiny()
+    # (0.12: at 0.1 the reference's greedy pick is a near-tie at one step)
+    path = save_tiny(config, tmp_path_factory.mktemp("qwen3_5_moe"), init_range=0.12)
+    prompts = default_prompts(config.vocab_size)
+    ref = reference(path, prompts, MAX_TOKENS)
+    check_hybrid(path, ref, prompts, tensor_parallel_size=2, enable_expert_parallel=True)
 
 
 def test_memory_figure_and_state_sizing():
