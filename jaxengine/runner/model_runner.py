@@ -63,6 +63,7 @@ from jaxengine.runner.sampling_metadata import (
     step_sampling_rows,
 )
 from jaxengine.runner.settings import RunnerSettings
+from jaxengine.runner.state_swap import HostStates
 from jaxengine.runner.states import make_caches, slot_pairs, state_copier
 from jaxengine.runner.swap import HostSwapSpace
 from jaxengine.runner.warmup import CompileJobs
@@ -116,7 +117,7 @@ class ModelRunner:
             self.swap = HostSwapSpace(
                 settings.cache_page_shape,
                 settings.cache_dtype,
-                settings.num_layers,
+                settings.num_paged_layers,
                 settings.num_host_blocks,
                 chunk=settings.pages_per_req,
                 num_device_blocks=settings.num_blocks,
@@ -124,6 +125,8 @@ class ModelRunner:
         slots = settings.max_num_seqs if settings.state_shapes else 0  # hybrid models' states
         self.table = RequestTable(settings.pages_per_req, settings.seed, state_slots=slots)
         self.state_copier = state_copier(settings)  # saved states' copies (prefix caching)
+        swapped = self.swap is not None and settings.state_shapes is not None
+        self.host_states = HostStates() if swapped else None  # swapped requests' states
         self._feed: Feed | None = None
         # the ``fed_ids`` of a step with no token in flight
         zeros = np.zeros(settings.num_sample_slots, np.int32)
@@ -223,6 +226,8 @@ class ModelRunner:
 
     def _warm_swap(self) -> None:
         self.kv_caches = self.swap.warm(self.program, self.kv_caches)
+        if self.host_states is not None:
+            self.host_states.precompile(abstract_like(self.kv_caches))
 
     # ------------------------------------------------------------------ step
 
@@ -233,6 +238,8 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Dispatches one scheduled step without waiting for it (see module doc)."""
         with self.guard.watching():
+            if self.host_states is not None:  # before the table frees their slots
+                self.host_states.stash(self.kv_caches, out, self.table)
             self.table.apply(out)
             if self.proposer is not None:
                 self.proposer.forget(_restarted(out))
@@ -313,6 +320,8 @@ class ModelRunner:
         if out.blocks_to_swap_in:
             pairs = list(out.blocks_to_swap_in)
             self.kv_caches = self.swap.swap_in(self.program, self.kv_caches, pairs)
+        if self.host_states is not None:
+            self.kv_caches = self.host_states.restore(self.kv_caches, out, self.table)
 
     def _copy_states(self, pairs: tuple, restore: bool) -> None:
         """A hybrid model's saved states in (``restore``) or out (`runner.states`)."""

@@ -35,6 +35,13 @@ class RunnerSettings:
     state_shapes: tuple | None = None  # per layer: state pools' shapes or None (`runner.states`)
 
     @property
+    def num_paged_layers(self) -> int:
+        """Layers whose cache is pages (a hybrid model's attention layers only)."""
+        if self.state_shapes is None:
+            return self.num_layers
+        return sum(shape is None for shape in self.state_shapes)
+
+    @property
     def pages_per_req(self) -> int:
         return -(-self.max_model_len // self.block_size)
 

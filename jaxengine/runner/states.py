@@ -134,10 +134,9 @@ def admitted_requests(
 
 def hybrid_limits(config: Any, limits: Any, state_shapes: tuple | None) -> Any:
     """The scheduler's limits (`core.limits.SchedulerLimits`) for a hybrid model: its
-    saved states' rows for prefix caching (`pool_rows`) and no swap space (the
-    states are not swapped with the pages: preemption recomputes, exactly); raises
-    for what it cannot run (speculative decoding, pipeline stages). Unchanged
-    without ``state_shapes``."""
+    saved states' rows for prefix caching (`pool_rows`); raises for what it cannot
+    run (speculative decoding, pipeline stages). Unchanged without ``state_shapes``.
+    (Swap preemption moves the states with the pages: `runner.state_swap`.)"""
     if state_shapes is None:
         return limits
     if config.speculative_config.enabled:
@@ -148,13 +147,8 @@ def hybrid_limits(config: Any, limits: Any, state_shapes: tuple | None) -> Any:
     if config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("pipeline parallelism is not supported for linear-attention models")
     slots, saved = pool_rows(config)
-    if limits.num_host_blocks:
-        logger.warning(
-            "swap preemption is disabled for this model: its linear-attention states "
-            "are not swapped; preempted requests are recomputed"
-        )
     rows = (slots, saved if limits.enable_prefix_caching else 0)
-    return dataclasses.replace(limits, num_host_blocks=0, state_cache_rows=rows)
+    return dataclasses.replace(limits, state_cache_rows=rows)
 
 
 def reserve_states(
@@ -194,27 +188,32 @@ class StateCopier:
     def precompile(self, caches: Any) -> None:
         """Compiles the copy for ``caches``' pools (placed shapes will do)."""
         index = jax.ShapeDtypeStruct((self.chunk,), jnp.int32)
-        self._compiled = self._copy.lower(_pools(caches), index, index).compile()
+        self._compiled = self._copy.lower(state_pools(caches), index, index).compile()
 
     def copy(self, caches: tuple, pairs: list[tuple[int, int]]) -> tuple:
         """``caches`` with each (source row, destination row) of ``pairs`` copied, in
         order (the caches passed in are donated)."""
         if not pairs:
             return caches
-        pools = _pools(caches)
+        pools = state_pools(caches)
         for i in range(0, len(pairs), self.chunk):
             part = pairs[i : i + self.chunk]
             src = np.zeros(self.chunk, np.int32)
             dst = np.full(self.chunk, self.num_rows, np.int32)  # past the end: dropped
             src[: len(part)], dst[: len(part)] = zip(*part, strict=True)
             pools = self._compiled(pools, src, dst)
-        it = iter(pools)
-        return tuple(next(it) if isinstance(e, tuple) else e for e in caches)
+        return with_pools(caches, pools)
 
 
-def _pools(caches: tuple) -> tuple:
+def state_pools(caches: tuple) -> tuple:
     """The (conv window, delta-rule state) pools of ``caches``' linear-attention layers."""
     return tuple(entry for entry in caches if isinstance(entry, tuple))
+
+
+def with_pools(caches: tuple, pools: tuple) -> tuple:
+    """``caches`` with its linear-attention layers' entries replaced by ``pools``."""
+    it = iter(pools)
+    return tuple(next(it) if isinstance(entry, tuple) else entry for entry in caches)
 
 
 def _copy_rows(pools: tuple, src: jax.Array, dst: jax.Array) -> tuple:
@@ -244,6 +243,7 @@ def slot_pairs(table: Any, pairs: tuple, restore: bool) -> list[tuple[int, int]]
 
 def pool_rows(config: Any) -> tuple[int, int]:
     """A hybrid model's state-pool rows: (request slots, saved states). Saved states
-    (prefix caching's) take half as many rows again as there are request slots."""
+    (prefix caching's) take half as many rows again as there are request slots, at
+    least 4 (a few saved prefixes survive the rolling saves of a small batch)."""
     slots = config.scheduler_config.max_num_seqs
-    return slots, max(1, slots // 2) if config.cache_config.prefix_caching else 0
+    return slots, max(4, slots // 2) if config.cache_config.prefix_caching else 0

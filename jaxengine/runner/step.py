@@ -143,18 +143,21 @@ def make_prompt_logprobs(module: Any, k: int):
 
 
 def make_swap_fns():
-    """``gather(kv_caches, ids[N]) -> pages`` and ``scatter(kv_caches, ids[N], pages)``.
+    """``gather(kv_caches, ids[N]) -> pages`` and ``scatter(kv_caches, ids[N], pages)``,
+    over the paged layers (a hybrid model's state pools, tuples, are left out:
+    `runner.state_swap` moves those).
 
     Scatter drops ids past the cache's end, which is how padding ids are spelled.
     """
 
     def gather(kv_caches, ids):
-        return tuple(cache[ids] for cache in kv_caches)
+        return tuple(cache[ids] for cache in kv_caches if not isinstance(cache, tuple))
 
     def scatter(kv_caches, ids, pages):
+        it = iter(pages)
         return tuple(
-            cache.at[ids].set(page, mode="drop")
-            for cache, page in zip(kv_caches, pages, strict=True)
+            cache if isinstance(cache, tuple) else cache.at[ids].set(next(it), mode="drop")
+            for cache in kv_caches
         )
 
     return jax.jit(gather), jax.jit(scatter, donate_argnums=(0,))

@@ -120,11 +120,13 @@ def test_engine_matches_transformers(tiny):
     check_hybrid(path, ref, prompts)
 
 
-def test_tensor_parallel_2_full_step(tiny):
+def test_tensor_parallel_2_full_step_swap(tiny):
     """TP 2, with the whole step one program (FULL: the accelerators' default; the
-    CPU default, PIECEWISE, runs a program per kind of layer)."""
+    CPU default, PIECEWISE, runs a program per kind of layer), preempted by swap:
+    the pages and the states go to the host and come back (`runner.state_swap`)."""
     _, path, prompts, ref = tiny
-    check_hybrid(path, ref, prompts, tensor_parallel_size=2, cudagraph_mode="FULL")
+    kwargs = dict(tensor_parallel_size=2, cudagraph_mode="FULL", swap_space=1)
+    check_hybrid(path, ref, prompts, **kwargs)
 
 
 def test_qwen3_5_moe_expert_parallel(tmp_path_factory):
@@ -200,8 +202,8 @@ def test_state_slots_follow_running_requests():
 
 
 def test_hybrid_limits_refuse_and_disable():
-    """Speculative decoding is refused; swap space is turned off; prefix caching keeps
-    half as many saved-state rows again as request slots, after them."""
+    """Speculative decoding is refused; swap space stays; prefix caching keeps
+    half as many saved-state rows again as request slots (at least 4), after them."""
     import dataclasses
     import types
 
@@ -212,13 +214,13 @@ def test_hybrid_limits_refuse_and_disable():
     config = types.SimpleNamespace(
         speculative_config=types.SimpleNamespace(enabled=False),
         parallel_config=types.SimpleNamespace(pipeline_parallel_size=1),
-        scheduler_config=types.SimpleNamespace(max_num_seqs=6),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=10),
         cache_config=types.SimpleNamespace(prefix_caching=True),
     )
     states = ((((1, 3, 8), (1, 2, 4, 4))),)
     out = hybrid_limits(config, limits, states)
-    assert (out.enable_prefix_caching, out.num_host_blocks) == (True, 0)
-    assert out.state_cache_rows == (6, 3)
+    assert (out.enable_prefix_caching, out.num_host_blocks) == (True, 5)
+    assert out.state_cache_rows == (10, 5)
     assert hybrid_limits(config, limits, None) is limits
     config.speculative_config.enabled = True
     with pytest.raises(ValueError, match="speculative decoding is not supported"):
