@@ -33,8 +33,12 @@ layer's output. What Gemma 4 adds, and how it maps onto the engine:
 Refused: ``use_bidirectional_attention="all"`` (paged attention is causal), every layer
 sharing KV, an fp8 KV cache, quantized experts, a sequence-classification head, and
 per-layer inputs under pipeline parallelism (the tables would sit with the last stage).
-A ``Gemma4ForConditionalGeneration`` checkpoint serves its text decoder; prompts with
-images, video or audio are refused (`multimodal.processor.media_refusal`).
+A ``Gemma4ForConditionalGeneration`` checkpoint takes images (`Gemma4ImageEncoder`, on
+the engine's image path like Gemma 3): an image token's input is its encoder output
+(no embedding scale) and its per-layer inputs are those of ``pad_token_id`` projected
+from that output, as in transformers. With ``use_bidirectional_attention="vision"`` an
+image's tokens attend to each other both ways in the sliding layers only (the full
+layers stay causal). Video and audio are refused (`multimodal.processor`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from jaxengine.models.gemma4_layers import Gemma4DecoderLayer, Gemma4Layer, Gemm
 from jaxengine.models.layers.basic import Embed, Linear, RMSNorm, float32_dots
 from jaxengine.models.layers.config import LayerSpec, TransformerConfig, rope_from_hf
 from jaxengine.models.layers.decoder import CausalLM, DecoderModel, hf_param_path, run_layers
+from jaxengine.models.vision import gemma4 as vision
 
 
 def _text_config(hf_config: Any) -> Any:
@@ -148,7 +153,11 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
         norm_topk_prob=True,
         dtype=dtype,
         family_spec=Gemma4Spec(
-            layers, per_layer, text.vocab_size_per_layer_input if per_layer else 0, shared_width
+            layers,
+            per_layer,
+            text.vocab_size_per_layer_input if per_layer else 0,
+            shared_width,
+            int(getattr(text, "pad_token_id", None) or 0),
         ),
     )
 
@@ -177,11 +186,15 @@ class Gemma4TextModel(DecoderModel):
         cfg, fam = self.config, self.config.family_spec
         x = inputs
         if first:
-            if image_embeds is not None:
-                raise NotImplementedError("Gemma 4 image inputs are not supported yet")
-            h = self.embed_tokens(inputs) * jnp.asarray(cfg.embed_scale, cfg.dtype)  # [T, H]
+            ids = inputs
+            if image_embeds is not None:  # image tokens: the pad token's table rows
+                embeds, mask = image_embeds
+                ids = jnp.where(mask, fam.image_pad_token_id, inputs)
+            h = self.embed_tokens(ids) * jnp.asarray(cfg.embed_scale, cfg.dtype)  # [T, H]
+            if image_embeds is not None:  # as they are: no embedding scale
+                h = jnp.where(mask[:, None], embeds.astype(h.dtype), h)
             shared = jnp.zeros((h.shape[0], fam.shared_kv_width), h.dtype)
-            x = jnp.concatenate([h, self._per_layer_inputs(inputs, h), shared], axis=1)
+            x = jnp.concatenate([h, self._per_layer_inputs(ids, h), shared], axis=1)
         x, new_caches = run_layers(self, self.layers[start:stop], x, positions, kv_caches, md)
         return (self.norm(x[:, : cfg.hidden_size]) if last else x), new_caches
 
@@ -243,8 +256,9 @@ class Gemma4ForCausalLM(CausalLM):
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     """The text decoder of a Gemma 4 checkpoint with vision / audio towers (its
-    ``text_config``); the towers' tensors are skipped, and image or audio inputs are
-    refused (`multimodal.processor.prompt_images`)."""
+    ``text_config``); the towers' tensors are skipped here (the image encoder loads
+    its own: `Gemma4ImageEncoder`), audio inputs are refused
+    (`multimodal.processor.prompt_images`)."""
 
     @staticmethod
     def hf_param_path(name: str) -> tuple[tuple[str, ...], int | None] | None:
@@ -256,3 +270,50 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         if body.startswith("language_model."):
             name = "model." + body.removeprefix("language_model.")
         return hf_param_path(name)
+
+
+class Gemma4ImageEncoder:
+    """What the engine's encoder step needs of Gemma 4's image encoder
+    (`vision.gemma4`): one unit is one soft token (``k x k`` patch rows), an image's
+    patch rows padded to a bucket of units."""
+
+    def __init__(self, hf_config: Any, dtype: Any) -> None:
+        self.config = vision.from_hf(hf_config, dtype)
+        self.module = vision.Gemma4VisionEncoder(self.config)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.text_hidden_size
+
+    @property
+    def embeds_per_unit(self) -> int:
+        return 1
+
+    def pad(self, inputs: dict[str, np.ndarray] | None, units: int) -> dict[str, np.ndarray]:
+        """One image's real patch rows padded to ``units * k^2`` rows (coordinates -1:
+        no key, no token); all padding when ``inputs`` is None (warm-up)."""
+        cfg = self.config
+        rows = units * cfg.patches_per_token
+        pixels = np.zeros((1, rows, cfg.patch_dim), np.float32)
+        coords = np.full((1, rows, 2), -1, np.int32)
+        if inputs is not None:
+            n = inputs["pixel_values"].shape[0]
+            pixels[0, :n], coords[0, :n] = inputs["pixel_values"], inputs["image_position_ids"]
+        return {"pixel_values": pixels, "image_position_ids": coords}
+
+    def apply(self, params: Any, inputs: dict[str, jax.Array]) -> jax.Array:
+        """``[units, hidden_size]``: the image's soft tokens first, then padding."""
+        pixels = inputs["pixel_values"].astype(self.config.dtype)
+        out = self.module.apply({"params": params}, pixels, inputs["image_position_ids"])
+        return out.reshape(-1, out.shape[-1])
+
+    def example_inputs(self) -> tuple:
+        """The module's init inputs (`loader.encoder_params`)."""
+        return vision.example_inputs(self.config)
+
+
+def image_encoder(hf_config: Any, dtype: Any) -> Gemma4ImageEncoder | None:
+    """A checkpoint's image encoder; None without a vision tower (a text checkpoint)."""
+    if getattr(hf_config, "vision_config", None) is None:
+        return None
+    return Gemma4ImageEncoder(hf_config, dtype)

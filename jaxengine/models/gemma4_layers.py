@@ -54,6 +54,8 @@ class Gemma4Spec:
     """Rows of ``embed_tokens_per_layer`` (``vocab_size_per_layer_input``)."""
     shared_kv_width: int = 0
     """S: the shared-KV columns of ``x`` (every shared kind's keys and values)."""
+    image_pad_token_id: int = 0
+    """The token whose per-layer table row an image token takes (``pad_token_id``)."""
 
     @property
     def per_layer_width(self) -> int:
@@ -109,7 +111,9 @@ class Gemma4Attention(nn.Module):
                 kv = jnp.concatenate([k.reshape(t, width), v.reshape(t, width)], axis=1)
                 shared = jax.lax.dynamic_update_slice_in_dim(shared, kv, lay.slot, axis=1)
         kv_cache = self.update_fn(kv_cache, *_cache_layout(k, v, cfg), md.slot_mapping)
-        extra = {} if md.attend_until is None else {"attend_until": md.attend_until}
+        # image tokens attend both ways in sliding layers only (transformers' Gemma 4 masks)
+        both_ways = md.attend_until is not None and self.spec.sliding_window is not None
+        extra = {"attend_until": md.attend_until} if both_ways else {}
         out = self.attention_fn(
             jnp.pad(q, ((0, 0), (0, 0), (0, cfg.head_dim - d))),
             kv_cache,

@@ -21,17 +21,21 @@ _FAMILIES = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "Gemma3ForConditionalGeneration": "gemma3",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 """Vision-language architectures -> their host module in this package."""
 
 
 _TEXT_DECODER_ONLY = {"Gemma4ForConditionalGeneration": "image, video and audio"}
-"""Multimodal architectures served as their text decoder only -> the inputs refused."""
+"""Multimodal architectures served as their text decoder only when their checkpoint
+has no vision tower -> the inputs refused."""
 
 
 def media_refusal(hf_config: Any) -> str | None:
-    """Why a prompt with media cannot run on a checkpoint of `_TEXT_DECODER_ONLY` (its
-    towers do not run here); None for any other checkpoint."""
+    """Why a prompt with media cannot run on a checkpoint of `_TEXT_DECODER_ONLY`
+    without a vision tower; None for any other checkpoint."""
+    if is_multimodal(hf_config):
+        return None
     for arch in getattr(hf_config, "architectures", None) or ():
         if arch in _TEXT_DECODER_ONLY:
             return (
@@ -42,13 +46,21 @@ def media_refusal(hf_config: Any) -> str | None:
 
 
 def is_multimodal(hf_config: Any) -> bool:
-    """Whether the checkpoint's architecture takes images here."""
-    return any(a in _FAMILIES for a in getattr(hf_config, "architectures", None) or ())
+    """Whether the checkpoint's architecture takes images here (and it has a tower)."""
+    archs = getattr(hf_config, "architectures", None) or ()
+    has_tower = getattr(hf_config, "vision_config", None) is not None
+    return has_tower and any(a in _FAMILIES for a in archs)
 
 
 def images_both_ways(hf_config: Any) -> bool:
-    """Whether the checkpoint's image tokens attend to each other both ways (Gemma 3)."""
-    return is_multimodal(hf_config) and _family(hf_config).BIDIRECTIONAL
+    """Whether the checkpoint's image tokens attend to each other both ways (Gemma 3;
+    Gemma 4 as its config says: the family's ``both_ways``)."""
+    return is_multimodal(hf_config) and _both_ways(_family(hf_config), hf_config)
+
+
+def _both_ways(family: Any, hf_config: Any) -> bool:
+    hook = getattr(family, "both_ways", None)
+    return bool(hook(hf_config)) if hook is not None else family.BIDIRECTIONAL
 
 
 def _family(hf_config: Any):
@@ -65,6 +77,7 @@ class ImageProcessor:
         self.family = _family(hf_config)
         self.image_token_id = int(hf_config.image_token_id)
         self.defaults = dict(defaults or {})
+        self._both_ways = _both_ways(self.family, hf_config)
 
     @classmethod
     def from_folder(cls, folder: str, hf_config: Any, defaults: dict | None = None):
@@ -98,7 +111,7 @@ class ImageProcessor:
     def bidirectional(self) -> bool:
         """Whether an image's tokens attend to each other both ways in the decoder
         (Gemma 3): a prefill chunk may then not end inside an image."""
-        return self.family.BIDIRECTIONAL
+        return self._both_ways
 
     @property
     def max_embeds_per_image(self) -> int:

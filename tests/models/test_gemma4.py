@@ -29,13 +29,10 @@ REFUSED_MEDIA = "Gemma4ForConditionalGeneration: image, video and audio inputs a
 
 
 def multimodal_config() -> transformers.Gemma4Config:
-    """`gemma4_tiny`'s decoder under one-layer vision and audio towers (their special
-    tokens at the vocabulary's top)."""
+    """`gemma4_tiny`'s decoder under a one-layer audio tower and no vision tower (the
+    media tokens at the vocabulary's top): served as its text decoder only. Images on
+    a checkpoint with a vision tower: `test_vision_gemma4.py`."""
     text = transformers.Gemma4TextConfig(**gemma4_tiny(TINY))
-    vision = transformers.Gemma4VisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=16,
-    )  # fmt: skip
     audio = transformers.Gemma4AudioConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         subsampling_conv_channels=[8, 4], output_proj_dims=32,
@@ -44,7 +41,7 @@ def multimodal_config() -> transformers.Gemma4Config:
     ids.update(eoi_token_id=253, boa_token_id=254, eoa_token_index=255)
     return transformers.Gemma4Config(
         text_config=text.to_dict(),
-        vision_config=vision.to_dict(),
+        vision_config=None,
         audio_config=audio.to_dict(),
         **ids,
     )
