@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxengine.multimodal.items import image_text_processor
+
 BIDIRECTIONAL = False
 """Without ``use_bidirectional_attention="vision"`` the decoder is causal (`both_ways`)."""
 
@@ -36,12 +38,7 @@ def both_ways(hf_config: Any) -> bool:
 
 def load_processor(folder: str) -> Any:
     """The model's processor from its folder, for images and text only (module doc)."""
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    images = transformers.AutoImageProcessor.from_pretrained(folder)
-    chat_template = getattr(tokenizer, "chat_template", None)
-    return _processor_class()(images, tokenizer, chat_template=chat_template)
+    return image_text_processor(folder, _processor_class())
 
 
 @functools.cache

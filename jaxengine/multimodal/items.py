@@ -10,6 +10,17 @@ from typing import Any
 import numpy as np
 
 
+def image_text_processor(folder: str, processor_cls: type) -> Any:
+    """``processor_cls`` (a transformers processor class cut to images and text) built
+    from ``folder``'s tokenizer, image processor and chat template."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    images = transformers.AutoImageProcessor.from_pretrained(folder)
+    chat_template = getattr(tokenizer, "chat_template", None)
+    return processor_cls(images, tokenizer, chat_template=chat_template)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ImageItem:
     """An image after the processor: what the encoder takes and where its output goes.

@@ -21,18 +21,15 @@ from typing import Any
 
 import numpy as np
 
+from jaxengine.multimodal.items import image_text_processor
+
 BIDIRECTIONAL = False
 """The decoder attends causally over image tokens too."""
 
 
 def load_processor(folder: str) -> Any:
     """The model's processor from its folder, for images and text only (module doc)."""
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    images = transformers.AutoImageProcessor.from_pretrained(folder)
-    chat_template = getattr(tokenizer, "chat_template", None)
-    return _processor_class()(images, tokenizer, chat_template=chat_template)
+    return image_text_processor(folder, _processor_class())
 
 
 @functools.cache
