@@ -209,10 +209,15 @@ def markdown(results: list[dict]) -> str:
         rates = rep["decode_tokens_per_s"]
         lines.append(
             f"| {r['row']} | {'yes' if rep['fits'] else 'NO'} | {rep['per_chip']['kv_tokens']:,} "
-            f"| {rep['compile_seconds']:.0f} s | {worst:.3f}x | {rates['batch_1']:,.0f} | "
-            f"{rates['batch_64']:,.0f} |"
+            f"| {rep['compile_seconds']:.0f} s | {worst:.3f}x | {_rate(rates['batch_1'])} | "
+            f"{_rate(rates['batch_64'])} |"
         )
     return "\n".join(lines)
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    """A decode rate, or "-" where the row's batch exceeds its --max-num-seqs."""
+    return "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,11 @@ every device (their weights are replicated) and each device keeps the one head i
 query heads read: device ``i`` holds KV head ``i // (tp / Hkv)`` in its one-head slice
 of the cache.
 
+On TPU each device's slice of the cache may hold more rows than its heads' K and V
+(padded to a multiple of 8, `jaxengine.models.layers.attention.kv_cache_shape`):
+`with_real_heads` tells the attention function how many heads the first rows hold
+(``num_kv_heads``), at any tensor size; the writes fill the padding with zeros.
+
 A hybrid model's gated delta rule (``gated_delta_fn``, `layers.gated_delta`) runs per
 shard too, on its heads' slice: q and k ``[T, Hk/tp, Dk]``, v ``[T, Hv/tp, Dv]``, g and
 beta ``[T, Hv/tp]``, the state ``[R, Hv/tp, Dk, Dv]`` (a value head reads key head
@@ -76,6 +81,22 @@ def shard_attention_fns(attention_kwargs: dict, mesh: Mesh, num_kv_heads: int) -
     if attention_kwargs.get("gated_delta_fn") is not None:
         sharded["gated_delta_fn"] = shard_gated_delta(attention_kwargs["gated_delta_fn"], mesh)
     return sharded
+
+
+def with_real_heads(attention_kwargs: dict, heads_per_device: int) -> dict:
+    """``attention_kwargs`` whose ``attention_fn`` is passed ``num_kv_heads`` (a
+    device's KV heads) when its cache has more rows than their K and V (padded on TPU);
+    a cache of exactly those rows (every other platform) calls it unchanged."""
+    attention_fn = attention_kwargs.get("attention_fn")
+    if attention_fn is None:
+        return attention_kwargs
+
+    def attention(q, kv_cache, *args, **kwargs):
+        if kv_cache.ndim == 4 and kv_cache.shape[2] > 2 * heads_per_device:
+            kwargs["num_kv_heads"] = heads_per_device
+        return attention_fn(q, kv_cache, *args, **kwargs)
+
+    return {**attention_kwargs, "attention_fn": attention}
 
 
 def shard_gated_delta(rule: Callable, mesh: Mesh) -> Callable:

@@ -95,11 +95,13 @@ class ShardingPlan:
     # ------------------------------------------------------------------ kernels
 
     def attention_kwargs(self, attention_kwargs: dict) -> dict:
-        """The model's ``attention_kwargs`` with the functions run per shard."""
+        """The model's ``attention_kwargs`` with the functions run per shard, the
+        attention told a padded cache's real heads (`sharding.attention.with_real_heads`)."""
+        from sharding.attention import shard_attention_fns, with_real_heads
+
+        attention_kwargs = with_real_heads(attention_kwargs, self.kv_heads_per_device)
         if self.tensor_size == 1:
             return attention_kwargs
-        from sharding.attention import shard_attention_fns
-
         return shard_attention_fns(attention_kwargs, self.mesh, self.num_kv_heads)
 
     def moe_kwargs(self) -> dict:

@@ -279,7 +279,8 @@ def _kernel_bytes(model, tokens: int, requests: int, cache_shard: tuple, runner)
     from pallas_kernels.ragged_paged_attention.cost import attention_cost
 
     _, page_size, two_hkv, head_dim = cache_shard
-    heads = model.num_heads * two_hkv // (2 * model.num_kv_heads)
+    shards = _paged(runner.kv_caches)[0].shape[2] // two_hkv  # tensor devices (rows padded)
+    heads = model.num_heads // shards  # a device's query heads
     itemsize = np.dtype(runner.settings.cache_dtype).itemsize
     pages = runner.settings.pages_per_req
     read = attention_cost(

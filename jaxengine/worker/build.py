@@ -201,10 +201,10 @@ def _size_cache(
     per_block = bytes_per_block(  # on one device: its stage's layers, its KV heads
         layers if states is None else sum(s is None for s in states),
         cc.block_size,
-        placement.plans[0].kv_heads_per_device,
+        1,  # kv_parts: a device's rows of every head
         kv_cache_shape(model, 1, 1, 1, placement.platform)[3],  # a row's (padded) width
         dtype.itemsize,
-        kv_parts=kv_cache_shape(model, 1, 1, 1)[2],  # K and V, or one MLA latent row
+        kv_parts=_rows_per_device(model, placement),  # K and V (padded), or MLA latent rows
     )
     max_model_len = config.model_config.max_model_len
     kv_bytes, memory = reserve_states(
@@ -225,6 +225,13 @@ def _size_cache(
         sc, cc, kv_size.num_blocks, max_model_len, bytes_per_block=per_block
     )
     return kv_size, hybrid_limits(config, limits, states), dtype
+
+
+def _rows_per_device(model: TransformerConfig, placement: Placement) -> int:
+    """A device's rows of one layer's cache page slot: its heads' K and V (on TPU
+    padded, `layers.attention.tpu_cache_rows`), or its MLA latent row."""
+    heads = placement.plans[0].kv_heads_per_device
+    return kv_cache_shape(model, 1, 1, heads, placement.platform)[2]
 
 
 def _measured(placement: Placement) -> tuple[int, int] | None:
@@ -343,7 +350,8 @@ def build_worker(
     memory = None if target is None else (target.hbm_bytes, device_bytes(loaded.params))
     kv_size, limits, dtype = _size_cache(config, placement, model, extra, memory)
     heads = placement.plans[0].kv_cache_heads
-    page_shape = kv_cache_shape(model, 1, kv_size.block_size, heads, placement.platform)[1:]
+    tp = placement.plans[0].tensor_size
+    page_shape = kv_cache_shape(model, 1, kv_size.block_size, heads, placement.platform, tp)[1:]
     settings = _runner_settings(config, model, kv_size, limits, dtype, page_shape, eos, pooler)
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
     store = executable_store(config, loaded, backend, images and images.encoder.config)

@@ -2,7 +2,9 @@
 
 The cache layout is the attention kernels' (`pallas_kernels.ragged_paged_attention`):
 ``[num_pages, page_size, 2 * num_kv_heads, head_dim]``, K and V interleaved on axis 2.
-Token ``t`` goes to slot ``slot_mapping[t] = page * page_size + offset``.
+Token ``t`` goes to slot ``slot_mapping[t] = page * page_size + offset``. A cache with
+more rows than ``2 * num_kv_heads`` (padded on TPU, `jaxengine.models.layers.attention.
+kv_cache_shape`) gets zeros in the rows after them.
 """
 
 from __future__ import annotations
@@ -22,19 +24,24 @@ def update_kv_cache(
     Slots outside ``[0, num_pages * page_size)`` are dropped (a padding token may use
     one, or point into the reserved null page 0). Donate ``kv_cache`` so XLA updates in place.
     """
-    num_pages, page_size, two_hkv, head_dim = kv_cache.shape
-    kv = interleave(k, v, kv_cache.dtype)  # [T, 2Hkv, D]
-    flat = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
+    num_pages, page_size, rows, head_dim = kv_cache.shape
+    kv = interleave(k, v, kv_cache.dtype, rows)  # [T, rows, D]
+    flat = kv_cache.reshape(num_pages * page_size, rows, head_dim)
     num_slots = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # no wrap-around
     flat = flat.at[slots].set(kv, mode="drop")
     return flat.reshape(kv_cache.shape)
 
 
-def interleave(k: jax.Array, v: jax.Array, dtype) -> jax.Array:
-    """``[T, Hkv, D]`` K and V -> ``[T, 2 * Hkv, D]`` in the cache's order and dtype."""
+def interleave(k: jax.Array, v: jax.Array, dtype, rows: int | None = None) -> jax.Array:
+    """``[T, Hkv, D]`` K and V -> ``[T, 2 * Hkv, D]`` in the cache's order and dtype;
+    with ``rows`` (a padded cache's head axis) zeros after them, ``[T, rows, D]``."""
     num_tokens, num_kv_heads, head_dim = k.shape
     kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
+    pad = 0 if rows is None else rows - 2 * num_kv_heads
+    if pad < 0:
+        raise ValueError(f"{num_kv_heads} KV heads do not fit a cache of {rows} rows")
+    kv = jnp.pad(kv, ((0, 0), (0, pad), (0, 0))) if pad else kv
     return to_cache_dtype(kv, dtype)
 
 

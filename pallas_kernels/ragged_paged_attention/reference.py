@@ -5,7 +5,9 @@ Layout contract (DESIGN §3):
 
 - ``kv_cache``: one array per layer, ``[num_pages, page_size, 2 * num_kv_heads, head_dim]``
   with K and V interleaved on axis 2: index ``2h`` holds K of KV head ``h``, ``2h + 1``
-  holds V of KV head ``h``.
+  holds V of KV head ``h``. On TPU each device's rows may be padded past ``2 *
+  num_kv_heads`` (`jaxengine.models.layers.attention.kv_cache_shape`): the real heads'
+  rows come first, and the kernels take their count as ``num_kv_heads``.
 - The batch is flat and ragged: request ``r`` owns the new tokens
   ``query_start_loc[r]:query_start_loc[r + 1]``; its KV length after this step is
   ``seq_lens[r]`` (cached context + new tokens), so its new tokens sit at positions
@@ -79,6 +81,7 @@ def ragged_paged_attention(
     attend_until: jax.Array | None = None,
     attention_chunk_size: int | None = None,
     sinks: jax.Array | None = None,
+    num_kv_heads: int | None = None,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
@@ -93,11 +96,13 @@ def ragged_paged_attention(
     ``attend_until`` ``[T]`` (the tokens of an image that attend both ways, Gemma 3):
     each token's last key position, at or after its own (which the step holds);
     keys up to it are seen, the sliding window still counts from the token.
+    ``num_kv_heads``: the KV heads in the cache's first rows, where its head axis is
+    padded past them (TPU); None: every row, ``2 * num_kv_heads`` of them.
     Accumulates in float32; the output has ``q``'s dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, two_hkv, _ = kv_cache.shape
-    num_kv_heads = two_hkv // 2
+    _, page_size, rows, _ = kv_cache.shape
+    num_kv_heads = num_kv_heads or rows // 2
     group = num_q_heads // num_kv_heads
     max_pages = page_table.shape[1]
     chunk = min(pages_per_chunk, max_pages)
@@ -123,7 +128,8 @@ def ragged_paged_attention(
     def body(c, carry):
         m, denom, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
         pages = jax.lax.dynamic_slice_in_dim(token_pages, c * chunk, chunk, axis=1)
-        kv = kv_cache[pages].reshape(num_tokens, chunk_len, two_hkv, head_dim)
+        kv = kv_cache[pages].reshape(num_tokens, chunk_len, rows, head_dim)
+        kv = kv[:, :, : 2 * num_kv_heads]  # [T, L, 2Hkv, D]: a padded cache's real rows
         k = kv[:, :, 0::2].astype(jnp.float32)  # [T, L, Hkv, D]
         v = kv[:, :, 1::2].astype(jnp.float32)
         s = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=precision)  # [T, Hkv, G, L]

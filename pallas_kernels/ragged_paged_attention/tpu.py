@@ -20,7 +20,10 @@ padding tokens) come out as zeros.
 Layout. Queries travel as ``[Hkv, G, T, D]`` (one transpose in the wrapper), so each
 KV head's ``G`` query heads form a ``[G * block_q, D]`` tile with the token axis on
 sublanes. The cache keeps the engine's ``[P, S, 2 * Hkv, D]`` layout in HBM; a page
-copy moves ``[S, 2 * heads_per_block, D]``. Attention sinks (optional, gpt-oss) come in
+copy moves ``[S, 2 * heads_per_block, D]``, or the page's every row where the block
+holds every head (its padding too: a TPU cache's head axis is padded to a multiple of
+8 rows, `jaxengine.models.layers.attention.kv_cache_shape`, and only the first ``2 *
+num_kv_heads`` rows are read). Attention sinks (optional, gpt-oss) come in
 as one more VMEM block ``[heads_per_block, G, 128]`` (each query head's sink on every
 lane) and join the denominators once, when the output tile is written.
 
@@ -79,12 +82,15 @@ def _sublanes(dtype) -> int:
     return 8 * max(1, 4 // np.dtype(dtype).itemsize)
 
 
-def vmem_bytes(blocks: Blocks, group: int, page_size: int, head_dim: int, dtype) -> int:
-    """VMEM one grid step needs: two KV buffers, double-buffered q and out, state."""
+def vmem_bytes(
+    blocks: Blocks, group: int, page_size: int, head_dim: int, dtype, kv_rows: int | None = None
+) -> int:
+    """VMEM one grid step needs: two KV buffers (``kv_rows`` rows a slot, default ``2 *
+    heads_per_block``), double-buffered q and out, state."""
     item = np.dtype(dtype).itemsize
     hb, bq = blocks.heads_per_block, blocks.block_q
     head_dim = -(-head_dim // 128) * 128  # VMEM tiles pad the lane axis to 128
-    kv = 2 * blocks.pages_per_block * page_size * 2 * hb * head_dim * item
+    kv = 2 * blocks.pages_per_block * page_size * (kv_rows or 2 * hb) * head_dim * item
     q_out = 2 * 2 * hb * group * bq * head_dim * item
     state = hb * group * bq * (head_dim + 2 * 128) * 4
     return kv + q_out + state
@@ -100,15 +106,18 @@ def choose_blocks(
     head_dim: int,
     dtype,
     vmem_limit_bytes: int = DEFAULT_VMEM_LIMIT,
+    cache_rows: int | None = None,
 ) -> Blocks:
-    """The documented block table (module docstring)."""
+    """The documented block table (module docstring); ``cache_rows``: the cache's head
+    axis where padded past ``2 * num_kv_heads`` (a block of every head copies it all)."""
     sub = _sublanes(dtype)
     block_q = sub if num_tokens <= 2 * num_reqs else max(64, sub)
     pages = max(1, min(max_pages, KV_POSITIONS_PER_BLOCK // page_size))
     blocks = Blocks(block_q, pages, num_kv_heads)
 
     def fits(b: Blocks) -> bool:
-        return vmem_bytes(b, group, page_size, head_dim, dtype) <= vmem_limit_bytes
+        rows = _buffer_rows(b.heads_per_block, num_kv_heads, cache_rows or 2 * num_kv_heads)
+        return vmem_bytes(b, group, page_size, head_dim, dtype, rows) <= vmem_limit_bytes
 
     while not fits(blocks) and blocks.heads_per_block % _HEAD_ROWS_ALIGN == 0:
         blocks = dataclasses.replace(blocks, heads_per_block=blocks.heads_per_block // 2)
@@ -117,6 +126,12 @@ def choose_blocks(
     while not fits(blocks) and blocks.pages_per_block > 1:
         blocks = dataclasses.replace(blocks, pages_per_block=blocks.pages_per_block // 2)
     return blocks
+
+
+def _buffer_rows(heads_per_block: int, num_kv_heads: int, cache_rows: int) -> int:
+    """Rows of a page in the VMEM buffer: the cache's every row (padding included) for
+    a block of every head, else the block's K and V rows."""
+    return cache_rows if heads_per_block == num_kv_heads else 2 * heads_per_block
 
 
 def _request_ranges(query_start_loc, num_seqs, num_blocks: int, block_q: int):
@@ -174,9 +189,9 @@ def _kernel(
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
     v_row = jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
 
-    # one block of every head: the whole axis (a slice at a traced offset must be
-    # provably tile-aligned, which 2 * hb rows are not for odd counts such as 5)
-    whole = 2 * hb == kv_hbm.shape[2]
+    # one block of every head: the whole axis, padding included (a slice at a traced
+    # offset must be provably tile-aligned, which 2 * hb rows are not for odd counts)
+    whole = kv_buf.shape[3] == kv_hbm.shape[2]
     heads = pl.ds(pl.multiple_of(2 * h0, 2 * hb), 2 * hb)
 
     def page_copies(req, first_page, b, slot):
@@ -334,6 +349,7 @@ def _online_softmax_step(q, k, v, mask, m_ref, l_ref, acc_ref, *, sm_scale, soft
         "heads_per_block",
         "vmem_limit_bytes",
         "interpret",
+        "num_kv_heads",
     ),
 )
 def ragged_paged_attention(
@@ -355,19 +371,21 @@ def ragged_paged_attention(
     causal: bool = True,
     attention_chunk_size: int | None = None,
     sinks: jax.Array | None = None,
+    num_kv_heads: int | None = None,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
     ``attention_chunk_size``: chunked local attention; ``sinks`` [Hq]: attention sinks,
-    joining each row's denominator at the end (`reference.ragged_paged_attention`)."""
+    joining each row's denominator at the end; ``num_kv_heads``: the heads in a padded
+    cache's first rows (`reference.ragged_paged_attention`)."""
     if not causal:  # an encoder's bidirectional attention: the reference runs it
         return reference.ragged_paged_attention(
             q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, causal=False,
-            sinks=sinks,
+            sinks=sinks, num_kv_heads=num_kv_heads,
         )  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, two_hkv, _ = kv_cache.shape
-    num_kv_heads = two_hkv // 2
+    _, page_size, cache_rows, _ = kv_cache.shape
+    num_kv_heads = num_kv_heads or cache_rows // 2
     group = num_q_heads // num_kv_heads
     num_reqs, max_pages = page_table.shape
     auto = choose_blocks(
@@ -380,6 +398,7 @@ def ragged_paged_attention(
         head_dim,
         q.dtype,
         vmem_limit_bytes,
+        cache_rows,
     )
     blocks = Blocks(
         block_q or auto.block_q,
@@ -391,6 +410,7 @@ def ragged_paged_attention(
         raise ValueError(f"heads_per_block {hb} does not divide {num_kv_heads} KV heads")
     num_blocks = pl.cdiv(num_tokens, bq)
     padded = num_blocks * bq
+    buffer_rows = _buffer_rows(hb, num_kv_heads, cache_rows)
 
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, padded - num_tokens), (0, 0)))
@@ -424,7 +444,8 @@ def ragged_paged_attention(
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM(
-                    (2, blocks.pages_per_block, page_size, 2 * hb, head_dim), kv_cache.dtype
+                    (2, blocks.pages_per_block, page_size, buffer_rows, head_dim),
+                    kv_cache.dtype,
                 ),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((hb, rows, 128), jnp.float32),

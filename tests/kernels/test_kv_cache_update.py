@@ -106,3 +106,22 @@ def test_gpu_kernel_on_gpu(dtype):
         np.testing.assert_array_equal(flat[s, 0::2], k[t])
         np.testing.assert_array_equal(flat[s, 1::2], v[t])
     np.testing.assert_array_equal(np.delete(flat, [5, 71, 30], axis=0), SENTINEL)
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_a_padded_cache_gets_zeros_after_the_real_rows(name):
+    """A TPU cache's head axis padded past ``2 * Hkv`` (5 heads' 10 rows to 16,
+    `layers.attention.kv_cache_shape`): K and V go to rows ``2h`` and ``2h + 1`` as
+    ever, the rows after them of each written slot become zeros, no other slot changes."""
+    num_pages, page_size, hkv, head_dim, rows = 4, 8, 5, 128, 16
+    rng = np.random.default_rng(5)
+    cache = jnp.full((num_pages, page_size, rows, head_dim), SENTINEL, jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((3, hkv, head_dim)), jnp.float32) for _ in "kv")
+    slots = np.array([9, -1, 30], np.int32)
+    out = IMPLEMENTATIONS[name](cache, k, v, jnp.asarray(slots))
+    flat = np.asarray(out).reshape(num_pages * page_size, rows, head_dim)
+    for t in (0, 2):
+        np.testing.assert_array_equal(flat[slots[t], 0 : 2 * hkv : 2], k[t])
+        np.testing.assert_array_equal(flat[slots[t], 1 : 2 * hkv : 2], v[t])
+        np.testing.assert_array_equal(flat[slots[t], 2 * hkv :], 0.0)
+    np.testing.assert_array_equal(np.delete(flat, [9, 30], axis=0), SENTINEL)

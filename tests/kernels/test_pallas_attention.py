@@ -10,6 +10,7 @@ machine the `gpu` / `tpu` tests run the real kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,6 +26,8 @@ from tests.kernels.ragged_batches import (
     Shape,
     build,
     check_kernel,
+    jitted,
+    jitted_reference,
     lowers_for,
     random_sinks,
     relative_error,
@@ -125,6 +128,27 @@ def test_small_blocks_with_sinks(platform):
     check_kernel(
         KERNELS[platform], batch, "float32", sinks=sinks, interpret=True, **SMALL_BLOCKS[platform]
     )
+
+
+@pytest.mark.parametrize("kernel_kwargs", [{}, {"heads_per_block": 1}], ids=["whole", "split"])
+@pytest.mark.parametrize("shape", [DECODE, LONG_CHUNK], ids=["decode", "chunk"])
+def test_padded_cache_reads_only_its_real_heads(kernel_kwargs, shape):
+    """A TPU cache's head axis padded past ``2 * Hkv`` (Phi-4 at TP 2: 5 heads' 10 rows
+    to 16, `layers.attention.kv_cache_shape`), NaN in the padding: the TPU kernel and
+    the reference, told ``num_kv_heads``, equal the reference on the unpadded cache
+    (a block of every head copies the padding to VMEM; a block of one head does not)."""
+    batch = build(dataclasses.replace(shape, num_kv_heads=5, group=2), 13)
+    want = np.asarray(jitted_reference(**batch.kwargs())(*batch.args()))
+    args = list(batch.args())
+    pad = ((0, 0), (0, 0), (0, 16 - args[1].shape[2]), (0, 0))
+    args[1] = jnp.pad(args[1], pad, constant_values=jnp.nan)
+    real = batch.num_real_tokens
+    kernel = functools.partial(tpu.ragged_paged_attention, interpret=True, **kernel_kwargs)
+    for fn in (kernel, reference.ragged_paged_attention):
+        got = np.asarray(jitted(fn, **batch.kwargs(), num_kv_heads=5)(*args))
+        assert np.isfinite(got).all()
+        assert relative_error(got[:real], want[:real]) < TOLERANCE["float32"]
+        np.testing.assert_array_equal(got[real:], 0.0)
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))

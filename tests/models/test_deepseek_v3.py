@@ -29,7 +29,7 @@ def test_real_v3_caches_576_values_a_token_and_layer():
     config = family_config(hf, jnp.bfloat16)
     block = 16
     assert kv_cache_shape(config, 10, block) == (10, block, 1, 576)
-    kv_parts = kv_cache_shape(config, 1, 1, 1)[2]  # what worker.build._size_cache passes
+    kv_parts = kv_cache_shape(config, 1, 1, 1)[2]  # a device's rows (worker.build._rows_per_device)
     per_block = bytes_per_block(61, block, 1, config.head_dim, 2, kv_parts=kv_parts)
     assert per_block / block == 576 * 2 * 61
     assert kv_cache_shape(config, 10, block, platform="tpu") == (10, block, 1, 640)

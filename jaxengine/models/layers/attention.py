@@ -192,6 +192,7 @@ def kv_cache_shape(
     page_size: int,
     num_kv_heads: int | None = None,
     platform: str | None = None,
+    shards: int = 1,
 ) -> tuple:
     """Shape of one layer's cache: ``[num_pages, page_size, 2 * Hkv, D]``; with
     multi-head latent attention (``config.mla``) ``[num_pages, page_size, Hkv, W]``,
@@ -199,16 +200,34 @@ def kv_cache_shape(
 
     ``num_kv_heads`` overrides the model's count where a tensor-parallel layout stores
     KV heads once per device (`sharding.plan.ShardingPlan.kv_cache_heads`; an MLA
-    cache: one copy of the latent row per tensor device). On ``platform`` "tpu" an MLA
+    cache: one copy of the latent row per tensor device); the head axis splits into
+    ``shards`` equal parts, one a tensor device. On ``platform`` "tpu" an MLA
     row ``W`` is padded with zeros to a multiple of 128 lanes (DeepSeek-V3's 576 to
     640): TPU's HBM layout of a 576-lane row puts the pages on lanes, which no kernel
     reads in place, so XLA would copy the whole cache around every step's attention.
+    Likewise each shard's K/V rows are padded (`tpu_cache_rows`: Phi-4's 10 a chip at
+    TP 2 to 16); the real heads' rows come first, the writes fill the rest with zeros
+    and the attention reads only the real heads (``num_kv_heads`` of the kernels).
     """
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
     if getattr(config, "mla", None) is None:
-        return (num_pages, page_size, 2 * heads, config.head_dim)  # K and V
+        rows = 2 * heads // shards  # K and V of a shard's heads
+        rows = tpu_cache_rows(rows) if platform == "tpu" else rows
+        return (num_pages, page_size, shards * rows, config.head_dim)
     lanes = TPU_LANES if platform == "tpu" else 1
     return (num_pages, page_size, heads, -(-config.head_dim // lanes) * lanes)
 
 
 TPU_LANES = 128
+TPU_CACHE_ROW_ALIGN = 8
+
+
+def tpu_cache_rows(rows: int) -> int:
+    """A device's K/V rows of a TPU cache: ``rows`` up to a multiple of 8, or as they
+    are where 4 or fewer (Llama's 2 or 4 a chip). Any other count (6, 10, 12, 20...)
+    gets an HBM layout the Mosaic kernels do not read, and XLA copies the whole cache
+    into theirs around every step's attention and write (found by compiling for v6e,
+    bfloat16, float32 and float8 caches alike: tests/sharding/test_tpu_cache_rows.py)."""
+    if rows <= 4:
+        return rows
+    return -(-rows // TPU_CACHE_ROW_ALIGN) * TPU_CACHE_ROW_ALIGN

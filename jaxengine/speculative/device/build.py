@@ -42,14 +42,15 @@ def draft_bytes_per_block(config: EngineConfig, draft: LoadedDraft | None) -> in
     """One page of the draft's KV cache on one device (0 without a draft)."""
     if draft is None:
         return 0
-    model = draft.loaded.config
+    model, platform = draft.loaded.config, draft.placement.platform
+    heads = draft.placement.plans[0].kv_heads_per_device
     return bytes_per_block(
         len(model.layers),
         config.cache_config.block_size,
-        draft.placement.plans[0].kv_heads_per_device,
-        kv_cache_shape(model, 1, 1, 1, draft.placement.platform)[3],  # a row's (padded) width
+        1,  # kv_parts: a device's rows of every head
+        kv_cache_shape(model, 1, 1, 1, platform)[3],  # a row's (padded) width
         cache_dtype(config, draft.loaded.config).itemsize,
-        kv_parts=kv_cache_shape(model, 1, 1, 1)[2],  # K and V, or one MLA latent row
+        kv_parts=kv_cache_shape(model, 1, 1, heads, platform)[2],  # K and V (padded on TPU)
     )
 
 
@@ -69,6 +70,7 @@ def make_proposer(
     if draft is None:
         return None
     heads = draft.placement.plans[0].kv_cache_heads
+    place = (draft.placement.platform, draft.placement.plans[0].tensor_size)  # padded on TPU
     model = draft.loaded.config
     draft_settings = DraftSettings(
         k=k,
@@ -78,9 +80,7 @@ def make_proposer(
         token_buckets=settings.token_buckets,
         max_num_seqs=settings.max_num_seqs,
         vocab_size=model.vocab_size,
-        cache_page_shape=kv_cache_shape(
-            model, 1, settings.block_size, heads, draft.placement.platform
-        )[1:],
+        cache_page_shape=kv_cache_shape(model, 1, settings.block_size, heads, *place)[1:],
         cache_dtype=cache_dtype(config, draft.loaded.config),
         disable_by_batch_size=sc.disable_by_batch_size,
     )
