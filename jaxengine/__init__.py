@@ -1,14 +1,19 @@
 """jaxengine: a vLLM-class LLM inference and serving engine in JAX/XLA.
 
 Public names load lazily so that `jaxengine --help` and the host-side modules never
-import jax.
+import jax. Importing the package first picks the CPU where libtpu is installed but
+no TPU is (`jaxengine.platforms`), so ``from jaxengine import LLM`` in a notebook on
+such a machine starts JAX quietly, as the CLI does.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from jaxengine.platforms import cpu_unless_a_tpu
 from jaxengine.version import __version__
+
+cpu_unless_a_tpu()  # before anything starts JAX (a no-op once the user has chosen)
 
 _LAZY = {
     "LLM": "jaxengine.entrypoints.llm",
