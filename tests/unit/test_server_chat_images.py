@@ -272,3 +272,41 @@ def test_local_images_follow_the_engine_media_flag(tmp_path):
     assert engine.prompts[0]["multi_modal_data"]["image"][0].getpixel((1, 1)) == RED
     refused, _ = client()  # the flag unset: file:// is refused
     assert "--allowed-local-media-path" in chat(refused, messages).json()["error"]["message"]
+
+
+@pytest.mark.parametrize("with_images", [True, False], ids=["images", "text"])
+def test_a_chat_request_takes_one_pass(monkeypatch, with_images):
+    """Each step of the chat path runs once per request (issue 59's one pass): the one
+    scan of the messages for images, the template resolved and applied once (each
+    message normalized once), the images fetched once, the tool choice, structured
+    outputs and sampling parameters built once, the engine's ``prepare`` called once.
+    Counted by wrapping the handler module's collaborators."""
+    import server.chat.serving as serving
+
+    calls: dict[str, int] = {}
+    names = ["image_urls", "resolve_chat_template", "apply_chat_template", "normalize_message",
+             "load_images", "image_prompt", "resolve_tool_choice", "structured_outputs_params",
+             "content_format", "request_template"]  # fmt: skip
+    for name in names:
+        original = getattr(serving, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(serving, name, counted)
+    prepare = FakeEngine.prepare
+    monkeypatch.setattr(
+        FakeEngine,
+        "prepare",
+        lambda self, *a, **k: (calls.__setitem__("prepare", calls.get("prepare", 0) + 1),
+                               prepare(self, *a, **k))[1],
+    )  # fmt: skip
+    http, _ = client()
+    messages = MESSAGES if with_images else [{"role": "user", "content": "Hi"}]
+    assert chat(http, messages).status_code == 200
+    once = {
+        n: 1 for n in [*names, "prepare"] if with_images or n not in ("load_images", "image_prompt")
+    }
+    once["normalize_message"] = len(messages)
+    assert calls == once
