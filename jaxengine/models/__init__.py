@@ -40,6 +40,8 @@ _ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForConditionalGeneration": "gemma4",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_vl",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_vl",
     "BertModel": "bert",
     "BertForSequenceClassification": "bert",
 }
@@ -68,6 +70,8 @@ _MODEL_TYPES: dict[str, str] = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "gemma4": "Gemma4ForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 

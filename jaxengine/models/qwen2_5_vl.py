@@ -63,6 +63,9 @@ class Qwen2_5_VLImageEncoder:
 
     mrope = True
     """Every batch of this model carries M-RoPE positions (`runner.encoder`)."""
+    layout_type: Any = host.VisionLayout
+    """The tower's per-row layout (Qwen3.5's encoder swaps it and `vision_layout`)."""
+    vision_layout = staticmethod(host.vision_layout)
 
     def __init__(self, hf_config: Any, dtype: Any) -> None:
         self.config = host.Qwen2_5_VisionConfig.from_hf(hf_config.vision_config, dtype)
@@ -86,13 +89,13 @@ class Qwen2_5_VLImageEncoder:
         if inputs is not None:
             pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
             rows[: len(pixels)] = pixels
-        layout = host.vision_layout(grid, cfg, len(rows))
+        layout = self.vision_layout(grid, cfg, len(rows))
         fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
         return {"pixel_values": rows, **fields}
 
     def apply(self, params: Any, inputs: dict[str, jax.Array]) -> jax.Array:
         """``[units, hidden_size]`` embeddings of an image's padded rows."""
-        layout = host.VisionLayout(**{k: v for k, v in inputs.items() if k != "pixel_values"})
+        layout = self.layout_type(**{k: v for k, v in inputs.items() if k != "pixel_values"})
         return self.module.apply({"params": params}, inputs["pixel_values"], layout)
 
     def example_inputs(self) -> tuple:

@@ -11,7 +11,7 @@ at load time into ``q_proj`` and ``q_gate``). Every RMS norm but the DeltaNet's 
 one multiplies by ``1 + weight``. Feed-forward: a dense MLP, or (Qwen3-Next,
 Qwen3.5-MoE) softmax top-k experts plus a shared expert scaled by
 ``sigmoid(shared_expert_gate(x))``. Text rotary only: Qwen3.5's M-RoPE sections
-coincide with plain rope for text positions.
+coincide with plain rope for text positions (`qwen3_5_vl` turns them on for images).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class Qwen3NextDecoderLayer(DecoderLayer):
     """``x + mixer(norm(x))`` then ``x + ffn(norm(x))``; the mixer is ``linear_attn``
     (Gated DeltaNet, its cache the state pools) or ``self_attn`` (`GatedAttention`).
     ``attention_kwargs``: the attention functions, and the backend's
-    ``gated_delta_fn``, which goes to the Gated DeltaNet."""
+    ``gated_delta_fn`` and ``state_write_fn``, which go to the Gated DeltaNet."""
 
     @nn.compact
     def __call__(self, x, positions, cache, md):
@@ -144,11 +144,11 @@ class Qwen3NextDecoderLayer(DecoderLayer):
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=cfg.dtype)
         h = RMSNorm(**norm, name="input_layernorm")(x)
         kwargs = dict(self.attention_kwargs or {})
-        rule = kwargs.pop("gated_delta_fn", None)  # the backend's; None: the reference
+        names = ("gated_delta_fn", "state_write_fn")  # the backend's; absent: the reference
+        fns = {n: f for n in names if (f := kwargs.pop(n, None)) is not None}
         if self.spec.linear:
             gdn = cfg.family_spec.gated_delta
-            rule_kwargs = {} if rule is None else {"gated_delta_fn": rule}
-            h, cache = GatedDeltaNet(cfg, gdn, **rule_kwargs, name="linear_attn")(h, cache, md)
+            h, cache = GatedDeltaNet(cfg, gdn, **fns, name="linear_attn")(h, cache, md)
         else:
             attn = GatedAttention(cfg, self.spec, **kwargs, name="self_attn")
             h, cache = attn(h, positions, cache, md)

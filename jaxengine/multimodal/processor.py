@@ -22,6 +22,8 @@ _FAMILIES = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
 }
 """Vision-language architectures -> their host module in this package."""
 

@@ -29,15 +29,17 @@ BIDIRECTIONAL = False
 
 def load_processor(folder: str) -> Any:
     """The model's processor from its folder, for images and text only (module doc)."""
-    return image_text_processor(folder, _processor_class())
+    return image_text_processor(folder, images_only_class("Qwen2_5_VLProcessor"))
 
 
 @functools.cache
-def _processor_class() -> type:
+def images_only_class(base: str) -> type:
+    """transformers' processor class ``base`` (Qwen2.5-VL's, or Qwen3-VL's that Qwen3.5
+    uses) built from an image processor and a tokenizer, without a video processor."""
     import transformers
     from transformers.processing_utils import ProcessorMixin
 
-    class Qwen2_5_VLImageProcessor(transformers.Qwen2_5_VLProcessor):
+    class Qwen2_5_VLImageProcessor(getattr(transformers, base)):
         """transformers' processor with an image processor and a tokenizer only."""
 
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None):

@@ -55,6 +55,10 @@ class RopeSpec:
     mrope_section: tuple[int, ...] | None = None
     """M-RoPE (Qwen2.5-VL): how the ``head_dim / 2`` frequencies split over the
     (temporal, height, width) position rows (`rope.apply_mrope`); None: 1-D positions."""
+    mrope_interleaved: bool = False
+    """M-RoPE with the rows interleaved (Qwen3-VL, Qwen3.5): frequency ``j`` takes row
+    ``j % 3`` while ``j < 3 * mrope_section[j % 3]``, else the temporal row; False: the
+    sections are contiguous runs (Qwen2.5-VL)."""
     interleaved: bool = False
     """Features ``2i`` and ``2i + 1`` rotate together (Llama 4's complex-number form);
     False: the rotate-half form, feature ``i`` with ``i + rot_dim / 2``."""

@@ -159,16 +159,30 @@ def apply_mrope(
     spec: RopeSpec,
 ) -> jax.Array:
     """M-RoPE (Qwen2.5-VL): frequency ``j`` rotates by the position row of its section
-    of ``spec.mrope_section`` (sections cycle t, h, w), as transformers'
-    ``Qwen2_5_VLRotaryEmbedding`` with ``apply_rotary_pos_emb``. Equal rows give the
+    of ``spec.mrope_section`` (sections cycle t, h, w; interleaved rows in Qwen3.5:
+    `_mrope_rows`), as transformers' ``Qwen2_5_VLRotaryEmbedding`` with
+    ``apply_rotary_pos_emb``. Equal rows give the
     1-D rope of ``spec``."""
     inv_freq, scale = inv_freq_and_scale(spec, x.shape[-1])
     section = spec.mrope_section
     if sum(section) != inv_freq.shape[0]:
         raise ValueError(f"mrope_section {section} must sum to {inv_freq.shape[0]} (rot_dim / 2)")
-    rows = np.repeat(np.arange(len(section)) % 3, section)  # [rot/2]: row of each frequency
+    rows = _mrope_rows(section, spec.mrope_interleaved)  # [rot/2]: row of each frequency
     angles = positions.astype(jnp.float32)[rows].T * jnp.asarray(inv_freq)  # [T, rot/2]
     return _rotate(x, angles, scale)
+
+
+def _mrope_rows(section: tuple[int, ...], interleaved: bool) -> np.ndarray:
+    """The position row (0: t, 1: h, 2: w) of each of the ``sum(section)`` frequencies:
+    contiguous sections cycling t, h, w, or (``interleaved``, transformers'
+    ``Qwen3_5TextRotaryEmbedding``) ``t, h, w, t, h, w, ...`` while each row lasts."""
+    if not interleaved:
+        return np.repeat(np.arange(len(section)) % 3, section)
+    j = np.arange(sum(section))
+    rows = np.zeros_like(j)
+    for row in (1, 2):
+        rows[(j % 3 == row) & (j < 3 * section[row])] = row
+    return rows
 
 
 def _rotate(x: jax.Array, angles: jax.Array, scale: float) -> jax.Array:

@@ -14,6 +14,9 @@ by `loader.encoder_params`) and configs as frozen dataclasses (``from_hf``):
 - `qwen2_5_vl`: Qwen2.5-VL (patch rows of any image shape, window and full attention
   by segment masks, 2-D rotary, patch merger); `qwen2_5_vl_inputs` is its host side
   (window layout, the decoder's M-RoPE positions; no jax).
+- `qwen3_5`: Qwen3.5 (Qwen2.5-VL's patch projection, attention and rotary; LayerNorm
+  blocks attending within each frame, a learned position table resampled bilinearly);
+  `qwen3_5_inputs` is its host side (per-row layout; no jax).
 - `gemma4`: Gemma 4 (patch rows at any aspect ratio, 2-D position table, axial rope,
   clippable linears, ``k x k`` pooling by patch coordinates, ``embed_vision``).
 

@@ -53,11 +53,14 @@ from jaxengine.models.vision.qwen2_5_vl_inputs import (
 )
 from pallas_kernels.encoder_attention import blocked_segment_attention, window_attention
 
-jax.tree_util.register_dataclass(
-    VisionLayout,
-    data_fields=[f.name for f in dataclasses.fields(VisionLayout)],
-    meta_fields=[],
-)
+
+def register_layout(layout_type: type) -> None:
+    """Registers a host layout dataclass as a pytree of arrays (a jitted argument)."""
+    fields = [f.name for f in dataclasses.fields(layout_type)]
+    jax.tree_util.register_dataclass(layout_type, data_fields=fields, meta_fields=[])
+
+
+register_layout(VisionLayout)
 
 _REPLICATED = (None, "embed")  # logical axes of every tower weight (`sharding.rules`)
 _NORM_EPS = 1e-6  # transformers hard-codes the tower's RMSNorm epsilon
@@ -81,15 +84,18 @@ def vision_rope_angles(rope_hw: jax.Array, head_dim: int, theta: float) -> jax.A
     return angles.reshape(rope_hw.shape[0], half)
 
 
-def _linear(cfg: Qwen2_5_VisionConfig, features: int, name: str) -> Linear:
+def tower_linear(cfg: Qwen2_5_VisionConfig, features: int, name: str) -> Linear:
+    """A biased, replicated tower projection (this tower's and Qwen3.5's)."""
     return Linear(features, _REPLICATED, use_bias=True, dtype=cfg.dtype, name=name)
 
 
 class PatchProjection(nn.Module):
     """The patch "Conv3d" ``proj``: ``[N, C*T*p*p]`` rows -> ``[N, E]``; the kernel keeps
-    the checkpoint's ``[E, C, T, p, p]`` (the processor flattens rows in C, T, p, p)."""
+    the checkpoint's ``[E, C, T, p, p]`` (the processor flattens rows in C, T, p, p);
+    ``use_bias``: plus its ``bias [E]`` (Qwen3.5)."""
 
     config: Qwen2_5_VisionConfig
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, patches: jax.Array) -> jax.Array:
@@ -98,7 +104,11 @@ class PatchProjection(nn.Module):
         shape += (cfg.patch_size, cfg.patch_size)
         init = nn.with_logical_partitioning(nn.initializers.normal(0.02), (None,) * 5)
         kernel = self.param("weight", init, shape, cfg.dtype).reshape(cfg.hidden_size, -1)
-        return jnp.dot(patches.astype(cfg.dtype), kernel.T)
+        out = jnp.dot(patches.astype(cfg.dtype), kernel.T)
+        if not self.use_bias:
+            return out
+        zeros = nn.with_logical_partitioning(nn.initializers.zeros, (None,))
+        return out + self.param("bias", zeros, (cfg.hidden_size,), cfg.dtype)
 
 
 class PatchEmbed(nn.Module):
@@ -122,7 +132,7 @@ class VisionAttention(nn.Module):
     def __call__(self, x: jax.Array, angles: jax.Array, segments: jax.Array) -> jax.Array:
         cfg = self.config
         n, h, d = x.shape[0], cfg.num_heads, cfg.head_dim
-        qkv = _linear(cfg, 3 * cfg.hidden_size, "qkv")(x).reshape(n, 3, h, d)
+        qkv = tower_linear(cfg, 3 * cfg.hidden_size, "qkv")(x).reshape(n, 3, h, d)
         q, k = rotate(qkv[:, 0], angles), rotate(qkv[:, 1], angles)  # [N, H, D]
         if self.full:
             out = blocked_segment_attention(
@@ -132,7 +142,7 @@ class VisionAttention(nn.Module):
             out = window_attention(
                 q, k, qkv[:, 2], segments, sm_scale=d**-0.5, max_len=cfg.window_rows
             )
-        return _linear(cfg, cfg.hidden_size, "proj")(out.reshape(n, h * d))
+        return tower_linear(cfg, cfg.hidden_size, "proj")(out.reshape(n, h * d))
 
 
 class VisionMLP(nn.Module):
@@ -143,9 +153,10 @@ class VisionMLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
-        gate = _linear(cfg, cfg.intermediate_size, "gate_proj")(x)
-        up = _linear(cfg, cfg.intermediate_size, "up_proj")(x)
-        return _linear(cfg, cfg.hidden_size, "down_proj")(activation(cfg.hidden_act)(gate) * up)
+        gate = tower_linear(cfg, cfg.intermediate_size, "gate_proj")(x)
+        up = tower_linear(cfg, cfg.intermediate_size, "up_proj")(x)
+        down = tower_linear(cfg, cfg.hidden_size, "down_proj")
+        return down(activation(cfg.hidden_act)(gate) * up)
 
 
 class VisionBlock(nn.Module):
@@ -172,8 +183,8 @@ class PatchMerger(nn.Module):
         cfg = self.config
         width = cfg.hidden_size * cfg.merge_unit
         x = RMSNorm(_NORM_EPS, dtype=cfg.dtype, name="ln_q")(x).reshape(-1, width)
-        x = jax.nn.gelu(_linear(cfg, width, "mlp_0")(x), approximate=False)
-        return _linear(cfg, cfg.out_hidden_size, "mlp_2")(x)
+        x = jax.nn.gelu(tower_linear(cfg, width, "mlp_0")(x), approximate=False)
+        return tower_linear(cfg, cfg.out_hidden_size, "mlp_2")(x)
 
 
 _PREFIXES = ("model.visual.", "visual.")

@@ -36,8 +36,56 @@ DEFAULT_MROPE_SECTION = (16, 24, 24)
 """transformers' default split of the rotary frequencies over the (t, h, w) rows."""
 
 
+class PatchShapes:
+    """Sizes derived from the fields every Qwen vision tower config has (this one's,
+    `qwen3_5_inputs.Qwen3_5VisionConfig`'s), and their shared checks."""
+
+    def check_sizes(self, family: str) -> None:
+        """ValueError unless every size is positive and the head splits in 4 (2-D
+        rotary: h and w halves of pairs)."""
+        sizes = (self.depth, self.hidden_size, self.intermediate_size, self.num_heads)
+        sizes += (self.out_hidden_size, self.patch_size, self.temporal_patch_size)
+        sizes += (self.in_channels, self.spatial_merge_size, self.query_block)
+        if min(sizes) <= 0:
+            raise ValueError(f"{family} vision sizes must be positive: {self}")
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} / num_heads {self.num_heads} must give a "
+                "head_dim that is a multiple of 4 (2-D rotary: h and w halves of pairs)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def matmul_dtype(self) -> None:
+        """Dots run in ``dtype`` (`layers.basic.matmul_precision` reads both)."""
+        return None
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per decoder token: ``spatial_merge_size ** 2``."""
+        return self.spatial_merge_size**2
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per ``pixel_values`` row: ``C * T * p * p``."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+def hf_shape_fields(vision_config: Any) -> dict[str, Any]:
+    """The `PatchShapes` fields of an HF Qwen vision config, and its rotary base."""
+    names = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
+    names += ("patch_size", "temporal_patch_size", "in_channels", "spatial_merge_size")
+    names += ("hidden_act",)
+    rope = getattr(vision_config, "rope_parameters", None) or {}
+    fields = {name: getattr(vision_config, name) for name in names}
+    return {**fields, "rope_theta": float(rope.get("rope_theta", 10000.0))}
+
+
 @dataclasses.dataclass(frozen=True)
-class Qwen2_5_VisionConfig:
+class Qwen2_5_VisionConfig(PatchShapes):
     """Shapes of Qwen2.5-VL's vision tower (HF ``Qwen2_5_VLVisionConfig``)."""
 
     depth: int
@@ -73,16 +121,7 @@ class Qwen2_5_VisionConfig:
     (not the checkpoint's: it bounds the live scores to ``[heads, query_block, N]``)."""
 
     def __post_init__(self) -> None:
-        sizes = (self.depth, self.hidden_size, self.intermediate_size, self.num_heads)
-        sizes += (self.out_hidden_size, self.patch_size, self.temporal_patch_size)
-        sizes += (self.in_channels, self.spatial_merge_size, self.query_block)
-        if min(sizes) <= 0:
-            raise ValueError(f"Qwen2.5-VL vision sizes must be positive: {self}")
-        if self.hidden_size % self.num_heads or self.head_dim % 4:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} / num_heads {self.num_heads} must give a "
-                "head_dim that is a multiple of 4 (2-D rotary: h and w halves of pairs)"
-            )
+        self.check_sizes("Qwen2.5-VL")
         if self.window_units < 1:
             raise ValueError(
                 f"window_size {self.window_size} is smaller than one merged unit "
@@ -92,20 +131,6 @@ class Qwen2_5_VisionConfig:
             raise ValueError(
                 f"fullatt_block_indexes {self.fullatt_block_indexes} outside 0..{self.depth - 1}"
             )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches per decoder token: ``spatial_merge_size ** 2``."""
-        return self.spatial_merge_size**2
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per ``pixel_values`` row: ``C * T * p * p``."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def window_units(self) -> int:
@@ -120,21 +145,10 @@ class Qwen2_5_VisionConfig:
     @classmethod
     def from_hf(cls, vision_config: Any, dtype: Any = np.float32) -> Qwen2_5_VisionConfig:
         """The config of HF ``Qwen2_5_VLConfig.vision_config``."""
-        rope = getattr(vision_config, "rope_parameters", None) or {}
         return cls(
-            depth=vision_config.depth,
-            hidden_size=vision_config.hidden_size,
-            intermediate_size=vision_config.intermediate_size,
-            num_heads=vision_config.num_heads,
-            out_hidden_size=vision_config.out_hidden_size,
+            **hf_shape_fields(vision_config),
             fullatt_block_indexes=tuple(vision_config.fullatt_block_indexes),
-            patch_size=vision_config.patch_size,
-            temporal_patch_size=vision_config.temporal_patch_size,
-            in_channels=vision_config.in_channels,
-            spatial_merge_size=vision_config.spatial_merge_size,
             window_size=vision_config.window_size,
-            hidden_act=vision_config.hidden_act,
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
             dtype=dtype,
         )
 
