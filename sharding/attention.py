@@ -17,8 +17,10 @@ On TPU each device's slice of the cache may hold more rows than its heads' K and
 
 A hybrid model's gated delta rule (``gated_delta_fn``, `layers.gated_delta`) runs per
 shard too, on its heads' slice: q and k ``[T, Hk/tp, Dk]``, v ``[T, Hv/tp, Dv]``, g and
-beta ``[T, Hv/tp]``, the state ``[R, Hv/tp, Dk, Dv]`` (a value head reads key head
-``h // (Hv / Hk)``, so contiguous slices keep each value head with its key head).
+beta ``[T, Hv/tp]``, its slice of the state pool ``[S, Hv/tp, Dk, Dv]`` (updated in
+place by the rows each request names; the rows and ``fresh`` replicated). A value
+head reads key head ``h // (Hv / Hk)``, so contiguous slices keep each value head
+with its key head.
 With key heads that do not divide by ``tp`` it runs replicated.
 """
 
@@ -80,6 +82,8 @@ def shard_attention_fns(attention_kwargs: dict, mesh: Mesh, num_kv_heads: int) -
     sharded = {**attention_kwargs, "attention_fn": attention, "update_fn": update}
     if attention_kwargs.get("gated_delta_fn") is not None:
         sharded["gated_delta_fn"] = shard_gated_delta(attention_kwargs["gated_delta_fn"], mesh)
+    if attention_kwargs.get("state_write_fn") is not None:
+        sharded["state_write_fn"] = shard_state_write(attention_kwargs["state_write_fn"], mesh)
     return sharded
 
 
@@ -103,18 +107,32 @@ def shard_gated_delta(rule: Callable, mesh: Mesh) -> Callable:
     """``rule`` (the gated delta rule's signature) run per tensor shard of its heads."""
     tp = mesh.shape["tensor"]
     by_head = P(None, "tensor")  # [T, Hv]: g, beta
-    state = P(None, "tensor")  # [R, Hv, Dk, Dv]
+    pool = P(None, "tensor")  # [S, Hv, Dk, Dv]
 
-    def sharded(q, k, v, g, beta, query_start_loc, num_seqs, initial_state):
-        args = (q, k, v, g, beta, query_start_loc, num_seqs, initial_state)
+    def sharded(q, k, v, g, beta, query_start_loc, num_seqs, state_pool, state_rows, fresh):
+        args = (q, k, v, g, beta, query_start_loc, num_seqs, state_pool, state_rows, fresh)
         split = q.shape[1] % tp == 0  # else every device runs all heads (replicated)
-        heads, rows, states = (HEADS, by_head, state) if split else (META, META, META)
+        heads, rows, states = (HEADS, by_head, pool) if split else (META, META, META)
         return jax.shard_map(
             rule,
             mesh=mesh,
-            in_specs=(heads, heads, heads, rows, rows, META, META, states),
+            in_specs=(heads, heads, heads, rows, rows, META, META, states, META, META),
             out_specs=(heads, states),
             check_vma=False,
         )(*args)
 
     return sharded
+
+
+def shard_state_write(write: Callable, mesh: Mesh) -> Callable:
+    """``write`` (``(pool, rows, keep, states) -> pool``) per tensor shard of the
+    convolution windows' channel-major rows ``[S, conv_dim * (K - 1) / tp]``, as the
+    pool is placed (`runner.states`)."""
+    channels = P(None, "tensor")  # [S or R, C * (K - 1)]
+    return jax.shard_map(
+        write,
+        mesh=mesh,
+        in_specs=(channels, META, META, channels),
+        out_specs=channels,
+        check_vma=False,
+    )

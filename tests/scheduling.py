@@ -48,6 +48,7 @@ GROUP_SECONDS = {
     "tests/models/test_golden_tiny.py": 38,
     "tests/models/test_quantization.py": 37,
     "tests/kernels/test_gated_delta.py": 80,  # measured alone, 2026-11-29
+    "tests/kernels/test_gated_delta_pool.py": 40,  # beside other work, 2026-11-29
     "tests/engine/test_mtp.py": 35,  # measured alone, 2026-11-29
     "tests/models/test_gemma4.py": 65,  # -n 2 beside other work, 2026-11-29
     "tests/models/test_qwen3_next.py": 44,  # beside other work, 2026-11-29

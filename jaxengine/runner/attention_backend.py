@@ -30,7 +30,10 @@ its linear-attention layers (`pallas_kernels.gated_delta`, ``gated_delta_fn``) b
 same table: the Mosaic kernel on TPU, Triton's on GPU, Triton's interpreted for
 ``pallas`` on CPU, and the reference in 16-token chunks
 (`models.layers.gated_delta.reference_rule`) for ``reference`` and ``auto`` on CPU.
-The causal convolution before it is the reference's everywhere (no kernel).
+The causal convolution before it is the reference's everywhere (no kernel); its
+windows go back to their pool by ``state_write_fn``: in place by DMA on TPU
+(`pallas_kernels.gated_delta.rows`), XLA's scatter
+(`pallas_kernels.gated_delta.reference.write_rows`) elsewhere and for ``reference``.
 
 The TPU attention kernel sizes its blocks to the scoped VMEM of the generation it is
 compiled for: ``device_kind``, that of the engine's devices (the compile target,
@@ -59,7 +62,11 @@ class AttentionBackend:
     update_fn: Callable
     gated_delta_fn: Callable | None = None
     """The gated delta rule of a hybrid model's linear-attention layers (the signature
-    of `pallas_kernels.gated_delta.reference.gated_delta_rule`); None elsewhere."""
+    of `pallas_kernels.gated_delta.reference.gated_delta_rule`: the state pool and each
+    request's row in, the updated pool out); None elsewhere."""
+    state_write_fn: Callable | None = None
+    """A hybrid model's write of the convolution windows' rows into their pool
+    (``(pool, rows, keep, states) -> pool``, `reference.write_rows`); None elsewhere."""
 
     def module_kwargs(self) -> dict:
         """What the model modules take as ``attention_kwargs`` (``gated_delta_fn`` only
@@ -67,6 +74,8 @@ class AttentionBackend:
         kwargs = {"attention_fn": self.attention_fn, "update_fn": self.update_fn}
         if self.gated_delta_fn is not None:
             kwargs["gated_delta_fn"] = self.gated_delta_fn
+        if self.state_write_fn is not None:
+            kwargs["state_write_fn"] = self.state_write_fn
         return kwargs
 
 
@@ -103,7 +112,8 @@ def select_attention_backend(
         backend = AttentionBackend("reference", *kernels("reference"))
     if gated_delta:
         rule = gated_delta_kernel(requested, platform, device_kind)
-        backend = dataclasses.replace(backend, gated_delta_fn=rule)
+        write = state_write_kernel(requested, platform)
+        backend = dataclasses.replace(backend, gated_delta_fn=rule, state_write_fn=write)
     return backend
 
 
@@ -183,6 +193,16 @@ def gated_delta_kernel(requested: str, platform: str, device_kind: str | None = 
         if chip is not None and chip.is_tpu:
             rule = functools.partial(rule, vmem_limit_bytes=chip.vmem_limit_bytes)
     return rule
+
+
+def state_write_kernel(requested: str, platform: str) -> Callable:
+    """The write of a state pool's rows (`gated_delta_kernel`'s companion): the Mosaic
+    DMA kernel on TPU (but for ``reference``), XLA's scatter everywhere else."""
+    from pallas_kernels.gated_delta import reference, rows
+
+    if platform == "tpu" and requested != "reference":
+        return rows.write_rows
+    return reference.write_rows
 
 
 def kernels(name: str) -> tuple[Callable, Callable]:

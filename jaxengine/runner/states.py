@@ -4,7 +4,7 @@ its attention layers, state pools for the others, and what their memory admits.
 A hybrid model's per-layer cache tuple mixes two kinds of entries
 (`models.layers.gated_delta.layer_state_shapes`): a paged array ``[num_blocks,
 page_size, 2 * Hkv, D]`` for a full-attention layer, and a pair of float32 state pools
-``([S, K - 1, conv_dim], [S, Hv, Dk, Dv])`` for a Gated DeltaNet layer, one slot per
+``([S, conv_dim * (K - 1)], [S, Hv, Dk, Dv])`` for a Gated DeltaNet layer, one slot per
 running request (``S = max_num_seqs``; `runner.request_table` hands the slots out).
 The pools' memory is fixed by ``max_num_seqs``, so it comes out of the KV budget
 before pages are sized (`state_bytes`, `worker.build`).
@@ -60,7 +60,7 @@ def _state_shardings(plan: Any) -> tuple:
         return (None if plan is None else plan.replicated,) * 2
     from jax.sharding import NamedSharding, PartitionSpec
 
-    conv, heads = PartitionSpec(None, None, "tensor"), PartitionSpec(None, "tensor")
+    conv = heads = PartitionSpec(None, "tensor")  # channel-major windows; value heads
     return NamedSharding(plan.mesh, conv), NamedSharding(plan.mesh, heads)
 
 

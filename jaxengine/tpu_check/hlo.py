@@ -18,7 +18,10 @@ instructions read from and write to HBM, by those memory spaces:
   weights it takes (``weight_shapes``: the grouped matmul XLA lowers `ragged_dot`
   to on TPU takes the MoE experts), counted as read whole: an upper bound (a decode
   step's few tokens touch only some experts), so a step whose weights stream through
-  a kernel is not taken for one that reads less than its weights;
+  a kernel is not taken for one that reads less than its weights; and the state pools
+  it takes (``state_pools``: a hybrid model's delta-rule states, which the gated delta
+  rule's TPU kernel reads and writes in place by row), counted as the bytes given for
+  each (one read and one write of each request's row);
 - loop bodies and called computations count once.
 
 XLA's own ``cost_analysis()["bytes accessed"]`` counts every memory space alike (a
@@ -177,31 +180,38 @@ def is_kernel(ins: Instruction) -> bool:
     return ins.opcode == "custom-call" and ins.custom_call_target == "tpu_custom_call"
 
 
-def hbm_bytes(module: Module, weight_shapes: frozenset = frozenset()) -> int:
+def hbm_bytes(
+    module: Module, weight_shapes: frozenset = frozenset(), state_pools: dict | None = None
+) -> int:
     """Bytes the program's instructions move in HBM, Pallas kernels excepted but for
-    their operands of ``weight_shapes`` (each a per-device weight's shape)."""
-    return _computation_bytes(module, module.entry, set(), weight_shapes)
+    their operands of ``weight_shapes`` (each a per-device weight's shape) and of
+    ``state_pools`` (a pool's per-device shape -> the bytes a kernel moves in it)."""
+    return _computation_bytes(module, module.entry, set(), weight_shapes, state_pools or {})
 
 
-def _computation_bytes(module: Module, name: str, seen: set, weights: frozenset) -> int:
+def _computation_bytes(module: Module, name: str, seen: set, weights, pools) -> int:
     if name in seen:
         return 0
     seen.add(name)
     total = 0
     for ins in module.computations.get(name, []):
         if ins.opcode in ("while", "call", "conditional"):
-            total += sum(_computation_bytes(module, c, seen, weights) for c in ins.calls)
+            total += sum(_computation_bytes(module, c, seen, weights, pools) for c in ins.calls)
         elif is_kernel(ins):
-            total += _kernel_weight_reads(module, ins, weights)
+            total += _kernel_operand_bytes(module, ins, weights, pools)
         elif ins.opcode not in _NOTHING_MOVED:
             total += _moved(module, ins)
     return total
 
 
-def _kernel_weight_reads(module: Module, ins: Instruction, weights: frozenset) -> int:
-    """Bytes of the weights (shapes in ``weights``) a kernel takes from HBM."""
+def _kernel_operand_bytes(module: Module, ins: Instruction, weights, pools: dict) -> int:
+    """Bytes of the weights (shapes in ``weights``) a kernel takes from HBM, and what
+    it moves in the state pools it takes (``pools``; each pool shape once)."""
     buffers = (_produced(op) for n in ins.operands if (op := module.operand(n)) is not None)
-    return sum(b.bytes for bs in buffers for b in bs if b.space == HBM and b.shape in weights)
+    shapes = [b.shape for bs in buffers for b in bs if b.space == HBM]
+    return sum(shape_bytes(s) for s in shapes if s in weights) + sum(
+        pools[s] for s in set(shapes) if s in pools
+    )
 
 
 def _hbm(buffers) -> int:

@@ -12,7 +12,10 @@
   kernels, and the weights those kernels take (`hlo.hbm_bytes`, read from the
   compiled program's memory spaces: MoE experts in the grouped matmul), against
   the least a step must move: the weights it reads on this chip (`weights_read`: all
-  but the input embedding's table, of which it gathers a few rows) and its outputs.
+  but the input embedding's table, of which it gathers a few rows), its outputs and,
+  in a hybrid model, one read and one write of each request's linear-attention states
+  (`state_traffic`: inherent to the model, and also what the kernels that update the
+  pools in place are counted as moving).
   ``bytes_over_minimum`` is their ratio; a copy of the cache or of a weight, or a
   weight gathered every step, shows there (and in the audit). Beside it, XLA's own
   ``bytes accessed`` (which counts VMEM traffic too) and the kernels' declared bound
@@ -260,13 +263,16 @@ def _traffic(record, tpu, model, cache_shard, runner) -> StepTraffic:
     outputs = max(record.output_bytes - record.alias_bytes, 0)
     shapes = _audit_shapes(runner.params, runner.kv_caches)
     findings = audit(module, *shapes) if tokens == requests else []
+    pools = state_traffic(runner.kv_caches, requests)
     return StepTraffic(
         tokens=tokens,
         requests=requests,
         bytes_accessed=record.bytes_accessed,
-        hbm_bytes=float(hlo.hbm_bytes(module, frozenset(shapes[1]))),
+        hbm_bytes=float(hlo.hbm_bytes(module, frozenset(shapes[1]), pools)),
         kernel_bytes=_kernel_bytes(model, tokens, requests, cache_shard, runner),
-        minimum_bytes=float(weights_read(runner.params) + outputs),
+        minimum_bytes=float(
+            weights_read(runner.params) + outputs + _state_bytes(runner.kv_caches, requests)
+        ),
         bandwidth=tpu.chip.hbm_bandwidth,
         findings=tuple(str(f) for f in findings),
         kernels=sum(1 for i in module.instructions() if hlo.is_kernel(i)),
@@ -288,6 +294,27 @@ def _kernel_bytes(model, tokens: int, requests: int, cache_shard: tuple, runner)
     ).bytes_accessed
     write = tokens * two_hkv * head_dim * itemsize * 2
     return float(len(_paged(runner.kv_caches)) * (read + write))
+
+
+def state_traffic(caches: Any, requests: int) -> dict:
+    """Per state pool's per-device shape (a hybrid model's linear-attention caches,
+    `runner.states`): the bytes a step of ``requests`` requests moves in it, one read
+    and one write of each request's row."""
+    return {shape: 2 * requests * row for shape, row in _state_pools(caches)}
+
+
+def _state_bytes(caches: Any, requests: int) -> int:
+    """`state_traffic` summed over every pool of every layer."""
+    return sum(2 * requests * row for _, row in _state_pools(caches))
+
+
+def _state_pools(caches: Any) -> list[tuple[Shape, int]]:
+    """(per-device shape, bytes of a row) of each state pool of ``caches``."""
+    out = []
+    for pool in (p for c in caches if isinstance(c, tuple) for p in c):
+        dims = tuple(pool.sharding.shard_shape(pool.shape))
+        out.append(((_hlo_dtype(pool.dtype), dims), int(np.prod(dims[1:])) * pool.dtype.itemsize))
+    return out
 
 
 def _paged(caches: Any) -> list:

@@ -2,7 +2,10 @@
 
 Same signature and semantics as `reference.gated_delta_rule` (its reference; see
 there for the math, the ragged layout and the padding rules); the chunk step is
-`chunk.chunk_step`, tested against `reference.chunk_step`.
+`chunk.chunk_step`, tested against `reference.chunk_step`. Unlike the TPU kernel, this
+one runs on gathered states (`gated_delta_states`, ``[R, Hv, Dk, Dv]``):
+`gated_delta_rule` gathers the requests' rows of the pool before it and scatters them
+back after it (XLA), one more read and write of each state than in place.
 
 Work split. The grid is ``(requests, value heads, Dv / block_v)``: the rule is
 independent per column of the value dimension (column ``j`` of the state only ever
@@ -125,7 +128,7 @@ def _check_block(name: str, value: int, minimum: int) -> None:
         "interpret",
     ),
 )
-def gated_delta_rule(
+def gated_delta_states(
     q: jax.Array,  # [T, Hk, Dk]
     k: jax.Array,  # [T, Hk, Dk]
     v: jax.Array,  # [T, Hv, Dv]
@@ -143,7 +146,7 @@ def gated_delta_rule(
     precision: jax.lax.Precision = jax.lax.Precision.HIGHEST,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """`reference.gated_delta_rule` as one Triton kernel; returns ``(out [T, Hv, Dv],
+    """`reference.gated_delta_states` as one Triton kernel; returns ``(out [T, Hv, Dv],
     final_state [R, Hv, Dk, Dv])``. ``interpret=True`` runs it on CPU (blocks of any
     power of two). The state is updated in place when the caller donates it."""
     reference._check(q, k, v, g, beta, initial_state)
@@ -175,6 +178,28 @@ def gated_delta_rule(
         jnp.zeros((num_tokens * num_v_heads, v_dim), q.dtype),
     )
     return out.reshape(v.shape), state.reshape(initial_state.shape)
+
+
+def gated_delta_rule(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    g: jax.Array,  # [T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    query_start_loc: jax.Array,  # [R + 1] int32
+    num_seqs: jax.Array,  # [] int32
+    state_pool: jax.Array,  # [S, Hv, Dk, Dv]
+    state_rows: jax.Array,  # [R] int32, -1: padding
+    fresh: jax.Array,  # [R] bool
+    **options,
+) -> tuple[jax.Array, jax.Array]:
+    """`reference.gated_delta_rule` (the pool's rows) by `gated_delta_states` between a
+    gather and a scatter of the rows; ``options``: `gated_delta_states`' keywords."""
+    live = reference.live_requests(state_rows, num_seqs)
+    initial = reference.read_rows(state_pool, state_rows, live & ~fresh)
+    args = (q, k, v, g, beta, query_start_loc, num_seqs)
+    out, final = gated_delta_states(*args, initial.astype(state_pool.dtype), **options)
+    return out, reference.write_rows(state_pool, state_rows, live, final)
 
 
 def _pallas_call(kernel, chunk, block_v, q, v, initial_state, num_warps, interpret):

@@ -8,10 +8,12 @@ a flat ragged batch instead of a padded one.
 Ragged layout (the attention kernels' metadata): request ``r`` owns the new tokens
 ``query_start_loc[r]:query_start_loc[r + 1]``; requests ``>= num_seqs`` and tokens
 ``>= query_start_loc[num_seqs]`` are padding. Each request brings its state as of the
-start of the step (gathered by the caller from its state slot; zeros for a new
-request) and gets it back as of its last new token: a prompt split over several steps
-(chunked prefill, at any token) gives the result of one call. Padding tokens come out
-as zeros; a padding request's state comes back unchanged.
+start of the step and gets it back as of its last new token: a prompt split over
+several steps (chunked prefill, at any token) gives the result of one call. Padding
+tokens come out as zeros; a padding request's state comes back unchanged. The
+functions of the rule take each request's state gathered (``initial_state [R, ...]``);
+`gated_delta_rule`, the kernels' signature, takes the pool of states and each
+request's row in it (zeros for a new request) and writes the final states back there.
 
 The gated delta rule, per value head, with the state ``S`` ``[Dk, Dv]`` and token
 ``t`` (``q``, ``k`` L2-normalised with ``rsqrt(sum(x*x) + 1e-6)``, then ``q`` scaled
@@ -212,7 +214,7 @@ def choose_chunk(num_tokens: int, num_reqs: int) -> int | None:
     return None if num_tokens <= 2 * num_reqs else 64
 
 
-def gated_delta_rule(
+def gated_delta_states(
     q: jax.Array,  # [T, Hk, Dk]
     k: jax.Array,  # [T, Hk, Dk]
     v: jax.Array,  # [T, Hv, Dv]
@@ -226,7 +228,8 @@ def gated_delta_rule(
     use_qk_l2norm: bool = True,
     scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The gated delta rule over a ragged batch (the kernels' signature; the CPU path):
+    """The gated delta rule over a ragged batch of gathered states: one initial state
+    per request in, its final state out (`gated_delta_rule` takes the pool instead):
     `chunked_gated_delta_rule` with ``chunk_size``, or, when None, the form
     `choose_chunk` gives the batch shape. Returns ``(out, final_state)``."""
     if chunk_size is None:
@@ -236,6 +239,54 @@ def gated_delta_rule(
     if chunk_size is None:
         return recurrent_gated_delta_rule(*args, **options)
     return chunked_gated_delta_rule(*args, chunk_size=chunk_size, **options)
+
+
+def live_requests(state_rows: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """``[R]`` bool: the requests that own a pool row (``r < num_seqs`` and
+    ``state_rows[r] >= 0``); the others are padding and write no row."""
+    return (jnp.arange(state_rows.shape[0]) < num_seqs) & (state_rows >= 0)
+
+
+def read_rows(pool: jax.Array, rows: jax.Array, keep: jax.Array) -> jax.Array:
+    """``pool[rows]`` in float32 ``[R, ...]``, zeros where ``keep`` is False."""
+    return _gather_rows(pool, rows, keep)
+
+
+def write_rows(pool: jax.Array, rows: jax.Array, keep: jax.Array, states: jax.Array) -> jax.Array:
+    """``pool`` with ``pool[rows[r]] = states[r]`` where ``keep[r]``; other rows as they were."""
+    return _put_rows(pool, states, rows, keep)
+
+
+def gated_delta_rule(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    g: jax.Array,  # [T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    query_start_loc: jax.Array,  # [R + 1] int32
+    num_seqs: jax.Array,  # [] int32
+    state_pool: jax.Array,  # [S, Hv, Dk, Dv]
+    state_rows: jax.Array,  # [R] int32, -1: padding
+    fresh: jax.Array,  # [R] bool
+    *,
+    chunk_size: int | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over a ragged batch with its states in a pool (the
+    kernels' signature; the CPU path). Request ``r`` starts from
+    ``state_pool[state_rows[r]]``, from zeros where ``fresh[r]``, and its final state
+    lands in that row; a request that is not live (`live_requests`: past ``num_seqs``
+    or ``state_rows[r] < 0``) starts from zeros and writes nothing. Rows no live
+    request names come back unchanged; live requests name distinct rows. Returns
+    ``(out [T, Hv, Dv], new pool)``. Here by gather and scatter (`gated_delta_states`);
+    the TPU kernel reads and writes the rows in place."""
+    live = live_requests(state_rows, num_seqs)
+    initial = read_rows(state_pool, state_rows, live & ~fresh)
+    options = dict(chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    args = (q, k, v, g, beta, query_start_loc, num_seqs)
+    out, final = gated_delta_states(*args, initial, **options)
+    return out, write_rows(state_pool, state_rows, live, final.astype(state_pool.dtype))
 
 
 def _token_requests(query_start_loc, num_seqs, num_tokens: int):

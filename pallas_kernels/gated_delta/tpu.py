@@ -9,11 +9,22 @@ Work split. The grid is ``(key-head blocks, requests)``: a program owns
 Hk`` each) for one request, walks the request's new tokens a chunk of ``chunk_size``
 at a time, and keeps the heads' states ``[hb, Dk, Dv]`` in float32 VMEM scratch
 between chunks. One kernel takes any mix: a decode is one chunk of one real row, a
-prefill chunk of the scheduler several chunks, the last one partial. The state comes
-in and goes out by BlockSpec (``[1, hb, Dk, Dv]`` of ``[R, Hv, Dk, Dv]``, aliased in
-place: donate it), so Pallas prefetches the next request's state while this one
-computes. The heads of a block are a static loop (a head's rows of a slab are a
-strided load at a static offset; Mosaic cannot prove a dynamic one aligned).
+prefill chunk of the scheduler several chunks, the last one partial. The heads of a
+block are a static loop (a head's rows of a slab are a strided load at a static
+offset; Mosaic cannot prove a dynamic one aligned).
+
+States in place. The state comes in and goes out by BlockSpec, ``[1, hb, Dk, Dv]``
+of the pool ``[S, Hv, Dk, Dv]`` (aliased input to output: donate it) at the
+request's row, a scalar-prefetched table (`_row_table`), so Pallas fetches the next
+request's row while this one computes and writes each row back where it was read:
+one read and one write of each live request's state, no gather or scatter. A fresh
+request reads its row but starts from zeros. A request that owns no row (padding,
+`reference.live_requests`) takes the row of the live request before it (of the
+first one, before any; row 0 when none is live): consecutive grid steps on the same
+block neither fetch it again nor write it back in between, so it leaves that block
+as the live request made it; at the first step of a head block, which has no
+result in the block yet, it copies the row through unchanged. No row is written but
+the live requests' (and that copy of a row onto itself).
 
 Token data. ``q``, ``k`` and ``v`` stay in HBM in the engine's token-major layout
 ``[T, H, D]`` (padded by one chunk of zeros at the end, so a chunk's copy never
@@ -69,6 +80,7 @@ from pallas_kernels.gated_delta.chunk import chunk_step, cost_estimate, normaliz
 DEFAULT_VMEM_LIMIT = 16 * 1024 * 1024
 PREFILL_CHUNK = 64
 HEAD_ALIGN = 8  # a slab of heads is whole or a multiple of 8 (the HBM tile's rows)
+LIVE, FRESH, NOT_LIVE = 0, 1, 2  # a request's state: from its row, from zeros, none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,12 +132,14 @@ def _kernel(
     # scalar prefetch (SMEM)
     qsl_ref,  # [R + 1]
     num_seqs_ref,  # [1]
+    rows_ref,  # [R]: each request's pool row (the state BlockSpec's)
+    mode_ref,  # [R]: LIVE, FRESH or NOT_LIVE
     # inputs
     q_hbm,  # [T + C, Hk, Dk] HBM
     k_hbm,  # [T + C, Hk, Dk] HBM
     v_hbm,  # [T + C, Hv, Dv] HBM
     gb_hbm,  # [T + C, 1, 2 * Hv] f32 HBM: g, then beta
-    s_in_ref,  # [1, hb, Dk, Dv] VMEM
+    s_in_ref,  # [1, hb, Dk, Dv] VMEM: the request's pool row
     # outputs
     o_hbm,  # [T + C, Hv, Dv] HBM
     s_out_ref,  # [1, hb, Dk, Dv] VMEM (aliased to the state input)
@@ -197,7 +211,17 @@ def _kernel(
     def _prefetch_next_request():
         start(in_copies(jax.lax.rem(r + 1, 2), qsl_ref[r_next]))
 
-    state_sc[...] = s_in_ref[0].astype(jnp.float32)
+    del rows_ref  # (used by the BlockSpecs)
+    mode = mode_ref[r]
+
+    @pl.when(mode == LIVE)
+    def _load_state():
+        state_sc[...] = s_in_ref[0].astype(jnp.float32)
+
+    @pl.when(mode != LIVE)
+    def _zero_state():
+        state_sc[...] = jnp.zeros(state_sc.shape, jnp.float32)
+
     lane = jax.lax.broadcasted_iota(jnp.int32, (chunk, 2 * num_v_heads), 1)
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
 
@@ -242,7 +266,14 @@ def _kernel(
 
     drain(1)
     drain(2)
-    s_out_ref[0] = state_sc[...].astype(s_out_ref.dtype)
+
+    @pl.when(mode != NOT_LIVE)
+    def _store_state():
+        s_out_ref[0] = state_sc[...].astype(s_out_ref.dtype)
+
+    @pl.when((mode == NOT_LIVE) & (r == 0))  # the block's first step: keep the row
+    def _copy_row_through():
+        s_out_ref[0] = s_in_ref[0]
 
 
 def _check_blocks(blocks: Blocks, num_k_heads: int, ratio: int, dtype, interpret: bool):
@@ -275,7 +306,9 @@ def gated_delta_rule(
     beta: jax.Array,  # [T, Hv]
     query_start_loc: jax.Array,  # [R + 1] int32
     num_seqs: jax.Array,  # [] int32
-    initial_state: jax.Array,  # [R, Hv, Dk, Dv]
+    state_pool: jax.Array,  # [S, Hv, Dk, Dv]
+    state_rows: jax.Array,  # [R] int32, -1: padding
+    fresh: jax.Array,  # [R] bool
     *,
     chunk_size: int | None = None,
     use_qk_l2norm: bool = True,
@@ -286,24 +319,22 @@ def gated_delta_rule(
     interpret: bool | pltpu.InterpretParams = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`reference.gated_delta_rule` as one Mosaic kernel; returns ``(out [T, Hv, Dv],
-    final_state [R, Hv, Dk, Dv])``. ``chunk_size``: a power of two, a multiple of the
-    dtype's sublane packing. The state is updated in place when the caller donates it.
-    ``interpret``: True, or TPU interpret mode's parameters (race detection), runs it
-    on CPU."""
-    reference._check(q, k, v, g, beta, initial_state)
+    new pool [S, Hv, Dk, Dv])``, the live requests' rows updated in place (donate the
+    pool). ``chunk_size``: a power of two, a multiple of the dtype's sublane packing.
+    ``interpret``: True, or TPU interpret mode's parameters (race detection): on CPU."""
     num_tokens, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1:]
-    ratio = num_v_heads // num_k_heads
+    reference._check(q, k, v, g, beta, state_pool)
+    ratio, num_reqs = num_v_heads // num_k_heads, state_rows.shape[0]
     auto = choose_blocks(
-        num_tokens, initial_state.shape[0], num_k_heads, ratio, k_dim, v_dim, q.dtype,
-        initial_state.dtype, vmem_limit_bytes,
+        num_tokens, num_reqs, num_k_heads, ratio, k_dim, v_dim, q.dtype, state_pool.dtype,
+        vmem_limit_bytes,
     )  # fmt: skip
     blocks = Blocks(chunk_size or auto.chunk_size, key_heads_per_block or auto.key_heads_per_block)
     _check_blocks(blocks, num_k_heads, ratio, q.dtype, interpret is not False)
-    chunk = blocks.chunk_size
 
     def padded(x):  # one chunk of zeros after the last token
-        return jnp.pad(x, ((0, chunk),) + ((0, 0),) * (x.ndim - 1))
+        return jnp.pad(x, ((0, blocks.chunk_size),) + ((0, 0),) * (x.ndim - 1))
 
     gb = jnp.concatenate([g, beta], axis=1).astype(jnp.float32)[:, None, :]  # [T, 1, 2Hv]
     kernel = functools.partial(
@@ -312,37 +343,62 @@ def gated_delta_rule(
         use_qk_l2norm=use_qk_l2norm,
         precision=precision,
     )
-    call = _pallas_call(kernel, blocks, q, v, initial_state, vmem_limit_bytes, interpret)
-    out, state = call(
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    state_pool = _in_hbm(state_pool, interpret)
+    call = _pallas_call(kernel, blocks, q, v, state_pool, num_reqs, vmem_limit_bytes, interpret)
+    out, pool = call(
         query_start_loc.astype(jnp.int32),
-        jnp.asarray(num_seqs, jnp.int32).reshape(1),
+        num_seqs.reshape(1),
+        *_row_table(state_rows.astype(jnp.int32), fresh, num_seqs),
         padded(q),
         padded(k.astype(q.dtype)),
         padded(v),
         padded(gb),
-        initial_state,
+        state_pool,
     )
-    real = jnp.arange(num_tokens) < query_start_loc[jnp.asarray(num_seqs, jnp.int32)]
-    return jnp.where(real[:, None, None], out[:num_tokens], 0).astype(q.dtype), state
+    real = jnp.arange(num_tokens) < query_start_loc[num_seqs]
+    return jnp.where(real[:, None, None], out[:num_tokens], 0).astype(q.dtype), pool
 
 
-def _pallas_call(kernel, blocks: Blocks, q, v, initial_state, vmem_limit_bytes, interpret):
+def _in_hbm(pool: jax.Array, interpret) -> jax.Array:
+    """``pool`` kept in HBM by XLA too (compiled): XLA may otherwise stage a small
+    pool whole in VMEM around the kernel and copy it back to HBM every step."""
+    return pool if interpret is not False else pltpu.with_memory_space_constraint(pool, pltpu.HBM)
+
+
+def _row_table(state_rows: jax.Array, fresh: jax.Array, num_seqs: jax.Array):
+    """``(rows [R], mode [R])`` int32: the pool row each grid step's state block
+    takes (a live request's own; else the last live one's before it, the first live
+    one's before any, row 0 with none: module docstring) and how it starts."""
+    live = reference.live_requests(state_rows, num_seqs)
+    index = jnp.arange(state_rows.shape[0])
+    last = jax.lax.cummax(jnp.where(live, index, -1))
+    source = jnp.where(last >= 0, last, jnp.argmax(live))
+    rows = jnp.where(jnp.any(live), state_rows[source], 0).astype(jnp.int32)
+    mode = jnp.where(live, jnp.where(fresh, FRESH, LIVE), NOT_LIVE).astype(jnp.int32)
+    return rows, mode
+
+
+def _pallas_call(kernel, blocks: Blocks, q, v, pool, num_reqs, vmem_limit_bytes, interpret):
     """The kernel's ``pallas_call``: grid, specs, scratch (see `_kernel`'s arguments)."""
     num_tokens, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1:]
     chunk, hbk = blocks.chunk_size, blocks.key_heads_per_block
     hb = hbk * (num_v_heads // num_k_heads)
-    state_spec = pl.BlockSpec((1, hb, k_dim, v_dim), lambda h, r, *_: (r, h, 0, 0))
+    state_spec = pl.BlockSpec(
+        (1, hb, k_dim, v_dim), lambda h, r, qsl, ns, rows, mode: (rows[r], h, 0, 0)
+    )
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
+    states = jax.ShapeDtypeStruct((num_reqs, *pool.shape[1:]), pool.dtype)  # read and written
     return pl.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((num_tokens + chunk, num_v_heads, v_dim), q.dtype),
-            jax.ShapeDtypeStruct(initial_state.shape, initial_state.dtype),
+            jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(num_k_heads // hbk, initial_state.shape[0]),
+            num_scalar_prefetch=4,
+            grid=(num_k_heads // hbk, num_reqs),
             in_specs=[hbm] * 4 + [state_spec],
             out_specs=[hbm, state_spec],
             scratch_shapes=[
@@ -356,12 +412,12 @@ def _pallas_call(kernel, blocks: Blocks, q, v, initial_state, vmem_limit_bytes, 
                 pltpu.VMEM((hb, k_dim, v_dim), jnp.float32),
             ],
         ),
-        input_output_aliases={6: 1},
+        input_output_aliases={8: 1},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=vmem_limit_bytes,
         ),
-        cost_estimate=cost_estimate(q.shape, v.shape, initial_state, chunk, q.dtype),
+        cost_estimate=cost_estimate(q.shape, v.shape, states, chunk, q.dtype),
         interpret=interpret
         if not isinstance(interpret, bool)
         else (pltpu.InterpretParams() if interpret else False),

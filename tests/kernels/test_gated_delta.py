@@ -2,6 +2,9 @@
 functions, its chunked form against its recurrent form on ragged batches (prompts
 split across steps inside a chunk), and the Pallas kernels against the reference:
 in interpret mode on CPU, compiled by libtpu for v5e and v6e, lowered for CUDA.
+The kernels take the state pool and each request's row (`reference.gated_delta_rule`);
+most tests here run them on gathered states (`on_states`: the states are the pool);
+`test_gated_delta_pool.py` runs them on a pool.
 """
 
 from __future__ import annotations
@@ -14,12 +17,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gated_delta import chunk, gpu, reference, tpu
 from tests.kernels.ragged_batches import jitted, lowers_for, relative_error
 
-KERNELS = {"tpu": tpu.gated_delta_rule, "gpu": gpu.gated_delta_rule}
+POOL_KERNELS = {"tpu": tpu.gated_delta_rule, "gpu": gpu.gated_delta_rule}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 ARG_NAMES = ("q", "k", "v", "g", "beta", "query_start_loc", "num_seqs", "initial_state")
 
@@ -45,6 +47,23 @@ def ragged_batch(lens, pad_reqs=1, pad_tokens=3, hk=2, hv=4, dk=16, dv=16, seed=
         num_seqs=np.int32(len(lens)),
         initial_state=0.3 * normal(num_reqs, hv, dk, dv),
     )
+
+
+def on_states(kernel):
+    """A kernel of the pool form on gathered states (the rule's other functions'
+    form): the states ``[R, ...]`` are the pool, request ``r`` its row ``r``; the
+    padding requests (past ``num_seqs``) write nothing, so their states come back
+    unchanged."""
+
+    def run(*args, **options):
+        *head, initial_state = args
+        rows = jnp.arange(initial_state.shape[0], dtype=jnp.int32)
+        return kernel(*head, initial_state, rows, jnp.zeros(rows.shape, bool), **options)
+
+    return run
+
+
+KERNELS = {name: on_states(kernel) for name, kernel in POOL_KERNELS.items()}
 
 
 def args_of(batch: dict, dtype=jnp.float32) -> tuple:
@@ -255,8 +274,8 @@ def test_prompt_split_inside_a_chunk_matches_one_step(fn):
     both steps together give the one-step outputs and final state."""
     run = {
         "chunked": jitted(reference.chunked_gated_delta_rule, chunk_size=16),
-        "tpu": jitted(tpu.gated_delta_rule, chunk_size=16, interpret=True),
-        "gpu": jitted(gpu.gated_delta_rule, chunk_size=16, interpret=True),
+        "tpu": jitted(KERNELS["tpu"], chunk_size=16, interpret=True),
+        "gpu": jitted(KERNELS["gpu"], chunk_size=16, interpret=True),
     }[fn]
     batch = ragged_batch([4, 70, 1, 20], seed=4)
     want_out, want_state = jitted(reference.recurrent_gated_delta_rule)(*args_of(batch))
@@ -290,7 +309,7 @@ def check_kernel(platform: str, batch: dict, dtype: str = "float32", **kwargs):
     """Kernel and reference on the same inputs (q, k, v rounded to ``dtype``): outputs
     and states close, padding tokens exactly zero, padding requests' states unchanged."""
     args = args_of(batch, jnp.dtype(dtype))
-    want_out, want_state = jitted(reference.gated_delta_rule)(*args)
+    want_out, want_state = jitted(reference.gated_delta_states)(*args)
     out, state = jitted(KERNELS[platform], interpret=True, **kwargs)(*args)
     assert out.dtype == jnp.dtype(dtype) and state.dtype == jnp.float32
     real = int(batch["query_start_loc"][int(batch["num_seqs"])])
@@ -316,7 +335,7 @@ def test_kernel_never_reads_padding_tokens(platform):
     """NaN in every padding token's q, k, v, g and beta (the rows a last chunk reads
     past its request): the outputs are the same, and finite."""
     batch = ragged_batch([3, 1, 12], pad_tokens=9, seed=9)
-    want = jitted(reference.gated_delta_rule)(*args_of(batch))
+    want = jitted(reference.gated_delta_states)(*args_of(batch))
     real = int(batch["query_start_loc"][-1])
     for name in ("q", "k", "v", "g", "beta"):
         batch[name][real:] = np.nan
@@ -324,26 +343,6 @@ def test_kernel_never_reads_padding_tokens(platform):
     for a, b in zip(got, want, strict=True):
         assert_close(a, b)
     np.testing.assert_array_equal(np.asarray(got[0])[real:], 0.0)
-
-
-def test_tpu_kernel_has_no_races():
-    """TPU interpret mode's race detector, with eager copies and two cores sharing the
-    head blocks: no copy meets an unordered read or write. (It reports the output
-    copies of a request's last chunk when the kernel does not wait for them before
-    the next request writes over the same rows.)"""
-    # private: where interpret mode keeps what its race detector found (jax 0.10)
-    simulator = pytest.importorskip("jax._src.pallas.mosaic.interpret.interpret_pallas_call")
-    params = pltpu.InterpretParams(
-        detect_races=True, dma_execution_mode="eager", num_cores_or_threads=2
-    )
-    batch = ragged_batch([20, 9, 1, 3], hk=2, hv=4, seed=10)
-    got = tpu.gated_delta_rule(
-        *args_of(batch), chunk_size=8, key_heads_per_block=1, interpret=params
-    )
-    assert not simulator.races.races_found
-    want = jitted(reference.gated_delta_rule)(*args_of(batch))
-    for a, b in zip(got, want, strict=True):
-        assert_close(a, b)
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))
@@ -359,9 +358,9 @@ def test_block_tables():
     assert small.key_heads_per_block == 8  # halved to fit, a multiple of 8 (HBM tiles)
     with pytest.raises(ValueError, match="multiple of 8"):
         batch = ragged_batch([3], hk=4, hv=8)
-        tpu.gated_delta_rule(*args_of(batch), key_heads_per_block=2)
+        KERNELS["tpu"](*args_of(batch), key_heads_per_block=2)
     with pytest.raises(ValueError, match="power of two >= 16"):
-        gpu.gated_delta_rule(*args_of(ragged_batch([3])), chunk_size=8)
+        KERNELS["gpu"](*args_of(ragged_batch([3])), chunk_size=8)
 
 
 # ---- compiled for TPUs by libtpu, lowered for CUDA ----
@@ -372,6 +371,8 @@ TP4, TP1 = (4, 8), (16, 32)
 
 
 def abstract_args(tokens, requests, heads, placed=None, dtype=jnp.bfloat16):
+    """The pool form's arguments: a pool of half as many rows again as requests (the
+    engine's request slots and saved states)."""
     hk, hv = heads
 
     def shape(dims, dt=jnp.int32):
@@ -385,7 +386,9 @@ def abstract_args(tokens, requests, heads, placed=None, dtype=jnp.bfloat16):
         shape((tokens, hv), jnp.float32),
         shape((requests + 1,)),
         shape(()),
-        shape((requests, hv, 128, 128), jnp.float32),
+        shape((requests + requests // 2, hv, 128, 128), jnp.float32),
+        shape((requests,)),
+        shape((requests,), jnp.bool_),
     )
 
 
@@ -422,5 +425,5 @@ def test_tpu_kernel_compiles(generation, tokens, requests, heads):
 def test_lowers_for_its_device(platform, tokens, requests, heads):
     """Pallas turns each kernel into its device's custom call (a Mosaic kernel, a
     Triton kernel) at Qwen3-Next's dimensions, without the device."""
-    kernel = KERNELS["tpu" if platform == "tpu" else "gpu"]
+    kernel = POOL_KERNELS["tpu" if platform == "tpu" else "gpu"]
     assert lowers_for(kernel, platform, *abstract_args(tokens, requests, heads))

@@ -22,7 +22,7 @@ from jaxengine.models.layers.attention import kv_cache_shape
 from jaxengine.models.layers.gated_delta import layer_state_shapes
 from jaxengine.models.layers.metadata import AttentionMetadata
 from jaxengine.runner.attention_backend import kernels, select_attention_backend
-from pallas_kernels.gated_delta import gpu, tpu
+from pallas_kernels.gated_delta import gpu, rows, tpu
 from tests.models.test_qwen3_next import qwen3_5_tiny
 
 PAGE_SIZE = 4
@@ -117,7 +117,8 @@ def reference_run():
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_gated_delta_kernels_inside_the_model(platform, reference_run):
     """The model with ``platform``'s kernel (interpreted) equals the reference path:
-    every token's hidden state of both steps and every state pool."""
+    every token's hidden state of both steps and every state pool (on TPU the
+    convolution windows' rows are written by the DMA kernel too)."""
     attention, update = kernels("reference")
     rule = {"tpu": tpu.gated_delta_rule, "gpu": gpu.gated_delta_rule}[platform]
     kwargs = {
@@ -125,6 +126,8 @@ def test_gated_delta_kernels_inside_the_model(platform, reference_run):
         "update_fn": update,
         "gated_delta_fn": functools.partial(rule, interpret=True),
     }
+    if platform == "tpu":
+        kwargs["state_write_fn"] = functools.partial(rows.write_rows, interpret=True)
     hidden, states = run_steps(kwargs)
     want_hidden, want_states = reference_run
     assert max(np.abs(s).max() for s in want_states) > 0.1, "the states stayed near zero"
@@ -145,9 +148,10 @@ def test_kernel_per_tensor_shard(num_k_heads):
 
     from pallas_kernels.gated_delta import reference
     from sharding.attention import shard_gated_delta
-    from tests.kernels.test_gated_delta import args_of, ragged_batch
+    from tests.kernels.test_gated_delta import ragged_batch
+    from tests.kernels.test_gated_delta_pool import pool_args_of, pooled
 
-    args = args_of(ragged_batch((9, 1, 20), hk=num_k_heads, hv=4))
+    args = pool_args_of(pooled(ragged_batch((9, 1, 20), hk=num_k_heads, hv=4)))
     mesh = Mesh(np.array(jax.devices()[:2]), ("tensor",))
     rule = shard_gated_delta(functools.partial(tpu.gated_delta_rule, interpret=True), mesh)
     out, state = jax.jit(rule)(*args)

@@ -224,3 +224,45 @@ def test_attention_kernel_compiles_with_odd_kv_heads_per_chip(kv_heads):
         args = _attention_args("v6e-1", tokens, requests, kv_heads=kv_heads)
         recorder.compile("attention", None, lambda a=args: jax.jit(attention).lower(*a))
     assert len(recorder.records) == 2
+
+
+def test_state_pools_updated_in_place_and_counted():
+    """Qwen3.5's linear-attention pools at TP 4 for 256 requests (384 rows, prefix
+    caching's saved states included): the convolution windows ``f32[384, 6144]``
+    (channel-major rows; laid out ``[384, 3, 2048]`` XLA moved the 3 out of the
+    sublanes and copied the whole pool around every gather and scatter) read by XLA
+    and written by the DMA kernel (XLA's scatter staged the pool in VMEM and copied
+    it back), the delta-rule states by the rule's kernel in place. No pool is copied,
+    and the HBM count takes what the kernels move in the pools from ``state_pools``
+    (one read and one write of each request's row)."""
+    from jaxengine.models.layers.gated_delta import conv_rows, conv_window
+    from pallas_kernels.gated_delta import reference, rows, tpu
+
+    mesh = Mesh(tpu_devices(slice_of("v6e-1"))[:1], ("x",))
+    placed = NamedSharding(mesh, PartitionSpec())
+
+    def shape(dims, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=placed)
+
+    def step(conv, ssm, at, fresh, x, q, v, g):
+        live = reference.live_requests(at, 256)
+        window = conv_window(reference.read_rows(conv, at, live & ~fresh), 4)
+        conv = rows.write_rows(conv, at, live, conv_rows(window * 0.5 + x[:, None]))
+        qsl = jnp.arange(257, dtype=jnp.int32)
+        out, ssm = tpu.gated_delta_rule(q, q, v, g, g, qsl, 256, ssm, at, fresh)
+        return conv, ssm, out
+
+    pools = (shape((384, 6144)), shape((384, 8, 128, 128)))
+    index = (shape((256,), jnp.int32), shape((256,), bool), shape((256, 2048)))
+    tokens = (shape((256, 4, 128), jnp.bfloat16), shape((256, 8, 128), jnp.bfloat16))
+    compiled = (
+        jax.jit(step, donate_argnums=(0, 1))
+        .lower(*pools, *index, *tokens, shape((256, 8)))
+        .compile()
+    )
+    module = hlo.parse(compiled.as_text())
+    shapes = {("f32", (384, 6144)), ("f32", (384, 8, 128, 128))}
+    assert audit(module, shapes, set()) == [], compiled.as_text()
+    moved = {("f32", (384, 6144)): 2 * 256 * 6144 * 4, ("f32", (384, 8, 128, 128)): 2 * 256 << 19}
+    extra = hlo.hbm_bytes(module, state_pools=moved) - hlo.hbm_bytes(module)
+    assert extra == sum(moved.values())

@@ -2,13 +2,24 @@
 engine's ragged batch, with its per-request state beside the paged KV cache.
 
 A linear-attention layer's cache entry is not pages but two state pools with one slot
-per running request (`state_shapes`): the causal convolution's window ``[S, K - 1,
-conv_dim]`` and the delta rule's state ``[S, Hv, Dk, Dv]``, both float32. Each step
-gathers its requests' slots by ``md.state_rows`` (``-1``: a padding request), starts a
-request whose context this step is empty (``seq_len - q_len == 0``: a new request, or
-one re-prefilled after a recompute preemption) from zeros, runs the convolution and
-the rule (`pallas_kernels.gated_delta`), and scatters the states back, so chunked
-prefill carries a prompt's state from chunk to chunk.
+per running request (`state_shapes`): the causal convolution's window, flat and
+channel-major ``[S, conv_dim * (K - 1)]`` (`conv_window`), and the delta rule's state
+``[S, Hv, Dk, Dv]``, both float32. Each request's row is ``md.state_rows`` (``-1``: a
+padding request); a request whose context this step is empty (``seq_len - q_len ==
+0``: a new request, or one re-prefilled after a recompute preemption) starts from
+zeros. The convolution gathers its windows' rows and writes them back
+(``state_write_fn``: in place by DMA on TPU, `pallas_kernels.gated_delta.rows`); the rule
+(`pallas_kernels.gated_delta`) takes the state pool and the rows, and on TPU reads
+and writes each request's row in place, so chunked prefill carries a prompt's state
+from chunk to chunk and a decode step reads and writes each running request's state
+once.
+
+The window's pool is 2-D so that its rows are lane-dense on TPU: laid out ``[S, K -
+1, conv_dim]``, the ``K - 1 = 3`` axis fills no sublane tile, and XLA's TPU layout of
+the pool moved it out of the way (``{2,0,1}``), which every gather and scatter of rows
+then copied the whole pool to undo (the audit of `jaxengine.tpu_check`). Channel-major
+(each channel's ``K - 1`` inputs together) keeps a tensor shard's columns its own
+channels: the pool splits over ``tensor`` like the layer's channels.
 
 The layer's tensors follow Qwen3.5's checkpoint (``in_proj_qkv`` rows ``[q; k; v]``,
 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``conv1d.weight [conv_dim, 1, K]``,
@@ -69,8 +80,10 @@ class GatedDeltaSpec:
         return 2 * self.key_dim + self.value_dim
 
     def shapes(self, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """One layer's (conv window, delta-rule state) pool shapes for ``slots`` requests."""
-        conv = (slots, self.conv_kernel - 1, self.conv_dim)
+        """One layer's (conv window, delta-rule state) pool shapes for ``slots`` requests:
+        ``[slots, conv_dim * (K - 1)]`` (channel-major, `conv_window`) and ``[slots, Hv,
+        Dk, Dv]``."""
+        conv = (slots, self.conv_dim * (self.conv_kernel - 1))
         return conv, (slots, self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
     def bytes_per_request(self) -> int:
@@ -95,13 +108,15 @@ def reference_rule(
     beta: jax.Array,  # [T, Hv]
     query_start_loc: jax.Array,  # [R + 1] int32
     num_seqs: jax.Array,  # [] int32
-    initial_state: jax.Array,  # [R, Hv, Dk, Dv]
+    state_pool: jax.Array,  # [S, Hv, Dk, Dv]
+    state_rows: jax.Array,  # [R] int32
+    fresh: jax.Array,  # [R] bool
 ) -> tuple[jax.Array, jax.Array]:
     """The layer's default rule (the CPU path, `runner.attention_backend`): the
     reference, token by token on decode-like batches and in ``CHUNK``-token chunks
     otherwise. The kernels take the same arguments and choose their own chunks."""
-    chunk = gdn.choose_chunk(q.shape[0], initial_state.shape[0]) and CHUNK
-    args = (q, k, v, g, beta, query_start_loc, num_seqs, initial_state)
+    chunk = gdn.choose_chunk(q.shape[0], state_rows.shape[0]) and CHUNK
+    args = (q, k, v, g, beta, query_start_loc, num_seqs, state_pool, state_rows, fresh)
     return gdn.gated_delta_rule(*args, chunk_size=chunk)
 
 
@@ -115,17 +130,15 @@ def layer_state_shapes(config: TransformerConfig, slots: int) -> tuple | None:
     return tuple(spec.shapes(slots) if getattr(s, "linear", False) else None for s in config.layers)
 
 
-def read_states(pool: jax.Array, rows: jax.Array, fresh: jax.Array) -> jax.Array:
-    """``pool[rows]`` in float32, zeros where ``rows < 0`` (padding) or ``fresh``."""
-    got = pool[jnp.clip(rows, 0, pool.shape[0] - 1)].astype(jnp.float32)
-    keep = (rows >= 0) & ~fresh
-    return jnp.where(keep.reshape(keep.shape + (1,) * (got.ndim - 1)), got, 0.0)
+def conv_window(rows: jax.Array, conv_kernel: int) -> jax.Array:
+    """Rows of the window pool ``[R, C * (K - 1)]`` as windows ``[R, K - 1, C]``."""
+    num_rows = rows.shape[0]
+    return rows.reshape(num_rows, -1, conv_kernel - 1).swapaxes(1, 2)
 
 
-def write_states(pool: jax.Array, rows: jax.Array, states: jax.Array) -> jax.Array:
-    """``pool[rows] = states``, rows ``< 0`` dropped."""
-    at = jnp.where(rows >= 0, rows, pool.shape[0])
-    return pool.at[at].set(states.astype(pool.dtype), mode="drop")
+def conv_rows(windows: jax.Array) -> jax.Array:
+    """Windows ``[R, K - 1, C]`` as rows of the window pool ``[R, C * (K - 1)]``."""
+    return windows.swapaxes(1, 2).reshape(windows.shape[0], -1)
 
 
 def fresh_requests(md: AttentionMetadata) -> jax.Array:
@@ -138,11 +151,14 @@ class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet token mixer: ``(x [T, H], (conv_pool, ssm_pool), md) ->
     (out [T, H], new pools)``. Heads name the ``q_heads`` logical axis, so tensor
     parallelism splits them like attention heads. ``gated_delta_fn``: the rule (the
-    backend's, `runner.attention_backend.gated_delta_kernel`; the reference by default)."""
+    backend's, `runner.attention_backend.gated_delta_kernel`; the reference by default);
+    ``state_write_fn``: the convolution windows' write (``(pool, rows, keep, states) ->
+    pool``, the backend's; `pallas_kernels.gated_delta.reference.write_rows` by default)."""
 
     config: TransformerConfig
     spec: GatedDeltaSpec
     gated_delta_fn: Callable[..., tuple[jax.Array, jax.Array]] = reference_rule
+    state_write_fn: Callable[..., jax.Array] = gdn.write_rows
 
     @nn.compact
     def __call__(self, x: jax.Array, state: tuple[jax.Array, jax.Array], md: AttentionMetadata):
@@ -160,7 +176,8 @@ class GatedDeltaNet(nn.Module):
         conv_pool, ssm_pool = state
         rows, fresh = md.state_rows, fresh_requests(md)
         qsl, num_seqs = md.query_start_loc, md.num_seqs
-        conv0 = read_states(conv_pool, rows, fresh)  # [R, K-1, C]
+        live = gdn.live_requests(rows, num_seqs)
+        conv0 = conv_window(gdn.read_rows(conv_pool, rows, live & ~fresh), spec.conv_kernel)
         mixed, conv1 = gdn.causal_conv1d(qkv, conv_w[:, 0, :], None, conv0, qsl, num_seqs)
         q, k, v = jnp.split(mixed, [spec.key_dim, 2 * spec.key_dim], axis=-1)
         q = q.reshape(num_tokens, spec.num_k_heads, spec.head_k_dim)
@@ -169,14 +186,13 @@ class GatedDeltaNet(nn.Module):
         beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [T, Hv]
         decay = jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
         g = -jnp.exp(a_log.astype(jnp.float32)) * decay  # [T, Hv] log decay
-        ssm0 = read_states(ssm_pool, rows, fresh)  # [R, Hv, Dk, Dv]
-        out, ssm1 = self.gated_delta_fn(q, k, v, g, beta, qsl, num_seqs, ssm0)
+        out, ssm_pool = self.gated_delta_fn(q, k, v, g, beta, qsl, num_seqs, ssm_pool, rows, fresh)
         norm_w = _param("norm", "weight", (spec.head_v_dim,), cfg.dtype, nn.initializers.ones)
         out = gated_rms_norm(out, z.reshape(out.shape), norm_w, cfg.rms_norm_eps)
         out_proj = Linear(cfg.hidden_size, ("embed", "q_heads"), name="out_proj", **lin)
         y = out_proj(out.reshape(num_tokens, spec.value_dim).astype(x.dtype))
-        pools = (write_states(conv_pool, rows, conv1), write_states(ssm_pool, rows, ssm1))
-        return y, pools
+        conv_pool = self.state_write_fn(conv_pool, rows, live, conv_rows(conv1))
+        return y, (conv_pool, ssm_pool)
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
