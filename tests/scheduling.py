@@ -48,10 +48,13 @@ GROUP_SECONDS = {
     "tests/models/test_golden_tiny.py": 38,
     "tests/models/test_quantization.py": 37,
     "tests/kernels/test_gated_delta.py": 80,  # measured alone, 2026-11-29
-    "tests/kernels/test_gated_delta_pool.py": 40,  # beside other work, 2026-11-29
+    "tests/kernels/test_gated_delta_pool.py": 14,  # the full suite of 65f9054, 2026-11-29
+    "tests/models/test_vision_gemma4.py": 18,  # the same run
+    "tests/models/test_vision_qwen3_5.py": 18,  # the same run
+    "tests/sharding/test_tpu_cache_rows.py": 18,  # the same run
     "tests/engine/test_mtp.py": 35,  # measured alone, 2026-11-29
     "tests/models/test_gemma4.py": 65,  # -n 2 beside other work, 2026-11-29
-    "tests/models/test_qwen3_next.py": 44,  # beside other work, 2026-11-29
+    "tests/models/test_qwen3_next.py": 27,  # the full suite of 65f9054, 2026-11-29
     "tests/models/test_block_fp8.py": 25,  # beside other work, 2026-11-29
     "tests/models/test_qwen3_next_kernels.py": 18,  # beside other work, 2026-11-29
     "tests/kernels/test_cpu_attention.py": 32,
