@@ -56,7 +56,7 @@ def update_kv_cache(
 
     In place when the caller's jit donates ``kv_cache`` (the engine's step does).
     """
-    new = interleave(k, v, kv_cache.dtype, kv_cache.shape[2])
+    new = interleave(k, v, kv_cache.dtype, *kv_cache.shape[2:])
     return write_rows(kv_cache, new, slot_mapping, interpret=interpret)
 
 

@@ -3,8 +3,8 @@
 The cache layout is the attention kernels' (`pallas_kernels.ragged_paged_attention`):
 ``[num_pages, page_size, 2 * num_kv_heads, head_dim]``, K and V interleaved on axis 2.
 Token ``t`` goes to slot ``slot_mapping[t] = page * page_size + offset``. A cache with
-more rows than ``2 * num_kv_heads`` (padded on TPU, `jaxengine.models.layers.attention.
-kv_cache_shape`) gets zeros in the rows after them.
+more rows than ``2 * num_kv_heads``, or rows wider than ``head_dim`` (both padded on
+TPU, `jaxengine.models.layers.attention.kv_cache_shape`), gets zeros in the padding.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def update_kv_cache(
     one, or point into the reserved null page 0). Donate ``kv_cache`` so XLA updates in place.
     """
     num_pages, page_size, rows, head_dim = kv_cache.shape
-    kv = interleave(k, v, kv_cache.dtype, rows)  # [T, rows, D]
+    kv = interleave(k, v, kv_cache.dtype, rows, head_dim)  # [T, rows, W]
     flat = kv_cache.reshape(num_pages * page_size, rows, head_dim)
     num_slots = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # no wrap-around
@@ -33,15 +33,21 @@ def update_kv_cache(
     return flat.reshape(kv_cache.shape)
 
 
-def interleave(k: jax.Array, v: jax.Array, dtype, rows: int | None = None) -> jax.Array:
+def interleave(
+    k: jax.Array, v: jax.Array, dtype, rows: int | None = None, width: int | None = None
+) -> jax.Array:
     """``[T, Hkv, D]`` K and V -> ``[T, 2 * Hkv, D]`` in the cache's order and dtype;
-    with ``rows`` (a padded cache's head axis) zeros after them, ``[T, rows, D]``."""
+    with ``rows`` (a padded cache's head axis) zeros after them, with ``width`` (a
+    padded cache's row) zeros after each row's ``D`` values: ``[T, rows, width]``."""
     num_tokens, num_kv_heads, head_dim = k.shape
     kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
     pad = 0 if rows is None else rows - 2 * num_kv_heads
-    if pad < 0:
-        raise ValueError(f"{num_kv_heads} KV heads do not fit a cache of {rows} rows")
-    kv = jnp.pad(kv, ((0, 0), (0, pad), (0, 0))) if pad else kv
+    lanes = 0 if width is None else width - head_dim
+    if pad < 0 or lanes < 0:
+        raise ValueError(
+            f"{num_kv_heads} KV heads of {head_dim} do not fit a cache of {rows} rows of {width}"
+        )
+    kv = jnp.pad(kv, ((0, 0), (0, pad), (0, lanes))) if pad or lanes else kv
     return to_cache_dtype(kv, dtype)
 
 

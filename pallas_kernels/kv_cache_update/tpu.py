@@ -3,7 +3,7 @@
 Same signature and semantics as `reference.update_kv_cache`. The cache never leaves
 HBM: it is aliased to the output (donate it and the write is in place), and each new
 token's ``[2 * Hkv, D]`` row of K and V (interleaved in the wrapper, a copy of only
-the new tokens; zeros after them to fill a padded cache's rows) is copied straight to
+the new tokens; zeros to fill a padded cache's rows and lanes) is copied straight to
 its slot. Slot ids come in by scalar prefetch; a slot outside ``[0, num_pages *
 page_size)`` is skipped, so padding tokens cost nothing and no other byte of the cache
 is touched.
@@ -67,9 +67,9 @@ def update_kv_cache(
 
     In place when the caller's jit donates ``kv_cache`` (the engine's step does).
     """
-    page_size, rows = kv_cache.shape[1:3]
+    page_size, rows, width = kv_cache.shape[1:]
     num_tokens = k.shape[0]
-    new = interleave(k, v, kv_cache.dtype, rows)  # [T, rows, D]: a padded cache's zeros too
+    new = interleave(k, v, kv_cache.dtype, rows, width)  # [T, rows, W]: a padded cache's zeros
     tb = min(TOKENS_PER_BLOCK, num_tokens)
     kernel = functools.partial(_kernel, num_tokens=num_tokens, tb=tb, page_size=page_size)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)

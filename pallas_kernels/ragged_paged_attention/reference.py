@@ -7,7 +7,9 @@ Layout contract (DESIGN §3):
   with K and V interleaved on axis 2: index ``2h`` holds K of KV head ``h``, ``2h + 1``
   holds V of KV head ``h``. On TPU each device's rows may be padded past ``2 *
   num_kv_heads`` (`jaxengine.models.layers.attention.kv_cache_shape`): the real heads'
-  rows come first, and the kernels take their count as ``num_kv_heads``.
+  rows come first, and the kernels take their count as ``num_kv_heads``; each row may
+  be padded past ``head_dim`` with zeros (a 64-value head in 128 lanes), the kernels
+  read its first ``head_dim`` (``q``'s) values.
 - The batch is flat and ragged: request ``r`` owns the new tokens
   ``query_start_loc[r]:query_start_loc[r + 1]``; its KV length after this step is
   ``seq_lens[r]`` (cached context + new tokens), so its new tokens sit at positions
@@ -101,7 +103,7 @@ def ragged_paged_attention(
     Accumulates in float32; the output has ``q``'s dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, rows, _ = kv_cache.shape
+    _, page_size, rows, width = kv_cache.shape
     num_kv_heads = num_kv_heads or rows // 2
     group = num_q_heads // num_kv_heads
     max_pages = page_table.shape[1]
@@ -128,8 +130,8 @@ def ragged_paged_attention(
     def body(c, carry):
         m, denom, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
         pages = jax.lax.dynamic_slice_in_dim(token_pages, c * chunk, chunk, axis=1)
-        kv = kv_cache[pages].reshape(num_tokens, chunk_len, rows, head_dim)
-        kv = kv[:, :, : 2 * num_kv_heads]  # [T, L, 2Hkv, D]: a padded cache's real rows
+        kv = kv_cache[pages].reshape(num_tokens, chunk_len, rows, width)
+        kv = kv[:, :, : 2 * num_kv_heads, :head_dim]  # [T, L, 2Hkv, D]: a padded cache's real
         k = kv[:, :, 0::2].astype(jnp.float32)  # [T, L, Hkv, D]
         v = kv[:, :, 1::2].astype(jnp.float32)
         s = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=precision)  # [T, Hkv, G, L]

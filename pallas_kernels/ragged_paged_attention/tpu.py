@@ -23,9 +23,12 @@ sublanes. The cache keeps the engine's ``[P, S, 2 * Hkv, D]`` layout in HBM; a p
 copy moves ``[S, 2 * heads_per_block, D]``, or the page's every row where the block
 holds every head (its padding too: a TPU cache's head axis is padded to a multiple of
 8 rows, `jaxengine.models.layers.attention.kv_cache_shape`, and only the first ``2 *
-num_kv_heads`` rows are read). Attention sinks (optional, gpt-oss) come in
-as one more VMEM block ``[heads_per_block, G, 128]`` (each query head's sink on every
-lane) and join the denominators once, when the output tile is written.
+num_kv_heads`` rows are read). A row padded past the head's ``D`` values (a 64-value
+head in 128 lanes) gets ``q`` padded with zeros to its width, which leaves the scores
+unchanged, and the output's extra lanes (zeros, from V's padding) are dropped.
+Attention sinks (optional, gpt-oss) come in as one more VMEM block ``[heads_per_block,
+G, 128]`` (each query head's sink on every lane) and join the denominators once, when
+the output tile is written.
 
 Block sizes (`choose_blocks`), from the shapes, overridable by keyword:
 
@@ -383,8 +386,8 @@ def ragged_paged_attention(
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, causal=False,
             sinks=sinks, num_kv_heads=num_kv_heads,
         )  # fmt: skip
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, cache_rows, _ = kv_cache.shape
+    num_tokens, num_q_heads, real_dim = q.shape
+    _, page_size, cache_rows, head_dim = kv_cache.shape  # head_dim: the row, padded or not
     num_kv_heads = num_kv_heads or cache_rows // 2
     group = num_q_heads // num_kv_heads
     num_reqs, max_pages = page_table.shape
@@ -412,8 +415,8 @@ def ragged_paged_attention(
     padded = num_blocks * bq
     buffer_rows = _buffer_rows(hb, num_kv_heads, cache_rows)
 
-    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, padded - num_tokens), (0, 0)))
+    q4 = q.reshape(num_tokens, num_kv_heads, group, real_dim).transpose(1, 2, 0, 3)
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, padded - num_tokens), (0, head_dim - real_dim)))
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     first, last = _request_ranges(query_start_loc, num_seqs, num_blocks, bq)
 
@@ -457,7 +460,9 @@ def ragged_paged_attention(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=vmem_limit_bytes,
         ),
-        cost_estimate=attention_cost(q.shape, kv_cache.shape, page_table.shape, q.dtype),
+        cost_estimate=attention_cost(
+            (num_tokens, num_q_heads, head_dim), kv_cache.shape, page_table.shape, q.dtype
+        ),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(
         seq_lens.astype(jnp.int32),
@@ -469,5 +474,4 @@ def ragged_paged_attention(
         kv_cache,
         *extra,
     )
-    out = out[:, :, :num_tokens].transpose(2, 0, 1, 3).reshape(q.shape)
-    return out
+    return out[:, :, :num_tokens, :real_dim].transpose(2, 0, 1, 3).reshape(q.shape)

@@ -125,3 +125,23 @@ def test_a_padded_cache_gets_zeros_after_the_real_rows(name):
         np.testing.assert_array_equal(flat[slots[t], 1 : 2 * hkv : 2], v[t])
         np.testing.assert_array_equal(flat[slots[t], 2 * hkv :], 0.0)
     np.testing.assert_array_equal(np.delete(flat, [9, 30], axis=0), SENTINEL)
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_a_row_padded_to_128_lanes_gets_zeros_after_its_values(name):
+    """A TPU cache's 64-value rows padded to 128 lanes (gpt-oss,
+    `layers.attention.kv_cache_shape`): each written row holds K or V in its first 64
+    lanes and zeros after them (the attention kernel multiplies them by ``q``'s zero
+    padding), no other slot changes."""
+    num_pages, page_size, hkv, head_dim = 4, 8, 1, 64
+    rng = np.random.default_rng(6)
+    cache = jnp.full((num_pages, page_size, 2 * hkv, 128), SENTINEL, jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((3, hkv, head_dim)), jnp.float32) for _ in "kv")
+    slots = np.array([9, -1, 30], np.int32)
+    out = IMPLEMENTATIONS[name](cache, k, v, jnp.asarray(slots))
+    flat = np.asarray(out).reshape(num_pages * page_size, 2 * hkv, 128)
+    for t in (0, 2):
+        np.testing.assert_array_equal(flat[slots[t], 0::2, :head_dim], k[t])
+        np.testing.assert_array_equal(flat[slots[t], 1::2, :head_dim], v[t])
+        np.testing.assert_array_equal(flat[slots[t], :, head_dim:], 0.0)
+    np.testing.assert_array_equal(np.delete(flat, [9, 30], axis=0), SENTINEL)

@@ -151,6 +151,26 @@ def test_padded_cache_reads_only_its_real_heads(kernel_kwargs, shape):
         np.testing.assert_array_equal(got[real:], 0.0)
 
 
+@pytest.mark.parametrize("kernel_kwargs", [{}, {"heads_per_block": 1}], ids=["whole", "split"])
+def test_a_row_padded_to_128_lanes_reads_its_head_dim(kernel_kwargs):
+    """A TPU cache's 64-value rows padded with zeros to 128 lanes (gpt-oss,
+    `layers.attention.kv_cache_shape`; the writes put the zeros there): the TPU kernel
+    (``q`` padded to the row, the output cut back) and the reference equal the
+    reference on the unpadded cache, for decodes and prefill chunks with sinks."""
+    batch = build(dataclasses.replace(LONG_CHUNK, num_kv_heads=2, group=2), 21)
+    sinks = jnp.asarray(random_sinks(batch, 21))
+    want = np.asarray(jitted_reference(**batch.kwargs())(*batch.args(), sinks=sinks))
+    args = list(batch.args())
+    args[1] = jnp.pad(args[1], ((0, 0), (0, 0), (0, 0), (0, 128 - args[1].shape[3])))
+    real = batch.num_real_tokens
+    kernel = functools.partial(tpu.ragged_paged_attention, interpret=True, **kernel_kwargs)
+    for fn in (kernel, reference.ragged_paged_attention):
+        got = np.asarray(jitted(fn, **batch.kwargs())(*args, sinks=sinks))
+        assert got.shape == want.shape
+        assert relative_error(got[:real], want[:real]) < TOLERANCE["float32"]
+        np.testing.assert_array_equal(got[real:], 0.0)
+
+
 @pytest.mark.parametrize("platform", sorted(KERNELS))
 def test_never_reads_unused_cache_slots(platform):
     """NaN in every slot no request owns (null page, spare pages, tails of last pages)."""

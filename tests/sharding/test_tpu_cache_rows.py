@@ -13,6 +13,7 @@ compile tests are skipped where libtpu is absent.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -45,12 +46,19 @@ def test_rows_padded_per_chip_on_tpu_only():
     assert kv_cache_shape(config, 3, 16, platform="tpu") == (3, 16, 24, 128)  # TP 1: 20 rows
     assert kv_cache_shape(config, 3, 16, platform="tpu", shards=2) == (3, 16, 32, 128)
     assert kv_cache_shape(config, 3, 16, 8, platform="tpu", shards=4) == (3, 16, 16, 128)
+    small = dataclasses.replace(config, head_dim=64)  # a row of 64 values: 128 lanes on TPU
+    assert kv_cache_shape(small, 3, 16, 8, platform="tpu", shards=8) == (3, 16, 16, 128)
+    assert kv_cache_shape(small, 3, 16, 8, platform="gpu", shards=8) == (3, 16, 16, 64)
 
 
-@pytest.mark.parametrize("heads_per_chip", [3, 5, 6, 10])
-def test_padded_cache_is_written_and_read_in_place(heads_per_chip):
+@pytest.mark.parametrize(
+    "heads_per_chip, head_dim", [(3, 128), (5, 128), (6, 128), (10, 128), (1, 64), (4, 64)]
+)
+def test_padded_cache_is_written_and_read_in_place(heads_per_chip, head_dim):
     """One chip's write and attention, twice (two layers), into a donated cache padded
-    to `tpu_cache_rows`: libtpu compiles it for v6e without copying the cache."""
+    to `tpu_cache_rows` rows of 128 lanes (gpt-oss's one 64-value head a chip at TP 8,
+    which unpadded copied the cache twice a layer): libtpu compiles it for v6e
+    without copying the cache."""
     pytest.importorskip("libtpu", reason="the TPU compiler comes with the tpu extra")
     from jaxengine.hardware import slice_of
     from jaxengine.runner.attention_backend import select_attention_backend
@@ -64,7 +72,7 @@ def test_padded_cache_is_written_and_read_in_place(heads_per_chip):
 
     backend = select_attention_backend("auto", "tpu", device_kind="TPU v6 lite")
     attention = functools.partial(backend.attention_fn, sm_scale=0.1, num_kv_heads=heads_per_chip)
-    cache = (8192, 16, tpu_cache_rows(2 * heads_per_chip), 128)
+    cache = (8192, 16, tpu_cache_rows(2 * heads_per_chip), 128)  # kv_cache_shape's lanes
 
     def step(cache, q, k, v, slots, seq_lens, page_table, query_start_loc, num_seqs):
         for _ in range(2):
@@ -72,8 +80,9 @@ def test_padded_cache_is_written_and_read_in_place(heads_per_chip):
             q = attention(q, cache, seq_lens, page_table, query_start_loc, num_seqs)
         return q, cache
 
-    kv = shape((64, heads_per_chip, 128), jnp.bfloat16)
-    args = (shape(cache, jnp.bfloat16), shape((64, 2 * heads_per_chip, 128), jnp.bfloat16), kv,
+    kv = shape((64, heads_per_chip, head_dim), jnp.bfloat16)
+    q = shape((64, 2 * heads_per_chip, head_dim), jnp.bfloat16)
+    args = (shape(cache, jnp.bfloat16), q, kv,
             kv, shape((64,)), shape((64,)), shape((64, 64)), shape((65,)), shape(()))  # fmt: skip
     hlo = jax.jit(step, donate_argnums=0).lower(*args).compile().as_text()
     assert audit(hlo, {("bf16", cache)}, set()) == []

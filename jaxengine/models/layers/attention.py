@@ -203,19 +203,21 @@ def kv_cache_shape(
     cache: one copy of the latent row per tensor device); the head axis splits into
     ``shards`` equal parts, one a tensor device. On ``platform`` "tpu" an MLA
     row ``W`` is padded with zeros to a multiple of 128 lanes (DeepSeek-V3's 576 to
-    640): TPU's HBM layout of a 576-lane row puts the pages on lanes, which no kernel
+    640), and so is a K/V row ``D`` (gpt-oss's and Llama-3.2-1B's 64 to 128): TPU's HBM
+    layout of a row off the 128-lane tile puts the pages on lanes, which no kernel
     reads in place, so XLA would copy the whole cache around every step's attention.
     Likewise each shard's K/V rows are padded (`tpu_cache_rows`: Phi-4's 10 a chip at
     TP 2 to 16); the real heads' rows come first, the writes fill the rest with zeros
     and the attention reads only the real heads (``num_kv_heads`` of the kernels).
     """
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    lanes = TPU_LANES if platform == "tpu" else 1
+    width = -(-config.head_dim // lanes) * lanes
     if getattr(config, "mla", None) is None:
         rows = 2 * heads // shards  # K and V of a shard's heads
         rows = tpu_cache_rows(rows) if platform == "tpu" else rows
-        return (num_pages, page_size, shards * rows, config.head_dim)
-    lanes = TPU_LANES if platform == "tpu" else 1
-    return (num_pages, page_size, heads, -(-config.head_dim // lanes) * lanes)
+        return (num_pages, page_size, shards * rows, width)
+    return (num_pages, page_size, heads, width)
 
 
 TPU_LANES = 128
