@@ -54,26 +54,15 @@ def by_operation(text: str) -> list[tuple[int, int, str, str]]:
     """(bytes, instructions, opcode, operation) for every operation, most bytes first."""
     from jaxengine.tpu_check import hlo
 
-    module = hlo.parse(text)
     totals: dict = collections.defaultdict(lambda: [0, 0])
-    seen: set = set()
-
-    def walk(computation: str) -> None:
-        if computation in seen:
-            return
-        seen.add(computation)
-        for ins in module.computations.get(computation, []):
-            if ins.opcode in ("while", "call", "conditional"):
-                for called in ins.calls:
-                    walk(called)
-            elif not hlo.is_kernel(ins) and ins.opcode not in hlo._NOTHING_MOVED:
-                op = re.search(r'op_name="([^"]*)"', ins.text)
-                key = re.sub(r".*layers_\d+/", "L/", op.group(1)) if op else ins.opcode
-                entry = totals[(ins.opcode, key)]
-                entry[0] += hlo._moved(module, ins)
-                entry[1] += 1
-
-    walk(module.entry)
+    for ins, moved in hlo.instruction_bytes(hlo.parse(text)):
+        if hlo.is_kernel(ins):
+            continue
+        op = re.search(r'op_name="([^"]*)"', ins.text)
+        key = re.sub(r".*layers_\d+/", "L/", op.group(1)) if op else ins.opcode
+        entry = totals[(ins.opcode, key)]
+        entry[0] += moved
+        entry[1] += 1
     rows = [(b, n, opcode, key) for (opcode, key), (b, n) in totals.items()]
     return sorted(rows, reverse=True)
 

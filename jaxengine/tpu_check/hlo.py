@@ -186,22 +186,31 @@ def hbm_bytes(
     """Bytes the program's instructions move in HBM, Pallas kernels excepted but for
     their operands of ``weight_shapes`` (each a per-device weight's shape) and of
     ``state_pools`` (a pool's per-device shape -> the bytes a kernel moves in it)."""
-    return _computation_bytes(module, module.entry, set(), weight_shapes, state_pools or {})
+    return sum(moved for _, moved in instruction_bytes(module, weight_shapes, state_pools))
 
 
-def _computation_bytes(module: Module, name: str, seen: set, weights, pools) -> int:
-    if name in seen:
-        return 0
-    seen.add(name)
-    total = 0
-    for ins in module.computations.get(name, []):
-        if ins.opcode in ("while", "call", "conditional"):
-            total += sum(_computation_bytes(module, c, seen, weights, pools) for c in ins.calls)
-        elif is_kernel(ins):
-            total += _kernel_operand_bytes(module, ins, weights, pools)
-        elif ins.opcode not in _NOTHING_MOVED:
-            total += _moved(module, ins)
-    return total
+def instruction_bytes(
+    module: Module, weight_shapes: frozenset = frozenset(), state_pools: dict | None = None
+) -> Iterator[tuple[Instruction, int]]:
+    """``(instruction, bytes it moves in HBM)`` for every instruction `hbm_bytes`
+    counts, the bodies of loops, calls and conditionals walked once each."""
+    seen: set = set()
+    pools = state_pools or {}
+
+    def walk(name: str) -> Iterator[tuple[Instruction, int]]:
+        if name in seen:
+            return
+        seen.add(name)
+        for ins in module.computations.get(name, []):
+            if ins.opcode in ("while", "call", "conditional"):
+                for called in ins.calls:
+                    yield from walk(called)
+            elif is_kernel(ins):
+                yield ins, _kernel_operand_bytes(module, ins, weight_shapes, pools)
+            elif ins.opcode not in _NOTHING_MOVED:
+                yield ins, _moved(module, ins)
+
+    return walk(module.entry)
 
 
 def _kernel_operand_bytes(module: Module, ins: Instruction, weights, pools: dict) -> int:
