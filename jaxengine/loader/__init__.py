@@ -31,6 +31,8 @@ from jaxengine.loader.quantized import (
     CHECKPOINT_METHODS,
     canonical_tensors,
     checkpoint_quantization,
+    regrouped_tensors,
+    tensor_parallel_group,
 )
 from jaxengine.loader.sources import ModelSource, resolve_model
 from jaxengine.models.layers.config import with_context_length
@@ -119,7 +121,6 @@ def load_model(
     compile-only engine: `worker.target`). The dtype follows the placement's platform.
     """
     from jaxengine.loader.params import (
-        abstract_params,
         dummy_params,
         logical_axes,
         params_from_tensors,
@@ -137,10 +138,8 @@ def load_model(
     config = with_context_length(  # (longrope's factors)
         dataclasses.replace(config, matmul_dtype=matmul), model_config.max_model_len
     )
-    module = module.clone(config=config)
-    abstract_tree = abstract_params(module, config)
+    module, config, abstract_tree, shardings = _placed(module.clone(config=config), placement)
     axes = logical_axes(abstract_tree)
-    shardings = placement(config, axes, nn.unbox(abstract_tree)) if placement else None
     if abstract:
         params = placed_shapes(nn.unbox(abstract_tree), shardings)
     elif load_config.load_format == "dummy":
@@ -149,9 +148,35 @@ def load_model(
         tensors = _checkpoint_tensors(source, load_config, max_parallel_loading_workers, packed)
         where = str(source.gguf_file or source.path)
         tensors = _prepared(tensors, stored, where, model_config, hf_config, source, token_ids)
+        if scheme is not None and scheme.group_size != config.quantization.group_size:
+            tensors = regrouped_tensors(tensors, scheme.group_size, config.quantization.group_size)
         params = params_from_tensors(module, config, tensors, where, abstract_tree, shardings)
     _log_loaded(model_config.model, module, dtype, matmul, config, start)
     return LoadedModel(module, config, params, hf_config, source, axes)
+
+
+def _placed(module: Any, placement: Any) -> tuple[Any, Any, Any, Any]:
+    """``(module, config, abstract params, shardings)`` of ``module`` under
+    ``placement`` (None: no shardings). A grouped int8/fp8 model whose groups the
+    tensor-parallel split would cut comes back in the smaller groups that it takes
+    (`quantized.tensor_parallel_group`), its shapes traced again."""
+    from jaxengine.loader.params import abstract_params, logical_axes
+
+    config = module.config
+    abstract = abstract_params(module, config)
+    if placement is None:
+        return module, config, abstract, None
+    scheme = config.quantization
+    group = tensor_parallel_group(
+        scheme, config, logical_axes(abstract), nn.unbox(abstract), placement
+    )
+    if scheme is not None and group != scheme.group_size:
+        config = dataclasses.replace(
+            config, quantization=dataclasses.replace(scheme, group_size=group)
+        )
+        module = module.clone(config=config)
+        abstract = abstract_params(module, config)
+    return module, config, abstract, placement(config, logical_axes(abstract), nn.unbox(abstract))
 
 
 def _log_loaded(name: str, module: Any, dtype: Any, matmul: Any, config: Any, start: float):

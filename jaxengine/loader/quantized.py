@@ -27,22 +27,37 @@ repacked on the host once, so the device keeps the weight packed:
 - block fp8 (``quant_method: fp8``, DeepSeek-V3 and its kin): e4m3 ``weight`` and
   ``weight_scale_inv`` per ``weight_block_size`` block, kept as ``fp8`` groups
   (`_block_fp8`).
+
+Grouped int8/fp8 weights whose groups a tensor-parallel split would cut (DeepSeek-V3's
+128-wide blocks over 576 ``down_proj`` columns a device at TP 32) load in the smaller
+groups `tensor_parallel_group` picks for the whole model, the checkpoint's scales
+repeated to fit (`regrouped_tensors`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.loader.mxfp4 import mxfp4_tensors
-from jaxengine.models.layers.quant import MXFP4_BLOCK, QuantScheme, pack_int4
+from jaxengine.models.layers.mlp import checkpoint_transposed
+from jaxengine.models.layers.quant import (
+    MXFP4_BLOCK,
+    QuantScheme,
+    pack_int4,
+    regroup_scale,
+    split_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -370,3 +385,100 @@ def _emit(module: str, parts: dict, fmt: CheckpointFormat, source: str):
         ) from e
     for suffix, leaf in leaves.items():
         yield f"{module}.weight{suffix}", leaf
+
+
+def tensor_parallel_group(
+    scheme: QuantScheme | None, config: Any, logical: Any, abstract: Any, placement: Callable
+) -> int:
+    """The group size a model of grouped int8/fp8 ``scheme`` loads with under
+    ``placement`` (`load_model`'s: ``(config, logical axes, abstract params) ->
+    shardings``): the scheme's own, or the largest size that divides it and each
+    device's share of the input columns of every weight whose input axis is split
+    (`quant.split_group`), so that every device holds whole groups. One size for the
+    model: the layers declare every scale leaf's shape from the one scheme. Other
+    schemes keep theirs. An input that does not split evenly is the placement's error
+    (or this one), naming the weight and the sizes."""
+    if scheme is None or not scheme.group_size:
+        return 0
+    if scheme.method not in ("int8", "fp8") or scheme.act_order:
+        return scheme.group_size
+    flat = dict(_flat(abstract))
+    weights = {  # the grouped weights: scales of the weight's rank
+        (*p[:-1], p[-1].removesuffix("_scale")): s
+        for p, s in flat.items()
+        if p[-1].endswith("_scale")
+    }
+    weights = {p: w for p, w in flat.items() if p in weights and weights[p].ndim == w.ndim}
+    unsplit = {(*p[:-1], p[-1] + "_scale") for p in weights}  # placed whole in the probe
+    probe = jax.tree_util.tree_map_with_path(
+        lambda path, spec: PartitionSpec() if _keys(path) in unsplit else spec,
+        logical,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    shardings = dict(_flat(placement(config, probe, abstract)))
+    group = scheme.group_size
+    for path, weight in weights.items():
+        dim = weight.ndim - (2 if checkpoint_transposed(path[-1], weight.ndim) else 1)
+        shards = _shards(shardings[path], dim)
+        try:
+            group = math.gcd(group, split_group(scheme.group_size, weight.shape[dim], shards))
+        except ValueError as e:
+            raise ValueError(f"parameter {'/'.join(path)}: {e}") from e
+    if group != scheme.group_size:
+        logger.info("%s groups of %d split over tensor-parallel devices as groups of %d",
+                    scheme.method, scheme.group_size, group)  # fmt: skip
+    return group
+
+
+def _keys(path: tuple) -> tuple[str, ...]:
+    return tuple(getattr(k, "key", str(k)) for k in path)
+
+
+def _flat(tree: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return ((_keys(path), leaf) for path, leaf in leaves)
+
+
+def _shards(sharding: Any, dim: int) -> int:
+    """How many devices split axis ``dim`` of a leaf placed by ``sharding``."""
+    spec = tuple(sharding.spec)
+    axes = spec[dim] if dim < len(spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
+def regrouped_tensors(
+    tensors: Iterable[tuple[str, np.ndarray]], group: int, new_group: int
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Canonical tensors (`canonical_tensors`, or GGUF's packed leaves) with the
+    grouped scales ``<module>.weight_scale [..., out, groups]`` of each int8/fp8
+    ``<module>.weight [..., out, in]`` (as the checkpoint orients them) regrouped from
+    ``group`` to ``new_group`` columns (`quant.regroup_scale`: the same weight); a
+    scale seen before its weight waits for it (its input count). The rest as they
+    come; a scale whose weight never comes goes on as it is, for the loader to name."""
+    weights: dict[str, tuple[int, ...]] = {}  # module -> its quantized weight's shape
+    waiting: dict[str, np.ndarray] = {}
+    for name, array in tensors:
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and np.dtype(array.dtype).itemsize == 1:
+            weights[module] = tuple(array.shape)
+            yield name, array
+            if module in waiting:
+                yield f"{module}.weight_scale", _fit(waiting.pop(module), weights[module],
+                                                     group, new_group)  # fmt: skip
+        elif leaf == "weight_scale" and module not in weights:
+            waiting[module] = array
+        elif leaf == "weight_scale":
+            yield name, _fit(array, weights[module], group, new_group)
+        else:
+            yield name, array
+    for module, array in waiting.items():
+        yield f"{module}.weight_scale", array
+
+
+def _fit(scale: np.ndarray, weight: tuple[int, ...], group: int, new_group: int) -> np.ndarray:
+    """A weight's scales in groups of ``new_group``: grouped ones (of the weight's
+    rank) regrouped, per-row ones as they are."""
+    if np.ndim(scale) != len(weight):
+        return scale
+    return regroup_scale(np.asarray(scale, np.float32), weight[-1], group, new_group)

@@ -8,10 +8,12 @@ float32 ``weight_scale_inv [ceil(out / 16), ceil(in / 24)]``, the experts one te
 each. ``BLOCK`` is 16 rows by 24 columns (not square, so swapped axes would show): the
 tiny widths hold several blocks, with partial ones at the row edge (``q_a_proj``'s 24
 rows, ``kv_a_proj_with_mqa``'s 40) and at the column edge (the hidden size 64, the
-experts' 32 inputs of ``down_proj``), while the inputs that tensor parallelism splits
-(``o_proj``'s 48, ``down_proj``'s 96) split on block edges over 2 devices, as
-DeepSeek-V3's 128-wide blocks do over 8. Layer 0's dense MLP is listed in
-``ignored_layers`` and stays float.
+experts' 32 inputs of ``down_proj``). The engine runs at tensor-parallel size 4,
+where the split inputs do not fall on block edges (``o_proj``'s 48 are 12 a device,
+the experts' ``down_proj`` 8), as DeepSeek-V3's 128-wide blocks over 576 dense
+``down_proj`` inputs a device at TP 32: the model loads in groups of 4 columns
+(`loader.quantized.tensor_parallel_group`, each block's scale repeated). Layer 0's
+dense MLP is listed in ``ignored_layers`` and stays float.
 The same checkpoint dequantized by the test (float32) is the reference, run by
 transformers: greedy tokens exact and top-5 logprobs within `family_engine`'s 1e-4
 (the engine multiplies the same e4m3 values by the same float32 scales, so its
@@ -39,11 +41,14 @@ from safetensors.torch import save_file
 from jaxengine.config import LoadConfig, ModelConfig
 from jaxengine.loader import FUSE_ENV, load_model
 from jaxengine.loader.errors import CheckpointError
+from jaxengine.loader.quantized import regrouped_tensors
 from jaxengine.models.layers.quant import (
     QuantScheme,
     dequantize,
     layer_unquantized,
     quantize,
+    regroup_scale,
+    split_group,
     transposed,
 )
 from tests.models.deepseek_v3_tiny import deepseek_v3_tiny
@@ -210,12 +215,13 @@ def twin_reference(checkpoints):
 
 @pytest.mark.parametrize(
     "layout",
-    [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
-    ids=["tp2", "ep2"],
+    [{"tensor_parallel_size": 4}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
+    ids=["tp4", "ep2"],
 )
 def test_engine_matches_transformers_on_the_dequantized_twin(checkpoints, twin_reference, layout):
     """The fp8 checkpoint through `jaxengine.LLM` (chunked prefill, preemption,
-    prefix-cache hits, no compilation after warm-up) on 2 virtual devices: greedy
+    prefix-cache hits, no compilation after warm-up) on 4 virtual devices (blocks cut
+    by the split: regrouped at load), and on 2 with the experts split by expert: greedy
     tokens and top-5 logprobs are transformers' on the dequantized twin."""
     prompts, ref = twin_reference
     check_engine(checkpoints[0], ref, prompts, **layout)
@@ -245,6 +251,43 @@ def test_partial_groups_and_layer_names():
     assert layer0.quantizes("mlp.gate_proj") and not layer0.quantizes("mlp.gate")
     layer2 = QuantScheme("fp8", 32, unquantized=layer_unquantized(entries, 2))
     assert not layer2.quantizes("self_attn.q_a_proj")
+
+
+def test_regrouping_for_a_tensor_parallel_split():
+    """Groups cut by a device boundary become the largest that divides the group and
+    each device's share (DeepSeek-V3 at TP 32: 576 and 64 columns a device -> 64),
+    each scale repeated: the dequantized weight is the same, in either layout, partial
+    last group too. An uneven split, or a size that does not divide the group, is
+    refused naming the sizes; in a checkpoint's tensors a scale waits for its weight
+    and a per-row one is left alone."""
+    assert split_group(128, 18432, 32) == split_group(128, 2048, 32) == 64
+    assert split_group(128, 16384, 32) == 128 and split_group(24, 40, 1) == 24
+    with pytest.raises(ValueError, match="50 input columns do not split evenly over 4"):
+        split_group(24, 50, 4)
+    w = np.random.default_rng(1).standard_normal((3, 5, 40)).astype(np.float32)
+    leaves = quantize(w, QuantScheme("fp8", 16), np)  # groups 16, 16 and 8
+    assert leaves["_scale"].shape == (3, 5, 3)
+    scale = regroup_scale(leaves["_scale"], 40, 16, 8)
+    assert scale.shape == (3, 5, 5)
+    np.testing.assert_array_equal(scale, leaves["_scale"][..., [0, 0, 1, 1, 2]])
+    before = dequantize(leaves, QuantScheme("fp8", 16), np)
+    after = dequantize({**leaves, "_scale": scale}, QuantScheme("fp8", 8), np)
+    np.testing.assert_array_equal(after, before)
+    swapped = transposed(leaves)  # the experts' [E, in, out]
+    regrouped = regroup_scale(swapped["_scale"], 40, 16, 8, axis=-2)
+    back = dequantize({**swapped, "_scale": regrouped}, QuantScheme("fp8", 8), np, True)
+    np.testing.assert_array_equal(back, before.swapaxes(-1, -2))
+    with pytest.raises(ValueError, match="groups of 16 do not split into groups of 6"):
+        regroup_scale(leaves["_scale"], 40, 16, 6)
+    with pytest.raises(ValueError, match="3 scales do not cover 64 inputs in groups of 16"):
+        regroup_scale(leaves["_scale"], 64, 16, 8)
+
+    q, row = leaves[""][0], np.ones(5, np.float32)
+    tensors = [("a.weight_scale", leaves["_scale"][0]), ("a.weight", q),
+               ("b.weight", q), ("b.weight_scale", row)]  # fmt: skip
+    out = dict(regrouped_tensors(tensors, 16, 8))
+    np.testing.assert_array_equal(out["a.weight_scale"], scale[0])
+    assert out["b.weight_scale"] is row and out["a.weight"] is q
 
 
 def _bad_copy(fp8_dir: Path, tmp_path: Path, change=None, config=None) -> Path:

@@ -25,7 +25,9 @@ The leaves beside ``<w>`` are ``<w>_scale`` and ``<w>_offset`` (``[..., out]`` p
 row, ``[..., out, in / group_size]`` grouped; uint8 exponents for ``mxfp4``) and,
 with ``act_order`` (GPTQ's ``desc_act``), ``<w>_g_idx [in]``: each input column's
 group, in any order. int8 and fp8 groups may leave a partial last group (``in /
-group_size`` rounded up), as block-scaled checkpoints do.
+group_size`` rounded up), as block-scaled checkpoints do. Under tensor parallelism a
+grouped int8/fp8 model whose groups would straddle two devices' input columns loads in
+smaller groups (`split_group`, `regroup_scale`: the same weights, each scale repeated).
 
 A weight may also be stored transposed, ``[..., in, out]`` (the layout a grouped
 matmul takes: `layers.mlp`'s stacked experts): then the leaves of the weight's rank
@@ -42,10 +44,12 @@ quantizer, for numpy (the loader) and jnp (tests) alike: pass the module as ``xp
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 METHODS = {
     "int8": (jnp.dtype(jnp.int8), 127.0),
@@ -191,6 +195,40 @@ def _leaf_specs(scheme: QuantScheme, shape: tuple[int, ...], axes: tuple) -> dic
     if scheme.act_order:
         specs["_g_idx"] = ((*lead, inp), jnp.int32, (*axes[:-2], axes[-1]))
     return specs
+
+
+def split_group(group: int, inputs: int, shards: int) -> int:
+    """The group size of a grouped weight of ``inputs`` columns in groups of ``group``
+    whose input is split over ``shards`` devices: ``group`` when each device's share
+    holds whole groups (or nothing is split), else the largest size dividing both
+    ``group`` and the share (128-wide blocks over 576 columns a device: 64), so that
+    each device holds whole groups of its own columns (`regroup_scale`). An input
+    that does not split evenly is a ValueError."""
+    if group <= 0 or inputs <= 0 or shards <= 0:
+        raise ValueError(f"no groups of {group} in {inputs} inputs over {shards} devices")
+    if inputs % shards:
+        raise ValueError(f"{inputs} input columns do not split evenly over {shards} devices")
+    share = inputs // shards
+    return group if shards == 1 or share % group == 0 else math.gcd(group, share)
+
+
+def regroup_scale(
+    scale: Any, inputs: int, group: int, new_group: int, axis: int = -1, xp: Any = np
+) -> Any:
+    """int8/fp8 group scales ``[..., ceil(inputs / group)]`` along ``axis`` (-1; -2
+    for a weight stored ``[..., in, out]``) as scales of groups of ``new_group``
+    (dividing ``group``): each repeated ``group / new_group`` times, cut to
+    ``ceil(inputs / new_group)``. Every column keeps its scale, so the dequantized
+    weight is unchanged."""
+    if new_group <= 0 or group % new_group:
+        raise ValueError(f"groups of {group} do not split into groups of {new_group}")
+    if scale.shape[axis] != -(-inputs // group):
+        raise ValueError(
+            f"{scale.shape[axis]} scales do not cover {inputs} inputs in groups of {group}"
+        )
+    repeated = xp.repeat(scale, group // new_group, axis=axis)
+    kept = -(-inputs // new_group)
+    return repeated[..., :kept] if axis == -1 else repeated[..., :kept, :]
 
 
 def unpack_int4(packed: Any, xp: Any = jnp, axis: int = -1) -> Any:

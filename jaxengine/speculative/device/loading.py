@@ -208,7 +208,7 @@ def _mtp_tensors(config: EngineConfig, target: LoadedModel, layer: int, where: s
     only that layer's tensors are read (the others' are memory-mapped, never
     touched). None there is a `CheckpointError` naming the layer."""
     from jaxengine.loader import checkpoint_format
-    from jaxengine.loader.quantized import canonical_tensors
+    from jaxengine.loader.quantized import canonical_tensors, regrouped_tensors
     from jaxengine.loader.safetensors_io import iter_safetensors
 
     source, prefix = target.source, f"model.layers.{layer}."
@@ -219,6 +219,9 @@ def _mtp_tensors(config: EngineConfig, target: LoadedModel, layer: int, where: s
     stored = checkpoint_format(config.model_config.quantization, source, target.hf_config)
     if stored is not None:
         found = canonical_tensors(found, stored, where)
+        group = target.config.quantization.group_size  # the target's, regrouped under TP
+        if group != stored.scheme.group_size:
+            found = regrouped_tensors(found, stored.scheme.group_size, group)
     tensors = [(mtp_tensor_name(name, layer), array) for name, array in found]
     tensors = [(name, array) for name, array in tensors if name is not None]
     if not any(name.startswith("model.eh_proj.") for name, _ in tensors):
