@@ -19,6 +19,7 @@ A one-device plan changes nothing: no wrapping, parameters on that device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -105,9 +106,15 @@ class ShardingPlan:
         return shard_attention_fns(attention_kwargs, self.mesh, self.num_kv_heads)
 
     def moe_kwargs(self) -> dict:
-        """The model's ``moe_kwargs``: experts per shard under expert parallelism."""
-        if self.tensor_size == 1 or not self.expert_parallel:
+        """The model's ``moe_kwargs``: experts per shard under expert parallelism;
+        under tensor parallelism alone, XLA splits the experts, and their grouped
+        matmul keeps to what it can split (`layers.mlp.routed_experts`' ``kernels``)."""
+        if self.tensor_size == 1:
             return {}
+        if not self.expert_parallel:
+            from jaxengine.models.layers.mlp import routed_experts
+
+            return {"experts_fn": functools.partial(routed_experts, kernels=False)}
         from sharding.experts import expert_parallel_fn
 
         return {"experts_fn": expert_parallel_fn(self.mesh)}

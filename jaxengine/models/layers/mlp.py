@@ -9,7 +9,7 @@ expert, in every step); the loader swaps each checkpoint tensor once
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -25,6 +25,8 @@ from jaxengine.models.layers.basic import (
 )
 from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.routing import route
+from pallas_kernels.mxfp4_gmm import reference as mxfp4_reference
+from pallas_kernels.mxfp4_gmm import tpu as mxfp4_tpu
 
 
 class GatedMLP(nn.Module):
@@ -94,6 +96,36 @@ def clamped_swiglu(alpha: float, limit: float):
     return glu
 
 
+class Mxfp4Experts(NamedTuple):
+    """Stacked MXFP4 experts as stored (`layers.quant`'s transposed ``mxfp4`` leaves):
+    ``packed [E, in / 2, out]`` and ``scales [E, in / 32, out]`` uint8, passed to
+    `routed_experts` as they are, so the step never widens them in HBM."""
+
+    packed: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int, int]:  # [E, in, out], as a float stack's
+        return (self.packed.shape[0], 2 * self.packed.shape[1], self.packed.shape[2])
+
+
+def _grouped_dot(
+    h: jax.Array, w: Any, group_sizes: jax.Array, dtype: Any, kernels: bool
+) -> jax.Array:
+    """``h``'s sorted rows times their expert's weight: `jax.lax.ragged_dot`, or for
+    `Mxfp4Experts` the MXFP4 grouped matmul (with ``kernels``, the Mosaic kernel when
+    lowered for TPU; the dequantizing reference elsewhere); rows of no expert are
+    masked by the caller."""
+    if not isinstance(w, Mxfp4Experts):
+        return jax.lax.ragged_dot(h, w.astype(dtype), group_sizes)
+    if not kernels:
+        return mxfp4_reference.mxfp4_ragged_dot(h, w.packed, w.scales, group_sizes)
+    return jax.lax.platform_dependent(
+        h, w.packed, w.scales, group_sizes,
+        tpu=mxfp4_tpu.mxfp4_ragged_dot, default=mxfp4_reference.mxfp4_ragged_dot,
+    )  # fmt: skip
+
+
 def routed_experts(
     x,
     weights,
@@ -107,6 +139,7 @@ def routed_experts(
     scales=None,
     biases=None,
     glu=None,
+    kernels=True,
 ):
     """Weighted sum of the routed experts' outputs, for the experts these weights hold.
 
@@ -120,7 +153,10 @@ def routed_experts(
     of the three weights, applied to each row's result by its expert.
     ``biases`` (gpt-oss): ``[E', I]``, ``[E', I]``, ``[E', H]`` added to each row's
     gate, up and down results by its expert; ``glu``: ``(gate, up) -> hidden`` in place
-    of ``act(gate) * up`` (`clamped_swiglu`).
+    of ``act(gate) * up`` (`clamped_swiglu`). ``kernels``: MXFP4 experts may run
+    their Pallas kernel (`_grouped_dot`); False where XLA partitions the experts
+    itself (tensor parallelism without expert parallelism), a split that a Pallas
+    call cannot follow: the dequantizing reference then.
     Returns float32 ``[T, H]`` (partial sums when ``E'`` is a shard of the experts).
     """
     num_tokens, hidden = x.shape
@@ -130,7 +166,7 @@ def routed_experts(
     flat = jnp.where(mine, flat, local)
     order = jnp.argsort(flat)
     token_of = order // k  # [T*K], source token of each sorted row
-    dtype = w_gate.dtype if scales is None else x.dtype
+    dtype = x.dtype if scales is not None or isinstance(w_gate, Mxfp4Experts) else w_gate.dtype
     xs = x[token_of].astype(dtype)  # [T*K, H]
     group_sizes = jnp.bincount(flat, length=local + 1)[:local].astype(jnp.int32)  # [E']
     row_expert = jnp.minimum(flat[order], local - 1)  # [T*K]
@@ -138,7 +174,7 @@ def routed_experts(
     b_gate, b_up, b_down = (None, None, None) if biases is None else biases
 
     def expert_dot(h, w, s, b=None):  # [T*K, in] x [E', in, out] -> [T*K, out]
-        y = jax.lax.ragged_dot(h, w.astype(dtype), group_sizes)
+        y = _grouped_dot(h, w, group_sizes, dtype, kernels)
         y = y if s is None else y * s[row_expert].astype(dtype)
         return y if b is None else y + b[row_expert].astype(dtype)
 
@@ -189,7 +225,8 @@ class SparseMoE(nn.Module):
         def stacked(name: str, out: tuple[int, str], inp: tuple[int, str]):
             """The stacked weight ``[E, in, out]`` (``out``/``inp``: size and logical
             axis), and its per-row scales ``[E, out]`` when quantized per row. Grouped
-            and int4 weights are dequantized here, to ``dtype``, in that layout."""
+            and int4 weights are dequantized here, to ``dtype``, in that layout; MXFP4
+            ones come as they are stored (`Mxfp4Experts`)."""
             scheme = cfg.quantization
             if scheme is not None and not quantizes(scheme, self, "experts"):
                 scheme = None  # the checkpoint keeps these experts unquantized
@@ -198,6 +235,8 @@ class SparseMoE(nn.Module):
                 return self.param(name, init, (e, inp[0], out[0]), cfg.dtype), None
             shape, axes = (e, out[0], inp[0]), ("expert", out[1], inp[1])  # [E, out, in]
             leaves = quantized_params(self, name, shape, axes, scheme, transpose=True)
+            if scheme.method == "mxfp4":  # dequantized inside the grouped matmul
+                return Mxfp4Experts(leaves[""], leaves["_scale"]), None
             if scheme.group_size or scheme.has_offset:
                 return quant.dequantize(leaves, scheme, transpose=True).astype(cfg.dtype), None
             return leaves[""], leaves["_scale"]

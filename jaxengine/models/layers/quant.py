@@ -44,12 +44,15 @@ quantizer, for numpy (the loader) and jnp (tests) alike: pass the module as ``xp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.mxfp4_gmm.reference import dequantize as dequantize_transposed
 
 METHODS = {
     "int8": (jnp.dtype(jnp.int8), 127.0),
@@ -293,25 +296,12 @@ def dequantize_mxfp4(packed: Any, scales: Any, xp: Any = jnp, transpose: bool = 
     column ``2k`` in the low nibble of byte ``k``) and e8m0 exponents ``scales [...,
     out, in / 32]`` (uint8): ``E2M1[code] * 2^(scale - 127)``. ``transpose``: both
     stored ``[..., in / 2, out]`` and ``[..., in / 32, out]``, the weight ``[..., in,
-    out]``. ``xp``: numpy or jnp.
-
-    Each value comes from its code's bits (``(1 + m / 2) * 2^(e - 1)``, or ``m / 2`` at
-    exponent bits 0), not a lookup in `E2M1`: XLA makes a lookup a gather, with int32
-    indices and float32 values of the whole weight in HBM. The block's ``2^(scale -
-    127)`` multiplies in two halves of at most ``2^64`` each, so neither factor leaves
-    float32's normal range (a product past it is inf or subnormal, as ``ldexp``'s)."""
-    axis = -2 if transpose else -1
-    codes = unpack_int4(xp.asarray(packed, dtype=xp.uint8), xp, axis).astype(xp.int32)
-    exp_bits, mantissa = (codes >> 1) & 3, (codes & 1).astype(xp.float32)
-    power = (1 << xp.maximum(exp_bits - 1, 0)).astype(xp.float32)  # 2^(e - 1), e > 0
-    magnitude = xp.where(exp_bits == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * power)
-    values = _grouped(xp.where(codes >= 8, -magnitude, magnitude), MXFP4_BLOCK, transpose)
-    exponent = xp.asarray(scales, dtype=xp.uint8).astype(xp.int32) - E8M0_BIAS  # [..., G]
-    half = exponent // 2
-    one = xp.ones((), xp.float32)
-    factors = [xp.ldexp(one, e).astype(xp.float32) for e in (half, exponent - half)]
-    factors = [f[..., None, :] if transpose else f[..., None] for f in factors]
-    return (values * factors[0] * factors[1]).reshape(codes.shape)
+    out]``. ``xp``: numpy or jnp. The decoding is the grouped matmul's
+    (`pallas_kernels.mxfp4_gmm.reference.dequantize`, in the transposed layout)."""
+    if transpose:
+        return dequantize_transposed(packed, scales, xp)
+    swap = functools.partial(xp.swapaxes, axis1=-1, axis2=-2)
+    return swap(dequantize_transposed(swap(xp.asarray(packed)), swap(xp.asarray(scales)), xp))
 
 
 def quantize_mxfp4(weight: Any, xp: Any) -> dict:
