@@ -15,13 +15,15 @@ Layers in ``moe_layers`` have a mixture of experts: the router's top
 enters its expert (not the expert's output), and a shared expert runs on every token;
 both have width ``intermediate_size``. The other layers have a dense MLP of width
 ``intermediate_size_mlp``. Checkpoint names follow transformers: ``feed_forward.*``,
-the experts fused as ``experts.gate_up_proj [E, H, 2I]`` (gate columns first) and
-``experts.down_proj [E, I, H]``, kept in that layout here.
+the experts fused as ``experts.gate_up_proj [E, H, 2I]`` (gate columns first), cut
+at load into ``experts.gate_proj`` and ``experts.up_proj``, and ``experts.down_proj
+[E, I, H]``, all kept ``[E, in, out]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -76,13 +78,19 @@ def from_hf(hf_config: Any, dtype: Any) -> TransformerConfig:
     )
 
 
-class FusedExperts(nn.Module):
-    """The experts' weights in the checkpoint's fused layout (``[E, in, out]``)."""
+_FUSED_EXPERTS = "feed_forward.experts.gate_up_proj"
+
+
+class StackedExperts(nn.Module):
+    """The experts' weights, ``[E, in, out]``: ``gate_proj`` and ``up_proj [E, H, I]``
+    (the checkpoint's fused ``gate_up_proj`` cut at load, `Llama4ForCausalLM.
+    split_tensors`: slicing it in the step copied both halves of every expert each
+    step), ``down_proj [E, I, H]``."""
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self) -> tuple[jax.Array, jax.Array]:
+    def __call__(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.config
         e, h, width = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
@@ -90,9 +98,10 @@ class FusedExperts(nn.Module):
             init = nn.with_logical_partitioning(_normal(), axes)
             return self.param(name, init, shape, cfg.dtype)
 
-        gate_up = param("gate_up_proj", (e, h, 2 * width), ("expert", "embed", "mlp"))
+        gate = param("gate_proj", (e, h, width), ("expert", "embed", "mlp"))
+        up = param("up_proj", (e, h, width), ("expert", "embed", "mlp"))
         down = param("down_proj", (e, width, h), ("expert", "mlp", "embed"))
-        return gate_up, down
+        return gate, up, down
 
 
 class Llama4MoE(nn.Module):
@@ -115,9 +124,7 @@ class Llama4MoE(nn.Module):
         e, k, width = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         logits = Linear(e, ("expert", "embed"), False, cfg.dtype, name="router")(x)  # [T, E]
         scores, experts = route(logits, cfg.routing, k, renormalize=False)  # [T, K]
-        gate_up, down = FusedExperts(cfg, name="experts")()
-        # [E, in, out], as `routed_experts` takes them
-        w_gate, w_up, w_down = gate_up[..., :width], gate_up[..., width:], down
+        w_gate, w_up, w_down = StackedExperts(cfg, name="experts")()  # [E, in, out]
         fn = self.experts_fn or routed_experts
         act = activation(cfg.hidden_act)
         ones = jnp.ones((x.shape[0], 1), jnp.float32)
@@ -153,6 +160,22 @@ class Llama4ForCausalLM(CausalLM):
     """`CausalLM` with Llama 4 decoder layers."""
 
     layer_cls: Any = Llama4DecoderLayer
+
+    @staticmethod
+    def split_tensors(
+        tensors: Iterable[tuple[str, Any]], config: TransformerConfig
+    ) -> Iterator[tuple[str, Any]]:
+        """``(name, array)`` pairs with each fused ``experts.gate_up_proj [E, H, 2I]``
+        cut into ``experts.gate_proj`` and ``experts.up_proj`` (gate columns first);
+        the rest pass through."""
+        del config  # the layout is the same for every config
+        for name, array in tensors:
+            if not name.endswith(_FUSED_EXPERTS):
+                yield name, array
+                continue
+            stem, width = name.removesuffix("gate_up_proj"), array.shape[-1] // 2
+            yield f"{stem}gate_proj", array[..., :width]
+            yield f"{stem}up_proj", array[..., width:]
 
 
 class Llama4ForConditionalGeneration(Llama4ForCausalLM):
