@@ -25,8 +25,8 @@ from jaxengine.models.layers.basic import (
 )
 from jaxengine.models.layers.config import TransformerConfig
 from jaxengine.models.layers.routing import route
-from pallas_kernels.mxfp4_gmm import reference as mxfp4_reference
-from pallas_kernels.mxfp4_gmm import tpu as mxfp4_tpu
+from pallas_kernels.quantized_gmm import reference as gmm_reference
+from pallas_kernels.quantized_gmm import tpu as gmm_tpu
 
 
 class GatedMLP(nn.Module):
@@ -109,21 +109,40 @@ class Mxfp4Experts(NamedTuple):
         return (self.packed.shape[0], 2 * self.packed.shape[1], self.packed.shape[2])
 
 
+class Fp8Experts(NamedTuple):
+    """Stacked block-fp8 experts as stored (`layers.quant`'s transposed grouped ``fp8``
+    leaves, DeepSeek-V3's): ``values [E, in, out]`` float8_e4m3fn and ``scales [E, in
+    / g, out]`` float32, ``g`` dividing ``in``; dequantized inside the grouped matmul."""
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int, int]:  # [E, in, out]
+        return self.values.shape
+
+
+QUANTIZED_EXPERTS = {
+    Mxfp4Experts: (gmm_reference.mxfp4_ragged_dot, gmm_tpu.mxfp4_ragged_dot),
+    Fp8Experts: (gmm_reference.fp8_ragged_dot, gmm_tpu.fp8_ragged_dot),
+}
+"""Experts passed as stored -> (the dequantizing reference, the Mosaic kernel) of
+their grouped matmul (`pallas_kernels.quantized_gmm`)."""
+
+
 def _grouped_dot(
     h: jax.Array, w: Any, group_sizes: jax.Array, dtype: Any, kernels: bool
 ) -> jax.Array:
     """``h``'s sorted rows times their expert's weight: `jax.lax.ragged_dot`, or for
-    `Mxfp4Experts` the MXFP4 grouped matmul (with ``kernels``, the Mosaic kernel when
-    lowered for TPU; the dequantizing reference elsewhere); rows of no expert are
-    masked by the caller."""
-    if not isinstance(w, Mxfp4Experts):
+    experts passed as stored (`QUANTIZED_EXPERTS`) their grouped matmul (with
+    ``kernels``, the Mosaic kernel when lowered for TPU; the dequantizing reference
+    elsewhere); rows of no expert are masked by the caller."""
+    if type(w) not in QUANTIZED_EXPERTS:
         return jax.lax.ragged_dot(h, w.astype(dtype), group_sizes)
+    reference, kernel = QUANTIZED_EXPERTS[type(w)]
     if not kernels:
-        return mxfp4_reference.mxfp4_ragged_dot(h, w.packed, w.scales, group_sizes)
-    return jax.lax.platform_dependent(
-        h, w.packed, w.scales, group_sizes,
-        tpu=mxfp4_tpu.mxfp4_ragged_dot, default=mxfp4_reference.mxfp4_ragged_dot,
-    )  # fmt: skip
+        return reference(h, *w, group_sizes)
+    return jax.lax.platform_dependent(h, *w, group_sizes, tpu=kernel, default=reference)
 
 
 def routed_experts(
@@ -153,10 +172,10 @@ def routed_experts(
     of the three weights, applied to each row's result by its expert.
     ``biases`` (gpt-oss): ``[E', I]``, ``[E', I]``, ``[E', H]`` added to each row's
     gate, up and down results by its expert; ``glu``: ``(gate, up) -> hidden`` in place
-    of ``act(gate) * up`` (`clamped_swiglu`). ``kernels``: MXFP4 experts may run
-    their Pallas kernel (`_grouped_dot`); False where XLA partitions the experts
-    itself (tensor parallelism without expert parallelism), a split that a Pallas
-    call cannot follow: the dequantizing reference then.
+    of ``act(gate) * up`` (`clamped_swiglu`). ``kernels``: MXFP4 and block-fp8
+    experts may run their Pallas kernel (`_grouped_dot`); False where XLA partitions
+    the experts itself (tensor parallelism without expert parallelism), a split that a
+    Pallas call cannot follow: the dequantizing reference then.
     Returns float32 ``[T, H]`` (partial sums when ``E'`` is a shard of the experts).
     """
     num_tokens, hidden = x.shape
@@ -166,7 +185,8 @@ def routed_experts(
     flat = jnp.where(mine, flat, local)
     order = jnp.argsort(flat)
     token_of = order // k  # [T*K], source token of each sorted row
-    dtype = x.dtype if scales is not None or isinstance(w_gate, Mxfp4Experts) else w_gate.dtype
+    stored = type(w_gate) in QUANTIZED_EXPERTS  # not widened: the activations' dtype
+    dtype = x.dtype if scales is not None or stored else w_gate.dtype
     xs = x[token_of].astype(dtype)  # [T*K, H]
     group_sizes = jnp.bincount(flat, length=local + 1)[:local].astype(jnp.int32)  # [E']
     row_expert = jnp.minimum(flat[order], local - 1)  # [T*K]
@@ -185,6 +205,19 @@ def routed_experts(
     row_weight = jnp.where(mine, weights.reshape(-1), 0.0)[order]
     out = jnp.where(row_weight[:, None] != 0, out.astype(jnp.float32), 0.0) * row_weight[:, None]
     return jnp.zeros((num_tokens, hidden), jnp.float32).at[token_of].add(out)
+
+
+def as_stored(leaves: dict, scheme: quant.QuantScheme, inputs: int) -> Any:
+    """The transposed leaves of stacked experts of ``inputs`` input rows as their
+    grouped matmul takes them (`QUANTIZED_EXPERTS`), or None: `Mxfp4Experts`;
+    `Fp8Experts` for fp8 in contiguous groups that divide the input (no partial last
+    group)."""
+    if scheme.method == "mxfp4":
+        return Mxfp4Experts(leaves[""], leaves["_scale"])
+    group = scheme.group_size
+    if scheme.method == "fp8" and group and not scheme.act_order and inputs % group == 0:
+        return Fp8Experts(leaves[""], leaves["_scale"])
+    return None
 
 
 class SparseMoE(nn.Module):
@@ -224,9 +257,9 @@ class SparseMoE(nn.Module):
 
         def stacked(name: str, out: tuple[int, str], inp: tuple[int, str]):
             """The stacked weight ``[E, in, out]`` (``out``/``inp``: size and logical
-            axis), and its per-row scales ``[E, out]`` when quantized per row. Grouped
-            and int4 weights are dequantized here, to ``dtype``, in that layout; MXFP4
-            ones come as they are stored (`Mxfp4Experts`)."""
+            axis), and its per-row scales ``[E, out]`` when quantized per row. MXFP4
+            and block-fp8 ones come as they are stored (`as_stored`); other grouped
+            and int4 weights are dequantized here, to ``dtype``, in that layout."""
             scheme = cfg.quantization
             if scheme is not None and not quantizes(scheme, self, "experts"):
                 scheme = None  # the checkpoint keeps these experts unquantized
@@ -235,8 +268,8 @@ class SparseMoE(nn.Module):
                 return self.param(name, init, (e, inp[0], out[0]), cfg.dtype), None
             shape, axes = (e, out[0], inp[0]), ("expert", out[1], inp[1])  # [E, out, in]
             leaves = quantized_params(self, name, shape, axes, scheme, transpose=True)
-            if scheme.method == "mxfp4":  # dequantized inside the grouped matmul
-                return Mxfp4Experts(leaves[""], leaves["_scale"]), None
+            if (experts := as_stored(leaves, scheme, inp[0])) is not None:
+                return experts, None  # dequantized inside the grouped matmul
             if scheme.group_size or scheme.has_offset:
                 return quant.dequantize(leaves, scheme, transpose=True).astype(cfg.dtype), None
             return leaves[""], leaves["_scale"]

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mxfp4_gmm.reference import dequantize as dequantize_transposed
+from pallas_kernels.quantized_gmm.reference import dequantize_mxfp4 as dequantize_transposed
 
 METHODS = {
     "int8": (jnp.dtype(jnp.int8), 127.0),
@@ -297,7 +297,7 @@ def dequantize_mxfp4(packed: Any, scales: Any, xp: Any = jnp, transpose: bool = 
     out, in / 32]`` (uint8): ``E2M1[code] * 2^(scale - 127)``. ``transpose``: both
     stored ``[..., in / 2, out]`` and ``[..., in / 32, out]``, the weight ``[..., in,
     out]``. ``xp``: numpy or jnp. The decoding is the grouped matmul's
-    (`pallas_kernels.mxfp4_gmm.reference.dequantize`, in the transposed layout)."""
+    (`pallas_kernels.quantized_gmm.reference.dequantize_mxfp4`, transposed)."""
     if transpose:
         return dequantize_transposed(packed, scales, xp)
     swap = functools.partial(xp.swapaxes, axis1=-1, axis2=-2)
