@@ -56,6 +56,7 @@ GROUP_SECONDS = {
     "tests/models/test_gemma4.py": 65,  # -n 2 beside other work, 2026-11-29
     "tests/models/test_qwen3_next.py": 27,  # the full suite of 65f9054, 2026-11-29
     "tests/models/test_block_fp8.py": 25,  # beside other work, 2026-11-29
+    "tests/kernels/test_quantized_gmm.py": 45,  # beside two TPU compiles, 2026-11-29
     "tests/models/test_qwen3_next_kernels.py": 18,  # beside other work, 2026-11-29
     "tests/kernels/test_cpu_attention.py": 32,
     "tests/torch_fallback/test_golden.py": 31,
