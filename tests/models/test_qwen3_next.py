@@ -9,12 +9,15 @@ recompute preemption; the second call reuses state slots, so a fresh request mus
 start from zeros), prefix-cache hits that resume from a saved state (the second call,
 and the fourth prompt sharing the first's 24 tokens), greedy tokens and top-5
 logprobs equal to transformers' within 1e-4, and no compilation after warm-up; then
-again under tensor parallelism 2 with FULL steps. The last tests are host only: the
-memory figure (`runner.states.admitted_requests`), state slots, refusals.
+again under tensor parallelism 2 with FULL steps. Qwen3-Next once more on two data-parallel
+replicas (six prompts of different lengths; each replica's state slots come back). The
+last tests are host only: the memory figure (`runner.states.admitted_requests`), state
+slots, refusals.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import transformers
 
@@ -143,6 +146,50 @@ def test_qwen3_5_moe_expert_parallel(tmp_path_factory):
     ref = reference(path, prompts, MAX_TOKENS)
     kwargs = dict(tensor_parallel_size=2, enable_expert_parallel=True)
     check_hybrid(path, ref, prompts, enable_prefix_caching=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_dp(tmp_path_factory):
+    """``(path, prompts, reference)``: Qwen3-Next as in `tiny`, six prompts of lengths
+    3 to 40 (the longest over the token budget: chunked)."""
+    config = qwen3_next_tiny()
+    path = save_tiny(config, tmp_path_factory.mktemp("qwen3_next_dp"), init_range=0.1)
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(0, config.vocab_size, n).tolist() for n in (3, 7, 12, 19, 26, 40)]
+    return path, prompts, reference(path, prompts, MAX_TOKENS)
+
+
+def test_data_parallel_2(qwen3_next_dp, monkeypatch):
+    """Two replicas, one device each: both take requests, every output is transformers'
+    greedy tokens and top-5 logprobs (what one engine gives: `check_hybrid`), and
+    each replica's linear-attention state slots all come back once the requests end."""
+    from jaxengine import LLM, SamplingParams
+
+    path, prompts, ref = qwen3_next_dp
+    llm = LLM(str(path), data_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        replicas = llm.engine.replicas
+        taken = [0] * len(replicas)
+        for i, replica in enumerate(replicas):
+            add = replica.add_prepared
+
+            def counted(*args, _i=i, _add=add, **kwargs):
+                taken[_i] += 1
+                return _add(*args, **kwargs)
+
+            monkeypatch.setattr(replica, "add_prepared", counted)
+        params = SamplingParams(temperature=0, logprobs=TOP, max_tokens=MAX_TOKENS, ignore_eos=True)
+        _generate_and_compare(llm, params, prompts, ref, range(len(prompts)))
+        assert min(taken) >= 2 and sum(taken) == len(prompts), taken
+        seqs = ENGINE_KWARGS["max_num_seqs"]
+        for replica in replicas:
+            # the runner learns of a step's finished requests with the next step: one idle
+            replica.step()
+            table = replica.executor.runner.table
+            assert not table.requests and not replica.has_unfinished_requests()
+            assert sorted(table._free_slots) == list(range(seqs)), "a state slot was kept"
+    finally:
+        llm.engine.shutdown()
 
 
 def test_memory_figure_and_state_sizing():

@@ -9,11 +9,14 @@ sizes from transformers' own image processor: our tower must equal transformers'
 ``get_image_features`` (1e-4) in one padded call and each image alone. The prompt's
 M-RoPE positions must equal ``get_rope_index`` and their rotation transformers'.
 The engine must give transformers' ``generate`` greedy tokens and top-5 logprobs
-(1e-4) on prompts with an image, and compile nothing after warm-up.
+(1e-4) on prompts with an image, and compile nothing after warm-up; so must it for
+``Qwen3_5MoeForConditionalGeneration`` (the same model with every MLP routed experts
+plus a gated shared expert) on an image prompt and a text-only one.
 """
 
 from __future__ import annotations
 
+import string
 import subprocess
 import sys
 
@@ -51,6 +54,8 @@ TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
             layer_types=["linear_attention", "full_attention"], max_position_embeddings=256,
             rope_parameters=ROPE, initializer_range=0.2, eos_token_id=0)  # fmt: skip
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48)  # fmt: skip
 PROCESSOR = dict(patch_size=8, temporal_patch_size=2, merge_size=2, min_pixels=256,
                  max_pixels=4096)  # fmt: skip
 
@@ -64,27 +69,30 @@ WIDE, SQUARE = _image(40, 72, 0), _image(56, 48, 1)  # grids 4 x 8 and 8 x 6: 8 
 
 
 def _save_tokenizer(folder) -> None:
-    """Whitespace words ``w0 .. w119``, then Qwen's vision tokens."""
-    vocab = {f"w{i}": i for i in range(WORDS)} | {t: WORDS + i for i, t in enumerate(TOKENS)}
-    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w1"))
-    inner.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="w0")
+    """Byte-level BPE without merges: ``WORDS`` one-character tokens (``!``, the end of
+    text, first; ``Ġ``, a space; letters; digits; ...), then Qwen's vision tokens.
+    transformers loads any tokenizer of a Qwen3.5 folder as ``Qwen3_5Tokenizer`` (a
+    byte-level BPE over the file's vocabulary and merges), so a word-level vocabulary
+    would tokenize every word to nothing: these characters survive it."""
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    first = list("!Ġ" + string.ascii_lowercase + string.digits)
+    chars = first + sorted(set(alphabet) - set(first))
+    vocab = {c: i for i, c in enumerate(chars[:WORDS])}
+    vocab |= {t: WORDS + i for i, t in enumerate(TOKENS)}
+    inner = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, []))
+    inner.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="!")
     tokenizer.add_special_tokens({"additional_special_tokens": list(TOKENS)})
     tokenizer.save_pretrained(folder)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(folder, transformers model, processor): the model saved with its tokenizer and
-    image processor."""
+def _save_vlm(folder, config, model_cls):
+    """(folder, transformers model, processor): a seeded random ``model_cls`` whose
+    tower weights are redrawn, saved with its tokenizer and image processor."""
     reference_threads()
-    folder = tmp_path_factory.mktemp("qwen3_5_vlm")
-    config = transformers.Qwen3_5Config(
-        text_config=TEXT, vision_config=VISION, image_token_id=IMAGE, video_token_id=VIDEO,
-        vision_start_token_id=START, vision_end_token_id=END,
-    )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.Qwen3_5ForConditionalGeneration(config).float().eval()
+    model = model_cls(config).float().eval()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.model.visual.named_parameters():
@@ -94,6 +102,28 @@ def tiny(tmp_path_factory):
     _save_tokenizer(folder)
     Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(folder)
     return folder, model, processing.load_processor(str(folder))
+
+
+IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+           vision_end_token_id=END)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The dense model (`_save_vlm`)."""
+    config = transformers.Qwen3_5Config(text_config=TEXT, vision_config=VISION, **IDS)
+    folder = tmp_path_factory.mktemp("qwen3_5_vlm")
+    return _save_vlm(folder, config, transformers.Qwen3_5ForConditionalGeneration)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """Qwen3.5-MoE (`_save_vlm`): the same decoder with every MLP 4 experts (top 2)
+    plus a gated shared expert, its text config nested in the VL config."""
+    text = {k: v for k, v in TEXT.items() if k != "intermediate_size"} | MOE
+    config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=VISION, **IDS)
+    folder = tmp_path_factory.mktemp("qwen3_5_moe_vlm")
+    return _save_vlm(folder, config, transformers.Qwen3_5MoeForConditionalGeneration)
 
 
 @pytest.fixture(scope="module")
@@ -170,14 +200,19 @@ def test_mrope_matches_transformers(tiny):
     np.testing.assert_allclose(rotated, expected[0].transpose(0, 1).numpy(), rtol=0, atol=1e-5)
 
 
-def test_engine_matches_transformers(tiny):
+@pytest.mark.parametrize("variant", ["tiny", "tiny_moe"])
+def test_engine_matches_transformers(variant, request):
+    """Dense: three image prompts, and a video refused. MoE: an image prompt and a
+    text-only one (its text config nested in the VL config, its experts' names)."""
     from jaxengine import LLM
     from tests.engine.vision_golden import check_top_logprobs, run_images, top_logprobs_reference
 
-    folder, model, processor = tiny
+    folder, model, processor = request.getfixturevalue(variant)
     engine = dict(max_model_len=64, max_num_seqs=3, max_num_batched_tokens=64, max_logprobs=5,
                   compile_token_buckets=[64], num_gpu_blocks_override=32)  # fmt: skip
-    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", **engine)
+    # MoE: the tokenizer loaded, for the text-only prompt (images go through the processor)
+    skip = variant == "tiny"
+    llm = LLM(str(folder), skip_tokenizer_init=skip, dtype="float32", **engine)
     try:
         image = "<|vision_start|><|image_pad|><|vision_end|>"
         prompts = [
@@ -185,12 +220,16 @@ def test_engine_matches_transformers(tiny):
             (f"w7 w8 {image} w9 w10", [SQUARE]),
             (f"w3 {image} w4 {image} w5", [SQUARE, WIDE]),
         ]
+        if variant == "tiny_moe":
+            prompts = [prompts[0], ("w7 w8 w9 w10", [])]  # the same words, no image
         outputs = run_images(llm, prompts)
         logprobs = check_top_logprobs(outputs, prompts, top_logprobs_reference(model, processor))
         assert np.max(np.abs(np.subtract(logprobs[0], logprobs[1]))) > 1e-3  # the image counts
         assert llm.engine.executor.compiles_after_warmup == 0
-        with pytest.raises(ValueError, match=r"\['video'\]: only 'image' is supported"):
-            llm.generate({"prompt": "w5", "multi_modal_data": {"video": [WIDE]}}, use_tqdm=False)
+        if variant == "tiny":
+            with pytest.raises(ValueError, match=r"\['video'\]: only 'image' is supported"):
+                video = {"prompt": "w5", "multi_modal_data": {"video": [WIDE]}}
+                llm.generate(video, use_tqdm=False)
     finally:
         llm.engine.shutdown()
 
