@@ -181,7 +181,7 @@ class EngineArgs:
     max_long_partial_prefills: int = _default("max_long_partial_prefills")
     long_prefill_token_threshold: int = _default("long_prefill_token_threshold")
     scheduling_policy: SchedulingPolicy = _default("scheduling_policy")
-    async_scheduling: bool = _default("async_scheduling")
+    async_scheduling: bool | None = _default("async_scheduling")
     num_lookahead_slots: int = _default("num_lookahead_slots")
     # CompilationConfig
     compile_token_buckets: list[int] = _default("compile_token_buckets")
@@ -320,9 +320,22 @@ class EngineArgs:
             enable_chunked_prefill=chunked,
             max_num_seqs=seqs,
             max_num_batched_tokens=budget,
+            async_scheduling=self._async_scheduling(platform, pooling),
         )
         check_supported(config)
         return config
+
+    def _async_scheduling(self, platform: str | None, pooling: bool) -> bool:
+        """``--async-scheduling`` as given, else `sched_mod.async_by_default`."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return sched_mod.async_by_default(
+            platform,
+            pooling=pooling,
+            pipeline=self.pipeline_parallel_size > 1,
+            multi_host=self.nnodes > 1 or self.distributed_executor_backend == "ray",
+            speculative=bool(self.speculative_config),
+        )
 
 
 def _group(parser: argparse.ArgumentParser, cls: type) -> Any:

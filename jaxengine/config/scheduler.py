@@ -15,6 +15,29 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 """max_num_batched_tokens picked when unset and chunked prefill is on."""
 # (max_num_seqs, max_num_batched_tokens) when the engine runs on CPU.
 CPU_DEFAULTS = (64, 2048)
+ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+"""Platforms (`jax.default_backend()`) where async scheduling is on by default."""
+
+
+def async_by_default(
+    platform: str | None,
+    *,
+    pooling: bool = False,
+    pipeline: bool = False,
+    multi_host: bool = False,
+    speculative: bool = False,
+) -> bool:
+    """What an unset ``--async-scheduling`` resolves to: on for an accelerator
+    (``platform``), where the host's scheduling of the next step overlaps the device's
+    work on this one (1.40x batch-1 decode on an H200, bench/README.md), unless the
+    engine runs what async scheduling does not (pipeline parallelism, several hosts,
+    speculative decoding, a pooling model); off on a CPU (and for an unknown
+    platform), where the host and the device share the same cores."""
+    if platform not in ACCELERATORS:
+        return False
+    return not (pooling or pipeline or multi_host or speculative)
+
+
 POOLING_CPU_MAX_NUM_SEQS = 128
 """A pooling model's max_num_seqs on CPU: its requests run whole in one step, and a
 step of short texts (16 tokens each) fills the 2048-token budget at 128 requests
@@ -72,13 +95,16 @@ class SchedulerConfig:
     """The scheduling policy. "fcfs" serves requests in order of arrival;
     "priority" serves them by their given priority (lower value first), breaking
     ties by arrival time."""
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     """If True, the host schedules and packs step N+1 while the device runs step N;
     sampled tokens are read back one step late and fed to the next step on device.
     Outputs are the same as without it. A step whose batch holds requests that need
     their latest tokens on the host (penalties, bad words, logits processors,
     structured outputs) waits for the previous one. Not supported with pipeline
-    parallelism or across hosts."""
+    parallelism or across hosts. None (the default): on where the engine runs on an
+    accelerator (GPU, TPU) and nothing it runs needs it off (pipeline parallelism,
+    several hosts, speculative decoding, a pooling model), as in vLLM; off on a CPU,
+    where the host and the "device" share the same cores (`async_by_default`)."""
     num_lookahead_slots: int = spec(0, ge=0)
     """The number of slots to allocate per sequence per step beyond the known
     token ids. Used by speculative decoding to store KV of tokens that may or may

@@ -420,3 +420,32 @@ def test_serve_compiles_in_the_background_unless_told_not_to():
     assert parser.parse_args([]).background_compile is True
     assert parser.parse_args(["--no-background-compile"]).background_compile is False
     assert EngineArgs().background_compile is False  # the offline LLM compiles first
+
+
+@pytest.mark.parametrize(
+    "platform, kwargs, pooling, expected",
+    [
+        ("gpu", {}, False, True),
+        ("tpu", {}, False, True),
+        ("cpu", {}, False, False),
+        (None, {}, False, False),
+        ("gpu", {}, True, False),
+        ("gpu", {"pipeline_parallel_size": 2}, False, False),
+        ("tpu", {"nnodes": 2}, False, False),
+        (
+            "gpu",
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            False,
+            False,
+        ),
+        ("gpu", {"async_scheduling": False}, False, False),
+        ("cpu", {"async_scheduling": True}, False, True),
+    ],
+)
+def test_async_scheduling_default(platform, kwargs, pooling, expected):
+    """Unset, ``--async-scheduling`` is on for an accelerator unless the engine runs
+    what it does not support (then off, not refused); off on a CPU; as given when set."""
+    config = EngineArgs(model="m", **kwargs).create_engine_config(platform, pooling=pooling)
+    assert config.scheduler_config.async_scheduling is expected
+    flags = EngineArgs.from_cli_args(_parser().parse_args(["--no-async-scheduling"]))
+    assert flags.async_scheduling is False
