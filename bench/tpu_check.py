@@ -132,6 +132,15 @@ def _defaults(config_class: str, architecture: str) -> dict:
 QWEN3_NEXT_80B_A3B = _defaults("Qwen3NextConfig", "Qwen3NextForCausalLM")
 QWEN3_5 = _defaults("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")
 GEMMA4 = _defaults("Gemma4TextConfig", "Gemma4ForCausalLM")
+QWEN3_5_VL = _defaults("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")
+# Qwen3.5-9B's (the text defaults' checkpoint): the tower projects onto the 4096-wide
+# decoder; transformers' default out_hidden_size (3584, Qwen3-VL's) matches no decoder
+QWEN3_5_VL["vision_config"] = dict(QWEN3_5_VL["vision_config"], out_hidden_size=4096)
+# gemma-4-e2b-it's tower: Gemma4Config's default has none, Gemma4VisionConfig's defaults
+GEMMA4_VL = dict(
+    _defaults("Gemma4Config", "Gemma4ForConditionalGeneration"),
+    vision_config=_defaults("Gemma4VisionConfig", "Gemma4VisionModel"),
+)
 
 ROWS = {
     "llama3-8b@v5e-4": (LLAMA3_8B, "v5e-4", ["-tp", "4"]),
@@ -156,6 +165,8 @@ ROWS = {
     ),
     "qwen3.5@v6e-4": (QWEN3_5, "v6e-4", ["-tp", "4"]),
     "gemma4@v6e-1": (GEMMA4, "v6e-1", []),
+    "qwen3.5-vl@v6e-4": (QWEN3_5_VL, "v6e-4", ["-tp", "4"]),
+    "gemma4-vl@v6e-1": (GEMMA4_VL, "v6e-1", []),
 }
 PER_LAYER_LISTS = ("layer_types", "no_rope_layers")
 """Config entries with one item per layer, cut with the depth (`--layers`)."""
@@ -163,9 +174,12 @@ SERVE_FLAGS = ["--max-model-len", "8192", "--no-progress"]
 
 
 def at_depth(config: dict, layers: int | None) -> dict:
-    """``config`` with its first ``layers`` layers (None: all of them)."""
+    """``config`` with its first ``layers`` layers (None: all of them); a vision-language
+    config's decoder's (``text_config``), its vision tower whole."""
     if layers is None:
         return config
+    if "text_config" in config:
+        return dict(config, text_config=at_depth(config["text_config"], layers))
     cut = dict(config, num_hidden_layers=layers)
     for key in PER_LAYER_LISTS:
         if key in cut:

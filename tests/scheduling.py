@@ -52,6 +52,7 @@ GROUP_SECONDS = {
     "tests/models/test_vision_gemma4.py": 18,  # the same run
     "tests/models/test_vision_qwen3_5.py": 18,  # the same run
     "tests/sharding/test_tpu_cache_rows.py": 18,  # the same run
+    "tests/sharding/test_tpu_check_vision.py": 34,  # measured alone, 2026-11-29
     "tests/engine/test_mtp.py": 35,  # measured alone, 2026-11-29
     "tests/models/test_gemma4.py": 65,  # -n 2 beside other work, 2026-11-29
     "tests/models/test_qwen3_next.py": 27,  # the full suite of 65f9054, 2026-11-29

@@ -7,11 +7,18 @@ each image's placeholder are the model's own. Each family's module here splits t
 processor's batch-of-one output per image (`idefics3.split`); a family whose
 processor ``AutoProcessor`` cannot build here has its own ``load_processor``
 (`qwen2_5_vl`: no torchvision).
+
+A compile-only engine (``jaxengine tpu-check``) of a folder that may hold only
+``config.json`` builds its processor with `ImageProcessor.from_config`: the folder's
+image processor where it has one, else the family's transformers image processor
+from its defaults with the tower's patch sizes (`default_image_processor`), and no
+tokenizer. It sizes the encoder (its unit buckets, its rows) and processes nothing.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +100,13 @@ class ImageProcessor:
         except Exception as e:  # noqa: BLE001 - any failure means no usable processor
             raise ValueError(f"{folder}: cannot load the model's image processor: {e}") from e
         return cls(processor, hf_config, defaults)
+
+    @classmethod
+    def from_config(cls, hf_config: Any, defaults: dict | None = None, folder: str | None = None):
+        """The processor of a compile-only engine (module doc): it sizes the encoder
+        as ``serve``'s would with the same image processor, and takes no prompts."""
+        image_processor = default_image_processor(hf_config, folder)
+        return cls(SizesOnly(image_processor, hf_config), hf_config, defaults)
 
     @property
     def tokenizer(self) -> Any:
@@ -176,6 +190,70 @@ class ImageProcessor:
                 "(--mm-processor-kwargs, else the model's processor config): a request "
                 "may lower the image size limits (e.g. max_pixels), not raise them"
             )
+
+
+class SizesOnly:
+    """A processor without a tokenizer (`ImageProcessor.from_config`): the image
+    processor and the per-image token counts the families read, nothing to call."""
+
+    tokenizer = None
+
+    def __init__(self, image_processor: Any, hf_config: Any) -> None:
+        self.image_processor = image_processor
+        self.image_seq_length = getattr(hf_config, "mm_tokens_per_image", None)  # Gemma 3
+        self.image_seq_len = _tile_tokens(hf_config)  # Idefics3's tokens per tile
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            "this engine was built to compile (jaxengine tpu-check), without the model's "
+            "processor: it processes no prompts"
+        )
+
+
+_TOWER_SIZES = {
+    "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "merge_size": "spatial_merge_size",
+    "pooling_kernel_size": "pooling_kernel_size",
+}
+"""Image processor argument -> the ``vision_config`` field that fixes it (the tower's
+patch geometry: a processor of other patches would not fit the tower)."""
+
+
+def default_image_processor(hf_config: Any, folder: str | None = None) -> Any:
+    """``folder``'s image processor (its ``preprocessor_config.json``), else the
+    defaults of transformers' image processor class for ``hf_config``'s model type
+    (the PIL one: no torchvision) with the tower's sizes (`_TOWER_SIZES`)."""
+    import transformers
+
+    if folder is not None and os.path.isfile(os.path.join(folder, "preprocessor_config.json")):
+        return transformers.AutoImageProcessor.from_pretrained(folder)
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(hf_config.model_type)
+    if not names:
+        raise ValueError(f"no image processor is known for model type {hf_config.model_type!r}")
+    if isinstance(names, dict):  # {"pil": ..., "torchvision": ...}
+        name = names.get("pil") or next(iter(names.values()))
+    else:  # (slow, fast) in older transformers
+        name = names[0]
+    image_processor_class = getattr(transformers, name)
+    probe, vision = image_processor_class(), hf_config.vision_config
+    sizes = {
+        arg: getattr(vision, field)
+        for arg, field in _TOWER_SIZES.items()
+        if hasattr(probe, arg) and getattr(vision, field, None) is not None
+    }
+    return image_processor_class(**sizes) if sizes else probe
+
+
+def _tile_tokens(hf_config: Any) -> int | None:
+    """Idefics3's image tokens per tile: ``(image_size / patch_size)^2 / scale_factor^2``
+    (its processor's ``image_seq_len``); None for another family."""
+    vision, scale = hf_config.vision_config, getattr(hf_config, "scale_factor", None)
+    if not scale or not hasattr(vision, "image_size"):
+        return None
+    return int((vision.image_size // vision.patch_size) ** 2 / scale**2)
 
 
 def prompt_images(

@@ -10,6 +10,11 @@ then reads ``images[md.image_rows]`` at the image tokens (`runner.step.make_step
 
 The encoder's parameters are replicated on every device of the tensor group (a
 SigLIP tower is small next to the decoder), and so are the rows.
+
+A compile-only runner (``abstract``: ``jaxengine tpu-check``) holds both as placed
+shapes (`jax.ShapeDtypeStruct`s with the replicated sharding), as the decoder's
+parameters are there: its compile jobs compile the encoder call for each unit bucket
+through the store, and nothing is allocated or run on the devices.
 """
 
 from __future__ import annotations
@@ -40,12 +45,15 @@ class EncoderRunner:
         sharding: Any = None,
         store: ExecutableStore | None = None,
         both_ways: bool = False,
+        abstract: bool = False,
     ) -> None:
         """``encoder``: the family's image encoder (`models.idefics3.Idefics3ImageEncoder`);
         ``num_rows``: the encoder cache's size in embeddings; ``max_units``: the most
         units (tiles) one image takes; ``sharding``: where params and rows live
         (replicated over the tensor group; None: the default device); ``both_ways``: an
-        image's tokens attend to each other both ways (Gemma 3: `chunk_fields`)."""
+        image's tokens attend to each other both ways (Gemma 3: `chunk_fields`);
+        ``abstract``: a compile-only runner (module doc): ``params`` are shapes
+        (`loader.encoder_params.abstract_params`), `run` is never called."""
         self.encoder = encoder
         self.both_ways = both_ways
         self.mrope = bool(getattr(encoder, "mrope", False))
@@ -53,10 +61,13 @@ class EncoderRunner:
         self.num_rows = num_rows
         self.store = store
         self.unit_buckets = default_token_buckets(max_units)
-        self.params = params if sharding is None else jax.device_put(params, sharding)
-        zeros = jax.jit(lambda: jnp.zeros((num_rows, encoder.hidden_size), dtype),
-                        out_shardings=sharding)  # fmt: skip
-        self.images = zeros()
+        rows = jax.ShapeDtypeStruct((num_rows, encoder.hidden_size), dtype)  # [rows, hidden]
+        if abstract:
+            self.params = jax.tree_util.tree_map(lambda x: _placed(x, sharding), params)
+            self.images = _placed(rows, sharding)
+        else:
+            self.params = params if sharding is None else jax.device_put(params, sharding)
+            self.images = jax.jit(lambda: jnp.zeros(rows.shape, dtype), out_shardings=sharding)()
         self._write = jax.jit(self._encode_into, donate_argnums=(1,))
         self._compiled: dict[int, Any] = {}
         self._rows: dict[str, np.ndarray] = {}  # key -> its rows, as last encoded
@@ -81,7 +92,7 @@ class EncoderRunner:
         images = abstract_like(self.images)
         self._compiled[units] = compile_ahead(
             self.store,
-            "encode",
+            "encoder",
             units,
             lambda: self._write.lower(self.params, images, inputs, rows),
         )
@@ -147,3 +158,8 @@ class EncoderRunner:
                 self.images = compiled(self.params, self.images, inputs, rows)
             else:  # --enforce-eager
                 self.images = self._write(self.params, self.images, inputs, rows)
+
+
+def _placed(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype placed with ``sharding`` (None: unplaced)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)

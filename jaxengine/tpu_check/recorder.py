@@ -110,6 +110,8 @@ def _label(name: str, key: Any, bucket: tuple[int, int] | None) -> str:
         return f"step ({bucket[0]} tokens, {bucket[1]} requests)"
     if name == "prompt_logprobs":
         return f"prompt logprobs ({key} tokens)"
+    if name == "encoder":
+        return f"image encoder ({key} units)"
     if name.startswith("sampler") and isinstance(key, tuple) and key:
         spec = key[0]
         rows = (

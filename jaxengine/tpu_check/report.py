@@ -3,11 +3,14 @@
 `analyse` reads a compile-only engine and the `CompileRecorder`'s records into a
 `CheckReport`:
 
-- **per chip**: the parameters' bytes on one device, the KV cache sized from the
-  chip's HBM at ``--gpu-memory-utilization`` (its tokens, and the concurrency at
-  ``--max-model-len``), the largest transient allocation (temporaries plus the outputs
-  that reuse no argument, `ProgramRecord.transient_bytes`) and the program that needs
-  it; it fits when the three together are at most the chip's HBM;
+- **per chip**: the parameters' bytes on one device (a vision-language model's image
+  encoder's too, replicated), the KV cache sized from the chip's HBM at
+  ``--gpu-memory-utilization`` (its tokens, and the concurrency at
+  ``--max-model-len``), the rows of image embeddings the encoder writes
+  (`runner.encoder`), the largest transient allocation (temporaries plus the outputs
+  that reuse no argument, `ProgramRecord.transient_bytes`; the encoder's programs'
+  too) and the program that needs it; it fits when these together are at most the
+  chip's HBM;
 - **per step bucket**: the bytes its instructions move in HBM outside the Pallas
   kernels, and the weights those kernels take (`hlo.hbm_bytes`, read from the
   compiled program's memory spaces: MoE experts in the grouped matmul), against
@@ -110,6 +113,8 @@ class CheckReport:
     programs: tuple[ProgramRecord, ...]
     steps: tuple[StepTraffic, ...]
     kv_bytes_per_token: float  # one chip's, all layers
+    encoder_params_bytes: int = 0  # the image encoder's, on one chip (in params_bytes)
+    image_rows_bytes: int = 0  # the image embeddings' rows on one chip (`runner.encoder`)
 
     @property
     def hbm_bytes(self) -> int:
@@ -117,7 +122,7 @@ class CheckReport:
 
     @property
     def needed_bytes(self) -> int:
-        return self.params_bytes + self.kv_bytes + self.largest_transient[1]
+        return self.params_bytes + self.kv_bytes + self.image_rows_bytes + self.largest_transient[1]
 
     @property
     def fits(self) -> bool:
@@ -152,6 +157,8 @@ class CheckReport:
                 "hbm_bytes": chip.hbm_bytes,
                 "hbm_bandwidth": chip.hbm_bandwidth,
                 "params_bytes": self.params_bytes,
+                "encoder_params_bytes": self.encoder_params_bytes,
+                "image_rows_bytes": self.image_rows_bytes,
                 "kv_cache_bytes": self.kv_bytes,
                 "kv_tokens": self.kv_tokens,
                 "max_concurrency": self.kv_tokens / self.max_model_len,
@@ -186,9 +193,10 @@ class CheckReport:
             f"{self.model} on {self.slice.name} ({self.slice.topology}, "
             f"TP {self.tensor_parallel_size}): {len(self.programs)} programs compiled in "
             f"{sum(p.seconds for p in self.programs):.1f} s",
-            f"per chip: parameters {gib(self.params_bytes)}, KV cache {gib(self.kv_bytes)} "
-            f"({self.kv_tokens} tokens, {self.kv_tokens / self.max_model_len:.2f}x at "
-            f"max_model_len {self.max_model_len}), largest transient {gib(size)} ({name}); "
+            f"per chip: parameters {gib(self.params_bytes)}{self._image_parts()}, KV cache "
+            f"{gib(self.kv_bytes)} ({self.kv_tokens} tokens, "
+            f"{self.kv_tokens / self.max_model_len:.2f}x at max_model_len "
+            f"{self.max_model_len}), largest transient {gib(size)} ({name}); "
             f"{gib(self.needed_bytes)} of {gib(chip.hbm_bytes)} HBM: "
             + ("fits" if self.fits else "DOES NOT FIT"),
         ]
@@ -211,13 +219,24 @@ class CheckReport:
         out.append("audit: " + ("clean" if not findings else "; ".join(findings)))
         return out
 
+    def _image_parts(self) -> str:
+        """The image encoder's share of the parameters and its rows (if it has one)."""
+        if not (self.encoder_params_bytes or self.image_rows_bytes):
+            return ""
+        return (
+            f" (image encoder {self.encoder_params_bytes / GiB:.2f} GiB), image rows "
+            f"{self.image_rows_bytes / GiB:.2f} GiB"
+        )
+
 
 def analyse(tpu: TpuSlice, runner: Any, host: Any, records: list) -> CheckReport:
     """The report of a compile-only engine (`check.check_engine`)."""
     model, config = host.model, host.config  # (max_model_len resolved)
     paged = _paged(runner.kv_caches)  # (a hybrid model's state pools aside)
     cache_shard = paged[0].sharding.shard_shape(paged[0].shape)
-    params_bytes = device_bytes(runner.params)
+    encoder = runner.encoder  # a vision-language model's (`runner.encoder`), or None
+    encoder_bytes = 0 if encoder is None else device_bytes(encoder.params)
+    params_bytes = device_bytes(runner.params) + encoder_bytes
     per_token = host.kv_size.bytes_per_block / host.kv_size.block_size
     transients = [(p.label, p.transient_bytes) for p in records]
     steps = tuple(
@@ -235,6 +254,8 @@ def analyse(tpu: TpuSlice, runner: Any, host: Any, records: list) -> CheckReport
         programs=tuple(records),
         steps=tuple(sorted(steps, key=lambda s: s.tokens)),
         kv_bytes_per_token=per_token,
+        encoder_params_bytes=encoder_bytes,
+        image_rows_bytes=0 if encoder is None else device_bytes(encoder.images),
     )
 
 

@@ -344,13 +344,13 @@ def build_worker(
     eos = _eos(generation_config, tokenizer, loaded.hf_config)
     model, mc = loaded.config, config.model_config
     pooler = resolve_pooler(config, loaded)
-    images = load_images(config, loaded)
+    images = load_images(config, loaded, abstract=target is not None)
     draft = load_draft(config, devices, loaded, load_replica)
     extra = draft_bytes_per_block(config, draft)
     memory = None if target is None else (target.hbm_bytes, device_bytes(loaded.params))
     kv_size, limits, dtype = _size_cache(config, placement, model, extra, memory)
-    heads = placement.plans[0].kv_cache_heads
-    tp = placement.plans[0].tensor_size
+    plan = placement.plans[0]
+    heads, tp = plan.kv_cache_heads, plan.tensor_size
     page_shape = kv_cache_shape(model, 1, kv_size.block_size, heads, placement.platform, tp)[1:]
     settings = _runner_settings(config, model, kv_size, limits, dtype, page_shape, eos, pooler)
     k = logprobs_bucket(mc.max_logprobs, model.vocab_size) or 0
@@ -371,7 +371,7 @@ def build_worker(
     proposer = make_proposer(config, draft, settings, loaded)
     encoder = None
     if images is not None:
-        encoder = encoder_runner(config, loaded, images, placement.plans[0], store)
+        encoder = encoder_runner(config, loaded, images, plan, store, target is not None)
     runner = ModelRunner(
         program,
         loaded.params,

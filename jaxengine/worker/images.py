@@ -1,5 +1,9 @@
 """A vision-language model's parts of a worker: the image processor (host), the
-encoder and its parameters, and the encoder step (device), sized together."""
+encoder and its parameters, and the encoder step (device), sized together.
+
+A compile-only worker (``abstract``: ``jaxengine tpu-check``, whose folder may hold
+only ``config.json``) takes the processor's sizes from `ImageProcessor.from_config`
+and the encoder's parameters as shapes: nothing is read, drawn or placed."""
 
 from __future__ import annotations
 
@@ -8,7 +12,11 @@ from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.loader import LoadedModel, checkpoint_tensors, is_torch
-from jaxengine.loader.encoder_params import dummy_module_params, load_module_params
+from jaxengine.loader.encoder_params import (
+    abstract_params,
+    dummy_module_params,
+    load_module_params,
+)
 from jaxengine.models import image_encoder
 from jaxengine.multimodal.processor import ImageProcessor, is_multimodal
 from jaxengine.runner.encoder import EncoderRunner
@@ -18,13 +26,16 @@ from jaxengine.runner.encoder import EncoderRunner
 class ImageParts:
     processor: ImageProcessor
     encoder: Any  # the family's image encoder (`models.idefics3.Idefics3ImageEncoder`)
-    params: Any  # its parameters (host arrays: the encoder step places them)
+    params: Any  # its parameters (host arrays or shapes: the encoder step places them)
 
 
-def load_images(config: EngineConfig, loaded: LoadedModel) -> ImageParts | None:
+def load_images(
+    config: EngineConfig, loaded: LoadedModel, abstract: bool = False
+) -> ImageParts | None:
     """The processor, encoder and encoder parameters of a model that takes images
     (None for a text-only one), after refusing what images do not run with yet. The
-    encoder's tensors are read in a second pass over the checkpoint."""
+    encoder's tensors are read in a second pass over the checkpoint; ``abstract``:
+    a compile-only worker's (module doc)."""
     if is_torch(loaded) or not is_multimodal(loaded.hf_config):
         return None
     encoder = image_encoder(loaded.hf_config, loaded.config.dtype)
@@ -33,10 +44,12 @@ def load_images(config: EngineConfig, loaded: LoadedModel) -> ImageParts | None:
     if config.speculative_config.num_speculative_tokens:
         raise NotImplementedError("speculative decoding with images is not supported yet")
     mc, lc = config.model_config, config.load_config
-    processor = ImageProcessor.from_folder(
-        str(loaded.source.path), loaded.hf_config, config.multimodal_config.mm_processor_kwargs
-    )
+    folder, kwargs = str(loaded.source.path), config.multimodal_config.mm_processor_kwargs
     inputs = encoder.example_inputs()
+    if abstract:
+        processor = ImageProcessor.from_config(loaded.hf_config, kwargs, folder)
+        return ImageParts(processor, encoder, abstract_params(encoder.module, *inputs))
+    processor = ImageProcessor.from_folder(folder, loaded.hf_config, kwargs)
     if lc.load_format == "dummy":
         params = dummy_module_params(encoder.module, inputs, mc.seed)
     else:
@@ -54,9 +67,15 @@ def encoder_rows(config: EngineConfig, processor: ImageProcessor) -> int:
 
 
 def encoder_runner(
-    config: EngineConfig, loaded: LoadedModel, images: ImageParts, plan: Any, store: Any
+    config: EngineConfig,
+    loaded: LoadedModel,
+    images: ImageParts,
+    plan: Any,
+    store: Any,
+    abstract: bool = False,
 ) -> EncoderRunner:
-    """The encoder step on ``plan``'s devices (replicated over the tensor group)."""
+    """The encoder step on ``plan``'s devices (replicated over the tensor group);
+    ``abstract``: a compile-only one (`EncoderRunner`)."""
     return EncoderRunner(
         images.encoder,
         images.params,
@@ -66,4 +85,5 @@ def encoder_runner(
         None if plan is None else plan.replicated,
         store,
         images.processor.bidirectional,
+        abstract,
     )
