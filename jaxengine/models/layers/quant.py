@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.quantized_gmm.reference import dequantize_mxfp4 as dequantize_transposed
+from pallas_kernels.quantized_matmul import quantized_matmul
 
 METHODS = {
     "int8": (jnp.dtype(jnp.int8), 127.0),
@@ -326,14 +327,14 @@ def quantized_linear(x: jax.Array, leaves: dict, scheme: QuantScheme, dtype: Any
 
     Per-row scales commute with the dot (``x @ (q * s).T == (x @ q.T) * s``), so the
     dot runs on the weight converted to ``dtype`` and the scale multiplies the
-    ``[T, out]`` result. Grouped or offset (int4) weights are dequantized to
-    ``dtype`` inside the computation, as the dot's operand."""
-    contract = (((x.ndim - 1,), (1,)), ((), ()))
+    ``[T, out]`` result (`pallas_kernels.quantized_matmul`: on CUDA, a decode's few
+    rows run its kernel, which widens the 8-bit weight in registers; XLA's dot
+    elsewhere). Grouped or offset (int4) weights are dequantized to ``dtype`` inside
+    the computation, as the dot's operand."""
     if scheme.group_size or scheme.has_offset:
         w = dequantize(leaves, scheme).astype(dtype)
-        return jax.lax.dot_general(x.astype(dtype), w, contract)
-    y = jax.lax.dot_general(x.astype(dtype), leaves[""].astype(dtype), contract)
-    return y * leaves["_scale"].astype(dtype)
+        return jax.lax.dot_general(x.astype(dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+    return quantized_matmul(x.astype(dtype), leaves[""], leaves["_scale"])
 
 
 def quantize(weight: Any, scheme: QuantScheme | str, xp: Any) -> dict:
