@@ -6,7 +6,7 @@
     python -m bench.device --sections kernels,engine --budget engine=400
     python -m bench.device --report device-2026-11-27-0930.json   # print a saved run
 
-Runs the sections in order (environment, correctness, kernels, engine), each within
+Runs the sections in order (environment, correctness, kernels, engine, peer), each within
 its budget of seconds (`profile.GPU`, `profile.DRY_RUN`, ``--budget``): an item that
 fails or runs out of time records its error and the run goes on. Everything goes to
 ``--output`` (default ``device-<date>.json`` in the current folder), saved after
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.device import correctness, engine, environment, kernels, report
+from bench.device import correctness, engine, environment, kernels, peer, report
 from bench.device.engines import compilation_cache_restored
 from bench.device.profile import DRY_RUN, GPU, SECTIONS, Profile
 from bench.device.record import Recorder
@@ -63,8 +63,10 @@ def run_sections(recorder: Recorder, profile: Profile, names: list[str], layers)
                     correctness.run(section, profile)
                 elif name == "kernels":
                     kernels.run(section, profile, denominators)
-                else:
+                elif name == "engine":
                     engine.run(section, profile, denominators, layers)
+                else:  # the peer: its ratios divide the engine's figures of this run
+                    peer.run(section, profile, layers, recorder.doc.get("engine", {}))
         except Exception as exc:  # noqa: BLE001 - a broken section must not end the run
             section.results["error"] = f"{type(exc).__name__}: {exc}"
         recorder.save()

@@ -7,14 +7,21 @@ Items, in order (each engine built once, `engines.EnginePool`):
   the same directory (warm: the stored executables loaded). The warm one stays as
   the base engine.
 - ``decode``: batch-1 decode tok/s (`bench.decode_roofline.decode_rate`: two
-  generations that differ only in length) and MBU = weight bytes x tok/s / copy
-  bandwidth (goal >= 0.85).
+  generations that differ only in length) and MBU = weight bytes x tok/s / bandwidth,
+  against three bandwidths: the sheet's (``mbu_sheet``; None off the table), the
+  read probe's (``mbu_read_probe``: what a decode's weight reads can reach; the goal,
+  >= 0.85) and the copy probe's (``mbu_copy_probe``).
+- ``trace``: `bench.device.traced`: one prefill step and a few batch-1 decode steps
+  of the base engine under `jax.profiler`, read into a table (busy fraction, top
+  kernels, host gaps between steps) by `bench.device.trace`.
 - ``baselines``: on the base engine, the n-gram workload without speculation and the
   LoRA workload without adapters (the ``ngram`` and ``lora`` items divide by them).
 - ``throughput``: offline, N prompts x I in / O out in one ``generate`` (``big``
   engine), after a 4-prompt warm-up; ``ttft``: a fresh prompt of ``ttft_len`` tokens
-  to its first token, median of 3.
-- `bench.device.variants`: ``async``, ``fp8_weights``, ``int8_weights``,
+  to its first token, median of 3, and its MFU (`prefill_flops` over the time) against
+  the sheet's bf16 peak (``mfu_sheet``) and the run's matmul probe
+  (``mfu_matmul_probe``).
+- `bench.device.variants`: ``sync``, ``fp8_weights``, ``int8_weights``,
   ``fp8_kv_cache``, ``ngram``, ``lora``.
 - ``compiles_after_warmup``: every engine's count (must be 0; None for an engine
   that skipped its warm-up), taken as each engine is shut down; ``build_seconds``.
@@ -26,7 +33,7 @@ import statistics
 import tempfile
 from typing import Any
 
-from bench.device import variants
+from bench.device import traced, variants
 from bench.device.engines import (
     EnginePool,
     base_kwargs,
@@ -38,6 +45,20 @@ from bench.device.engines import (
     weight_bytes,
 )
 from bench.device.profile import Profile
+
+BANDWIDTHS = {"sheet": "sheet_gb_s", "read_probe": "read_gb_s", "copy_probe": "copy_gb_s"}
+MATMUL_RATES = {"sheet": "sheet_bf16_tflop_s", "matmul_probe": "matmul_tflop_s"}
+
+
+def prefill_flops(model: dict[str, Any], length: int) -> float:
+    """A fresh prompt's FLOPs: every layer's projections for each token, and causal
+    attention (QK^T and PV over half the square); the logits of the last token only."""
+    from bench.compute_ceiling import flops_per_token
+
+    attention = 2 * 2 * model["num_hidden_layers"] * model["hidden_size"] * length * length / 2
+    return (
+        flops_per_token(model) * length + attention + 2 * model["hidden_size"] * model["vocab_size"]
+    )
 
 
 class EngineRun:
@@ -65,9 +86,13 @@ class EngineRun:
         rate = decode_rate(llm, p.prompt_len, p.decode_tokens, p.repeats)
         weights = weight_bytes(llm)
         out = {"tok_s": rate, "ms_per_token": 1000 / rate, "weight_gib": weights / 2**30}
-        if self.denominators.get("copy_gb_s"):
-            out["mbu"] = weights * rate / (self.denominators["copy_gb_s"] * 1e9)
-        return out
+        return {**out, **self.fractions("mbu", weights * rate / 1e9, BANDWIDTHS)}
+
+    def fractions(self, prefix: str, rate: float, names: dict[str, str]) -> dict[str, Any]:
+        """``rate`` over each denominator of ``names`` (suffix -> key): None where the
+        run has no such denominator (the sheet on a CPU, a failed probe)."""
+        found = {n: self.denominators.get(key) for n, key in names.items()}
+        return {f"{prefix}_{n}": rate / d if d else None for n, d in found.items()}
 
 
 def startup(run: EngineRun) -> dict[str, Any]:
@@ -125,7 +150,13 @@ def ttft(run: EngineRun) -> dict[str, Any]:
     timed_generate(llm, prompts[:1], 1)  # warm-up
     times = [timed_generate(llm, [p], 1) for p in prompts[1:]]
     median = statistics.median(times)
-    return {"prompt_len": length, "ttft_s": median, "prefill_tok_s": length / median}
+    tflop_s = prefill_flops(run.model, length) / median / 1e12
+    out = {"prompt_len": length, "ttft_s": median, "prefill_tok_s": length / median}
+    return {**out, "tflop_s": tflop_s, **run.fractions("mfu", tflop_s, MATMUL_RATES)}
+
+
+def trace(run: EngineRun) -> dict[str, Any]:
+    return traced.record(run.small("base"), run.profile)
 
 
 def compiles(pool: EnginePool) -> dict[str, Any]:
@@ -138,6 +169,7 @@ def compiles(pool: EnginePool) -> dict[str, Any]:
 ITEMS = (
     ("startup", startup),
     ("decode", decode),
+    ("trace", trace),
     ("baselines", baselines),
     ("throughput", throughput),
     ("ttft", ttft),

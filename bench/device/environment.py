@@ -6,9 +6,13 @@
 - the devices: backend, kind, count, each one's ``memory_stats()`` where the
   backend reports them, and ``nvidia-smi``'s line where there is one;
 - the device-to-device copy bandwidth (`bench.kernels.copy_bandwidth`: an elementwise
-  pass, read + write) and the bf16 matmul rate (`bench.compute_ceiling.dot_timer` on
+  pass, read + write), the read bandwidth (`read_bandwidth`: a float32 sum over a bf16
+  array, reads only: what a batch-1 decode does with its weights) and the bf16 matmul
+  rate (`bench.compute_ceiling.dot_timer` on
   one layer's projections of the engine section's model, ``matmul_tokens`` rows),
-  both measured here, in the same run as the figures that divide by them.
+  all measured here, in the same run as the figures that divide by them;
+- the vendor's sheet for the device kind (`jaxengine.hardware.chip_of`: HBM bandwidth,
+  dense bf16 and fp8 peaks), None where the kind is not in the table (a CPU).
 """
 
 from __future__ import annotations
@@ -79,6 +83,34 @@ def copy_bandwidth(profile: Profile) -> dict[str, Any]:
     return {"copy_gb_s": rate / 1e9, "probe_mib": profile.copy_mib}
 
 
+def read_bandwidth(profile: Profile) -> dict[str, Any]:
+    """Bytes per second of a read-only pass: ``jnp.sum`` in float32 over a bf16 array
+    of ``read_mib`` (the one float written back is nothing)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.kernels import time_call
+
+    nbytes = profile.read_mib << 20
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    seconds = time_call(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), (x,), profile.iters)
+    return {"read_gb_s": nbytes / seconds / 1e9, "probe_mib": profile.read_mib}
+
+
+def sheet() -> dict[str, Any] | None:
+    """The sheet's figures for this device kind, or None when the table lacks it."""
+    import jax
+
+    from jaxengine.hardware import chip_of
+
+    chip = chip_of(jax.devices()[0].device_kind)
+    if chip is None:
+        return None
+    fp8 = chip.fp8_flops / 1e12 if chip.fp8_flops else None
+    return {"chip": chip.name, "sheet_gb_s": chip.hbm_bandwidth / 1e9,
+            "sheet_bf16_tflop_s": chip.bf16_flops / 1e12, "sheet_fp8_tflop_s": fp8}  # fmt: skip
+
+
 def matmul_rate(profile: Profile, layers: int | None) -> dict[str, Any]:
     from bench.compute_ceiling import dot_timer
 
@@ -94,9 +126,14 @@ def matmul_rate(profile: Profile, layers: int | None) -> dict[str, Any]:
 
 def run(section: Any, profile: Profile, layers: int | None) -> dict[str, float]:
     """Records the section's items; returns the denominators for the later sections
-    (``copy_gb_s``, ``matmul_tflop_s``; absent when their measurement failed)."""
+    (``copy_gb_s``, ``read_gb_s``, ``matmul_tflop_s`` and the sheet's ``sheet_gb_s``,
+    ``sheet_bf16_tflop_s``; absent when their measurement failed or, for the sheet's,
+    where the device kind is not in it)."""
     section.item("versions", versions)
     section.item("devices", devices)
+    figures = section.item("sheet", sheet) or {}  # None (recorded as null) on a CPU
     copy = section.item("copy", lambda: copy_bandwidth(profile)) or {}
+    read = section.item("read", lambda: read_bandwidth(profile)) or {}
     matmul = section.item("matmul", lambda: matmul_rate(profile, layers)) or {}
-    return {k: v for k, v in {**copy, **matmul}.items() if k.endswith(("_gb_s", "_tflop_s"))}
+    found = {**figures, **copy, **read, **matmul}
+    return {k: v for k, v in found.items() if k.endswith(("_gb_s", "_tflop_s")) and v}

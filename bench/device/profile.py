@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-SECTIONS = ("environment", "correctness", "kernels", "engine")
+SECTIONS = ("environment", "correctness", "kernels", "engine", "peer")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class Profile:
     Llama-3-8B's shapes in the engine section."""
     copy_mib: int
     """Size of the copy-bandwidth probe (an elementwise pass, read + write)."""
+    read_mib: int
+    """Size of the read-bandwidth probe (a float32 sum over a bf16 array)."""
     matmul_tokens: int
     """Rows of the bf16 matmul probe (one Llama layer's projections)."""
     iters: int
@@ -53,6 +55,8 @@ class Profile:
     prompt_len: int
     """Prompt of the batch-1 decode measurements."""
     decode_tokens: int
+    trace_decode_steps: int
+    """Batch-1 decode steps in the engine section's profiler trace (after one prefill)."""
     repeats: int
     """Repeats of each batch-1 generation (the median is taken)."""
     throughput: tuple[int, int, int]
@@ -68,9 +72,11 @@ class Profile:
     """The engine of the throughput and TTFT measurements (may equal ``small``: then
     one engine serves both)."""
     eager_variants: bool
-    """Variant engines (async, quantized, fp8 cache, n-gram, LoRA) and the tiny
+    """Variant engines (sync, quantized, fp8 cache, n-gram, LoRA) and the tiny
     families skip the warm-up and compile what they use (``enforce_eager``): the dry
     run's compile time, halved. The GPU run warms every engine up."""
+    peer_device: str
+    """torch's device for the transformers peer (`bench.device.peer`)."""
     budgets: dict[str, float] = field(default_factory=dict)
     """Seconds per section."""
 
@@ -82,12 +88,14 @@ GPU = Profile(
     name="gpu",
     small_model=False,
     copy_mib=1024,
+    read_mib=3072,  # 1.5 G elements: below 2^31, so 32-bit indexing suffices
     matmul_tokens=8192,
     iters=20,
     pytest_timeout_s=140,
     family_tokens=16,
     prompt_len=128,
     decode_tokens=128,
+    trace_decode_steps=8,
     repeats=3,
     throughput=(256, 1024, 128),
     ttft_len=2048,
@@ -96,19 +104,22 @@ GPU = Profile(
     small=EngineShape(8, 256, (8, 256), num_blocks=1024),
     big=EngineShape(256, 2048, (256, 2048)),
     eager_variants=False,
-    budgets={"environment": 30, "correctness": 150, "kernels": 40, "engine": 240},
+    peer_device="cuda",
+    budgets={"environment": 30, "correctness": 150, "kernels": 40, "engine": 250, "peer": 110},
 )
 
 DRY_RUN = Profile(
     name="dry-run",
     small_model=True,
     copy_mib=8,
+    read_mib=8,
     matmul_tokens=64,
     iters=2,
     pytest_timeout_s=120,
     family_tokens=8,
     prompt_len=16,
     decode_tokens=8,
+    trace_decode_steps=4,
     repeats=1,
     throughput=(8, 24, 8),
     ttft_len=48,
@@ -117,5 +128,6 @@ DRY_RUN = Profile(
     small=EngineShape(8, 64, (64,), num_blocks=128),
     big=EngineShape(8, 64, (64,), num_blocks=128),
     eager_variants=True,
-    budgets={"environment": 120, "correctness": 300, "kernels": 120, "engine": 600},
+    peer_device="cpu",
+    budgets={"environment": 120, "correctness": 300, "kernels": 120, "engine": 600, "peer": 120},
 )

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.device import trace
 from jaxengine.benchmarks.common import fmt, format_table
 
 GOALS = (
     # (name, section, item, key, target, at least (True) or exactly (False))
-    ("batch-1 decode MBU", "engine", "decode", "mbu", 0.85, True),
+    ("batch-1 decode MBU (read probe)", "engine", "decode", "mbu_read_probe", 0.85, True),
+    ("batch-1 decode MBU (sheet)", "engine", "decode", "mbu_sheet", 0.85, True),
     ("decode attention / copy bandwidth", "kernels", "decode", "of_copy", 0.70, True),
     ("prefill attention / matmul peak", "kernels", "prefill", "of_matmul", 0.50, True),
     ("compilations after warm-up", "engine", "compiles_after_warmup", "total", 0, False),
@@ -45,10 +47,27 @@ def environment(doc: dict) -> str:
         rows += [["device", f"{d['count']} x {d['kind']} ({d['backend']})"],
                  ["memory limit", memory], ["nvidia-smi", str(d.get("nvidia_smi"))]]  # fmt: skip
     for name, item, key in (("copy GB/s", "copy", "copy_gb_s"),
+                            ("read GB/s (float32 sum of bf16)", "read", "read_gb_s"),
                             ("bf16 matmul TFLOP/s", "matmul", "matmul_tflop_s")):  # fmt: skip
         result = env.get(item, {})
         rows.append([name, status(result) or num(result, key, 3 if "TFLOP" in name else 1)])
+    rows.append(["sheet", sheet_text(env.get("sheet"))])
     return format_table(["environment", "value"], rows)
+
+
+def sheet_text(sheet: Any) -> str:
+    if sheet is None:
+        return "none for this device kind"
+    if status(sheet):
+        return status(sheet) or ""
+    return (f"{sheet['chip']}: {num(sheet, 'sheet_gb_s', 0)} GB/s, bf16 "
+            f"{num(sheet, 'sheet_bf16_tflop_s', 0)} TFLOP/s, fp8 "
+            f"{num(sheet, 'sheet_fp8_tflop_s', 0)} TFLOP/s")  # fmt: skip
+
+
+def mbu(r: dict) -> str:
+    """The MBUs of a decode result: sheet / read probe / copy probe."""
+    return "MBU " + " / ".join(num(r, f"mbu_{k}") for k in ("sheet", "read_probe", "copy_probe"))
 
 
 def correctness(doc: dict) -> str:
@@ -119,26 +138,47 @@ def engine(doc: dict) -> str:
     rows.append(["compilations after warm-up", num(c, "total", 0), "", per])
     m = sec.get("model", {})
     title = f"model: {m.get('num_hidden_layers', '?')} layers, hidden {m.get('hidden_size')}"
-    return title + "\n" + format_table(["engine", "figure", "ratio", "notes"], rows)
+    title += "; MBU against the sheet / read probe / copy probe, MFU against sheet / matmul"
+    text = title + "\n" + format_table(["engine", "figure", "ratio", "notes"], rows)
+    t = sec.get("trace")
+    if t is not None:
+        text += "\n\nprofile of the base engine (one prefill step, batch-1 decode steps):\n"
+        text += status(t) or trace.table(t)
+    return text
+
+
+def peer(doc: dict) -> str:
+    sec = doc.get("peer", {})
+    b = sec.get("build", {})
+    rows = [["build s", status(b) or num(b, "build_s", 1), "",
+             "" if status(b) else f"{b['device']}; {b['note']}; torch {b['torch']}, "
+             f"transformers {b['transformers']}"]]  # fmt: skip
+    for label, item, key, digits in (("batch-1 decode tok/s", "decode", "tok_s", 1),
+                                     ("TTFT s", "prefill", "ttft_s", 3)):  # fmt: skip
+        r = sec.get(item, {})
+        note = "" if status(r) else "jaxengine over transformers (speed)"
+        rows.append([label, status(r) or num(r, key, digits), num(r, "engine_over_peer"), note])
+    return format_table(["transformers peer", "figure", "jaxengine x", "notes"], rows)
 
 
 ENGINE_ROWS = (
     ("start-up (cold / warm s)", "startup",
      lambda r: [f"{num(r, 'cold_s', 1)} / {num(r, 'warm_s', 1)}", "", "engine build, bf16"]),
     ("batch-1 decode tok/s", "decode",
-     lambda r: [num(r, "tok_s", 1), f"MBU {num(r, 'mbu')}", f"{num(r, 'weight_gib')} GiB"]),
+     lambda r: [num(r, "tok_s", 1), mbu(r), f"{num(r, 'weight_gib')} GiB"]),
     ("throughput out tok/s", "throughput",
      lambda r: [num(r, "out_tok_s", 1), "",
                 f"{r['prompts']} x {r['input_len']} in / {r['output_len']} out, "
                 f"{num(r, 'total_tok_s', 1)} total tok/s"]),
     ("TTFT s", "ttft",
-     lambda r: [num(r, "ttft_s", 3), "", f"{r['prompt_len']}-token prompt"]),
-    ("async scheduling decode tok/s", "async",
-     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", "vs off"]),
+     lambda r: [num(r, "ttft_s", 3), f"MFU {num(r, 'mfu_sheet')} / {num(r, 'mfu_matmul_probe')}",
+                f"{r['prompt_len']}-token prompt, {num(r, 'tflop_s', 1)} TFLOP/s"]),
+    ("synchronous steps decode tok/s", "sync",
+     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", "vs the default (async on GPU)"]),
     ("fp8 weights decode tok/s", "fp8_weights",
-     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", f"MBU {num(r, 'mbu')}"]),
+     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", mbu(r)]),
     ("int8 weights decode tok/s", "int8_weights",
-     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", f"MBU {num(r, 'mbu')}"]),
+     lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", mbu(r)]),
     ("fp8 KV cache decode tok/s", "fp8_kv_cache",
      lambda r: [num(r, "tok_s", 1), f"{num(r, 'over_base')}x", "vs bf16 cache"]),
     ("n-gram speculation out tok/s", "ngram",
@@ -153,7 +193,7 @@ ENGINE_ROWS = (
 
 def tables(doc: dict) -> str:
     parts = [("environment", environment), ("correctness", correctness),
-             ("kernels", kernels), ("engine", engine)]  # fmt: skip
+             ("kernels", kernels), ("engine", engine), ("peer", peer)]  # fmt: skip
     out = []
     for name, fn in (p for p in parts if p[0] in doc):
         text = f"== {name} ==\n{fn(doc)}"

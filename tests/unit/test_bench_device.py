@@ -16,8 +16,8 @@ from bench.device.__main__ import main
 from bench.device.profile import SECTIONS
 from bench.device.record import Recorder
 
-ENGINE_ITEMS = ("startup", "decode", "baselines", "throughput", "ttft", "async", "fp8_weights",
-                "int8_weights", "fp8_kv_cache", "ngram", "lora")  # fmt: skip
+ENGINE_ITEMS = ("startup", "decode", "trace", "baselines", "throughput", "ttft", "sync",
+                "fp8_weights", "int8_weights", "fp8_kv_cache", "ngram", "lora")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,8 @@ def test_environment_measures_the_denominators(dry_run):
     assert env["versions"]["jax"] != "not installed"
     assert env["devices"]["backend"] == "cpu" and env["devices"]["count"] >= 1
     assert env["copy"]["copy_gb_s"] > 0 and env["matmul"]["matmul_tflop_s"] > 0
+    assert env["read"]["read_gb_s"] > 0
+    assert env["sheet"] is None  # no vendor's sheet for a CPU
 
 
 def test_tiny_families_match_transformers(dry_run):
@@ -68,13 +70,33 @@ def test_kernels_compare_the_engine_path_with_the_reference(dry_run):
 def test_engine_figures_are_positive_and_nothing_compiles_after_warmup(dry_run):
     engine = dry_run["engine"]
     assert engine["startup"]["cold_s"] > 0 and engine["startup"]["warm_s"] > 0
-    assert engine["decode"]["tok_s"] > 0 and engine["decode"]["mbu"] > 0
+    decode = engine["decode"]
+    assert decode["tok_s"] > 0 and decode["mbu_read_probe"] > 0 and decode["mbu_copy_probe"] > 0
+    assert decode["mbu_sheet"] is None and engine["ttft"]["mfu_sheet"] is None
+    assert engine["ttft"]["mfu_matmul_probe"] > 0
     assert engine["throughput"]["out_tok_s"] > 0 and engine["ttft"]["ttft_s"] > 0
-    for item in ("async", "fp8_weights", "int8_weights", "fp8_kv_cache", "lora"):
+    for item in ("sync", "fp8_weights", "int8_weights", "fp8_kv_cache", "lora"):
         assert engine[item]["tok_s"] > 0 and engine[item]["over_base"] > 0, item
     assert engine["ngram"]["over_none"] > 0 and engine["ngram"]["acceptance"] is not None
     compiles = engine["compiles_after_warmup"]
     assert compiles["per_engine"]["base"] == 0 and compiles["ok"] is True
+
+
+def test_the_trace_of_engine_steps_reads_into_a_table(dry_run):
+    result = dry_run["engine"]["trace"]
+    assert "CPU executor" in result["plane"]  # no device plane on a CPU
+    assert len(result["steps"]) == result["engine_steps"] == 1 + 4  # a prefill, 4 decodes
+    for phase in ("prefill", "decode"):
+        assert 0 < result[phase]["busy_fraction"] <= 1 and result[phase]["top_kernels"]
+    assert result["decode"]["host_gap_ms"]["median"] >= 0
+
+
+def test_the_transformers_peer_runs_and_divides_the_engine(dry_run):
+    peer = dry_run["peer"]
+    assert peer["build"]["device"] == "cpu" and peer["build"]["compiled"] is False
+    for item in ("decode", "prefill"):
+        assert peer[item]["engine_over_peer"] > 0, peer[item]
+    assert peer["prefill"]["prompt_len"] == dry_run["engine"]["ttft"]["prompt_len"]
 
 
 def test_tables_print_every_section_and_the_goals(dry_run):
@@ -82,6 +104,7 @@ def test_tables_print_every_section_and_the_goals(dry_run):
     for title in (*SECTIONS, "goals"):
         assert f"== {title} ==" in text
     assert "compilations after warm-up" in text and "error:" not in text
+    assert "plane read: /host:CPU" in text and "transformers peer" in text
 
 
 def test_an_item_that_fails_or_runs_out_of_time_is_recorded(tmp_path):
