@@ -56,7 +56,7 @@ from jaxengine.speculative.device.build import (
     num_speculative_tokens,
 )
 from jaxengine.speculative.device.loading import load_draft
-from jaxengine.worker.images import encoder_runner, load_images
+from jaxengine.worker.images import encoder_bytes, encoder_runner, load_images
 from jaxengine.worker.loading import load_replica, stage_program
 from jaxengine.worker.pooling import resolve_pooler
 from jaxengine.worker.target import CompileTarget, device_bytes
@@ -190,10 +190,12 @@ def _size_cache(
     model: TransformerConfig,
     extra: int = 0,
     memory: tuple[int, int] | None = None,
+    reserved: int = 0,
 ):
     """(KV-cache size, scheduler limits, cache dtype name) for this replica; ``extra``:
     bytes each page also takes in another cache (a draft model's); ``memory``: (limit,
-    in use) bytes of a device (None: measured on an accelerator, unknown on CPU)."""
+    in use) bytes of a device (None: measured on an accelerator, unknown on CPU);
+    ``reserved``: bytes a device will hold besides (the image encoder's)."""
     cc, sc = config.cache_config, config.scheduler_config
     dtype = cache_dtype(config, model)
     states = layer_state_shapes(model, sum(pool_rows(config)))  # a hybrid's (`runner.states`)
@@ -207,9 +209,10 @@ def _size_cache(
         kv_parts=_rows_per_device(model, placement),  # K and V (padded), or MLA latent rows
     )
     max_model_len = config.model_config.max_model_len
-    kv_bytes, memory = reserve_states(
-        states, cc.kv_cache_memory_bytes, memory or _measured(placement)
-    )
+    memory = memory or _measured(placement)
+    if memory is not None:
+        memory = (memory[0], memory[1] + reserved)
+    kv_bytes, memory = reserve_states(states, cc.kv_cache_memory_bytes, memory)
     kv_size = plan_kv_cache(
         per_block=per_block + extra,
         block_size=cc.block_size,
@@ -342,13 +345,13 @@ def build_worker(
     placement, loaded, backend = load_replica(config, devices, abstract=target is not None)
     config, tokenizer, generation_config = _host_side(config, loaded)
     eos = _eos(generation_config, tokenizer, loaded.hf_config)
-    model, mc = loaded.config, config.model_config
-    pooler = resolve_pooler(config, loaded)
+    model, mc, pooler = loaded.config, config.model_config, resolve_pooler(config, loaded)
     images = load_images(config, loaded, abstract=target is not None)
     draft = load_draft(config, devices, loaded, load_replica)
-    extra = draft_bytes_per_block(config, draft)
     memory = None if target is None else (target.hbm_bytes, device_bytes(loaded.params))
-    kv_size, limits, dtype = _size_cache(config, placement, model, extra, memory)
+    reserved = encoder_bytes(config, images, model.dtype)  # placed after the cache
+    extra = draft_bytes_per_block(config, draft)  # a draft's pages beside each page
+    kv_size, limits, dtype = _size_cache(config, placement, model, extra, memory, reserved)
     plan = placement.plans[0]
     heads, tp = plan.kv_cache_heads, plan.tensor_size
     page_shape = kv_cache_shape(model, 1, kv_size.block_size, heads, placement.platform, tp)[1:]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import numpy as np
+
 from jaxengine.config import EngineConfig
 from jaxengine.loader import LoadedModel, checkpoint_tensors, is_torch
 from jaxengine.loader.encoder_params import (
@@ -64,6 +67,18 @@ def encoder_rows(config: EngineConfig, processor: ImageProcessor) -> int:
     ``encoder_cache_size`` and ``max_num_encoder_input_tokens``)."""
     budget = config.scheduler_config.max_num_batched_tokens
     return max(budget, processor.max_embeds_per_image)
+
+
+def encoder_bytes(config: EngineConfig, images: ImageParts | None, dtype: Any) -> int:
+    """What the image encoder will hold on each device of the tensor group: its
+    parameters (replicated) and its rows of embeddings (`encoder_rows`), which the KV
+    cache's sizing leaves room for (they are placed after it). 0 without images."""
+    if images is None:
+        return 0
+    leaves = jax.tree_util.tree_leaves(images.params)
+    params = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+    rows = encoder_rows(config, images.processor) * images.encoder.hidden_size
+    return params + rows * np.dtype(dtype).itemsize
 
 
 def encoder_runner(

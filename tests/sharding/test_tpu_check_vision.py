@@ -26,6 +26,7 @@ pytest.importorskip("libtpu", reason="the TPU compiler comes with the tpu extra"
 from jaxengine.engine_args import EngineArgs  # noqa: E402
 from jaxengine.multimodal.processor import ImageProcessor  # noqa: E402
 from jaxengine.runner.buckets import default_token_buckets  # noqa: E402
+from jaxengine.runner.kv_sizing import ACTIVATION_RESERVE  # noqa: E402
 from jaxengine.tpu_check.check import check_engine  # noqa: E402
 from tests.models.gemma4_tiny import gemma4_tiny  # noqa: E402
 from tests.models.tiny_configs import TINY_SIZES  # noqa: E402
@@ -112,6 +113,10 @@ def test_every_encoder_bucket_compiles_and_counts(tmp_path, family, topology, tp
         + report.largest_transient[1]
     )  # fmt: skip
     assert "image encoder" in report.lines()[1]
+    # the KV cache is sized around them: weights, encoder, rows and cache within the
+    # chip's share at --gpu-memory-utilization (0.9, less the activations' reserve)
+    held = report.params_bytes + report.kv_bytes + report.image_rows_bytes
+    assert held <= (0.9 - ACTIVATION_RESERVE) * report.hbm_bytes
 
 
 def test_bare_config_processor_sizes_the_encoder_and_takes_no_prompt():
