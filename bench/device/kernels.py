@@ -20,6 +20,10 @@ Figures: median seconds, the effective bandwidth (`cost.batch_cost`'s bytes over
 time) and its fraction of the run's copy bandwidth, TFLOP/s and its fraction of the
 run's bf16 matmul rate. The goals: decode >= 70% of copy bandwidth, prefill >= 50%
 of the matmul rate.
+
+Then the block sweep (`bench.device.sweep`): the Pallas GPU kernel's tile options on
+the prefill and mixed workloads (``sweep_prefill``, ``sweep_mixed``), each checked
+against the reference, TFLOP/s against the sheet's bf16 peak, the best config named.
 """
 
 from __future__ import annotations
@@ -107,5 +111,11 @@ def rates(timing: Any, denominators: dict[str, float]) -> dict[str, float]:
 
 
 def run(section: Any, profile: Profile, denominators: dict[str, float]) -> None:
+    """The three workloads' peers, then the block sweep (`bench.device.sweep`) in the
+    time they left plus ``profile.sweep_s``."""
+    from bench.device import sweep
+
     for w in workloads(profile):
         section.item(w.name, lambda w=w: measure(w, profile, denominators))
+    section.budget_s += profile.sweep_s  # the sweep's own share, on top of the section's
+    sweep.run(section, profile, denominators, workloads(profile))

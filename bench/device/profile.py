@@ -79,6 +79,9 @@ class Profile:
     """torch's device for the transformers peer (`bench.device.peer`)."""
     budgets: dict[str, float] = field(default_factory=dict)
     """Seconds per section."""
+    sweep_s: float = 0.0
+    """Seconds the kernels section adds to its budget for its block sweep
+    (`bench.device.sweep`); the sweep also gets whatever its other items left."""
 
     def with_budgets(self, overrides: dict[str, float]) -> Profile:
         return dataclasses.replace(self, budgets={**self.budgets, **overrides})
@@ -105,7 +108,10 @@ GPU = Profile(
     big=EngineShape(256, 2048, (256, 2048)),
     eager_variants=False,
     peer_device="cuda",
-    budgets={"environment": 30, "correctness": 150, "kernels": 40, "engine": 250, "peer": 110},
+    # the sections' caps sum to 570 s, under the device's 600 s a command: the last
+    # run (2026-11-28) used 245 s of them before the trace, the peer and the sweep
+    budgets={"environment": 30, "correctness": 120, "kernels": 40, "engine": 230, "peer": 90},
+    sweep_s=60,  # about 20-40 configs at 1-3 s each (a Triton compile, 21 calls of ~1 ms)
 )
 
 DRY_RUN = Profile(
@@ -130,4 +136,5 @@ DRY_RUN = Profile(
     eager_variants=True,
     peer_device="cpu",
     budgets={"environment": 120, "correctness": 300, "kernels": 120, "engine": 600, "peer": 120},
+    sweep_s=30,  # an upper bound: 2 x 3 configs in interpret mode take about 10 s
 )

@@ -108,7 +108,29 @@ def kernels(doc: dict) -> str:
             rows.append([name, peer, num(p, "us", 1), num(p, "gb_s", 1), num(p, "of_copy"),
                          num(p, "tflop_s"), num(p, "of_matmul"), notes])  # fmt: skip
     header = ["attention", "peer", "us", "GB/s", "of copy", "TFLOP/s", "of matmul", "notes"]
-    return format_table(header, rows)
+    text = format_table(header, rows)
+    for name in ("prefill", "mixed"):
+        if f"sweep_{name}" in sec:
+            text += f"\n\nblock sweep, {name} (Pallas GPU kernel):\n" + sweep(sec[f"sweep_{name}"])
+    return text
+
+
+def sweep(r: dict) -> str:
+    """`bench.device.sweep`'s rows: one per config that ran, then the best."""
+    if status(r):
+        return status(r) or ""
+    rows = []
+    for c in r["rows"]:
+        note = c.get("error", "")[:80] or ("" if c.get("ok") else "over MAX_ERR: not timed")
+        rows.append([c["config"], c["path"], num(c, "us", 1), num(c, "tflop_s", 1),
+                     num(c, "of_sheet"), num(c, "of_matmul"), num(c, "max_err", 4),
+                     num(c, "seconds", 1), note])  # fmt: skip
+    header = ["config", "KV path", "us", "TFLOP/s", "of sheet", "of matmul", "max |err|", "s",
+              "notes"]  # fmt: skip
+    tail = f"best: {r.get('best')}; {r.get('ran')} of {r.get('planned')} configs ran"
+    tail += f" ({r['stopped']})" if r.get("stopped") else ""
+    tail += f"; sheet bf16 peak {num(r, 'peak_tflop_s', 0)} TFLOP/s"
+    return format_table(header, rows) + "\n" + tail
 
 
 def goals(doc: dict) -> str:

@@ -38,6 +38,24 @@ so results match the reference to 1e-5; tensor cores in bf16); then scale, soft 
 masks (causal, window, ``n < seq_len``) and an online softmax in float32. The masked
 value is a large finite negative, and the final divide is guarded: no NaN anywhere.
 
+KV paths (`choose_kv_path`). A block's ``block_n`` positions start at a multiple of
+``block_n``, so where pages and blocks nest, the page table need not be read per
+position. ``contiguous_pages=True`` (off by default until a GPU run says it pays;
+``bench.device``'s kernels sweep times both) picks:
+
+- ``"slice"`` (``page_size`` a multiple of ``block_n``: the block lies in one page):
+  one page id per block, and K and V are ``block_n`` consecutive cache slots of the
+  cache viewed as ``[P * S, 2 * Hkv, D]`` (a ``pl.ds`` slice: fixed-stride rows, no
+  pointer gather);
+- ``"pages"`` (``block_n`` a multiple of ``page_size``): ``block_n // page_size`` page
+  ids in one vector load, each page's ``S`` slots in order (a ``[pages, S]`` reshape
+  to the block's rows), then the row loads of the gather;
+- ``"gather"`` otherwise, and where the head dim is not a power of two (its columns
+  are clamped and masked): one page id per position, as above.
+
+(A strided ``pl.ds`` over the flat ``[P * S * 2Hkv, D]`` view would say the same,
+but interpret mode cannot discharge strided loads at this jax version.)
+
 Block sizes (`choose_blocks`), from the shapes, overridable by keyword:
 
 ==============  ==============================================================
@@ -54,12 +72,22 @@ Block sizes (`choose_blocks`), from the shapes, overridable by keyword:
 ``num_stages``  2: the gathers of step ``i + 1`` overlap the math of step ``i``.
                 ``num_warps`` and ``num_stages`` are keyword arguments too.
 ==============  ==============================================================
+
+Larger tiles for long prefill chunks are accepted and tested (interpret mode, and
+lowered for CUDA): ``block_m`` 128 or 256, ``block_n`` 128, ``num_stages`` 3. The
+defaults stay until a GPU run picks: ``block_m`` 128 at head dim 128 puts a 64 KiB
+float32 accumulator in registers (64 a thread at 8 warps, beside the ``[BM, BN]``
+scores), 256 twice that, which Hopper's 255 registers a thread hold only without
+much else; and each extra stage holds another K and V block in shared memory
+(``2 * block_n * D * 2`` bytes: 64 KiB at 128 x 128 in bf16) of the 227 KiB an
+H100/H200 SM has.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +125,59 @@ def _check_block(name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
 
 
+def choose_kv_path(contiguous_pages: bool, page_size: int, block_n: int, head_dim: int) -> str:
+    """How a KV block's rows are found (module docstring, "KV paths")."""
+    if not contiguous_pages or head_dim != _next_pow2(head_dim):
+        return "gather"  # a padded head dim needs the clamped column gather
+    if page_size % block_n == 0:
+        return "slice"
+    return "pages" if block_n % page_size == 0 else "gather"
+
+
+class _KVLayout(NamedTuple):
+    """Where one KV block's K and V rows lie in the flat cache, and their loads."""
+
+    page_table_ref: Any  # [R * M]
+    kv_ref: Any  # [P * S * 2Hkv, D]; [P * S, 2Hkv, D] on the "slice" path
+    table_base: Any  # req * M: the request's row of the page table
+    max_pages: int
+    page_size: int
+    two_hkv: int
+    k_row: Any  # 2h: the head's K row at a position; its V row is the next
+    block_n: int
+    d_idx: Any  # [1, Dp] column indices
+    full_rows: Callable  # [X, 1] row mask -> [X, Dp]
+    path: str  # `choose_kv_path`
+
+    def load(self, n0, n, n_ok, hi):
+        """K and V [BN, Dp] of positions ``n = n0 + arange(BN)`` (``n0`` a multiple of
+        BN), zeros where not ``n_ok``."""
+        s, kv_mask = self.page_size, self.full_rows(n_ok[:, None])
+        if self.path == "slice":  # one page holds the block: a slice of cache slots
+            page = self.page_table_ref[self.table_base + jnp.minimum(n0 // s, self.max_pages - 1)]
+            slots = pl.ds(page * s + n0 % s, self.block_n)  # kv_ref is [P * S, 2Hkv, D] here
+            cols = pl.ds(0, self.d_idx.shape[1])
+            k = plgpu.load(self.kv_ref.at[slots, self.k_row, cols], mask=kv_mask, other=0.0)
+            v = plgpu.load(self.kv_ref.at[slots, self.k_row + 1, cols], mask=kv_mask, other=0.0)
+            return k, v
+        if self.path == "pages":  # whole pages: BN // S page ids, each page's rows in order
+            per = self.block_n // s
+            idx = n0 // s + jnp.arange(per, dtype=jnp.int32)  # [BN // S]
+            page_ok = idx * s < hi
+            idx = self.table_base + jnp.minimum(idx, self.max_pages - 1)
+            pages = plgpu.load(self.page_table_ref.at[idx], mask=page_ok, other=0)
+            slots = pages[:, None] * s + jnp.arange(s, dtype=jnp.int32)[None, :]  # [BN // S, S]
+            row = slots.reshape(self.block_n) * self.two_hkv + self.k_row
+        else:  # one page id per position
+            page_idx = jnp.minimum(n // s, self.max_pages - 1)
+            page = plgpu.load(self.page_table_ref.at[self.table_base + page_idx],
+                              mask=n_ok, other=0)  # fmt: skip
+            row = (page * s + n % s) * self.two_hkv + self.k_row  # K row; V is row + 1
+        k = plgpu.load(self.kv_ref.at[row[:, None], self.d_idx], mask=kv_mask, other=0.0)
+        v = plgpu.load(self.kv_ref.at[row[:, None] + 1, self.d_idx], mask=kv_mask, other=0.0)
+        return k, v
+
+
 def _find_request(qsl_ref, num_reqs: int, block_q: int):
     """The request owning this program's q block slot, and the block's first token."""
     slot = pl.program_id(0)
@@ -115,7 +196,7 @@ def _find_request(qsl_ref, num_reqs: int, block_q: int):
 
 def _kernel(
     q_ref,  # [T * Hq, D]
-    kv_ref,  # [P * S * 2Hkv, D]
+    kv_ref,  # [P * S * 2Hkv, D] ([P * S, 2Hkv, D] on the "slice" KV path)
     seq_lens_ref,  # [R]
     page_table_ref,  # [R * M]
     qsl_ref,  # [R + 1]
@@ -136,6 +217,7 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     attention_chunk_size: int | None = None,
+    kv_path: str = "gather",
     sinks_ref=None,  # [Hq] float32 (`_kernel_with_sinks`)
 ):
     del zeros_ref  # the same buffer as o_ref
@@ -189,16 +271,14 @@ def _kernel(
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     col = jnp.arange(block_n, dtype=jnp.int32)
 
+    layout = _KVLayout(page_table_ref, kv_ref, req * max_pages, max_pages, page_size,
+                       two_hkv, 2 * h, block_n, d_idx, full_rows, kv_path)  # fmt: skip
+
     def kv_step(i, carry):
         m_prev, l_prev, acc = carry  # [BM], [BM], [BM, Dp] float32
         n = lo + i * block_n + col  # [BN] KV positions
         n_ok = n < hi
-        page_idx = jnp.minimum(n // page_size, max_pages - 1)
-        page = plgpu.load(page_table_ref.at[req * max_pages + page_idx], mask=n_ok, other=0)
-        row = (page * page_size + n % page_size) * two_hkv + 2 * h  # K row; V is row + 1
-        kv_mask = full_rows(n_ok[:, None])
-        k = plgpu.load(kv_ref.at[row[:, None], d_idx], mask=kv_mask, other=0.0)  # [BN, Dp]
-        v = plgpu.load(kv_ref.at[row[:, None] + 1, d_idx], mask=kv_mask, other=0.0)
+        k, v = layout.load(lo + i * block_n, n, n_ok, hi)  # [BN, Dp] each
         k, v = k.astype(q.dtype), v.astype(q.dtype)  # an 8-bit float cache, widened in SRAM
         s = jax.lax.dot_general(
             q,
@@ -262,6 +342,7 @@ def _kernel_with_sinks(*refs, **kwargs):
         "block_n",
         "num_warps",
         "num_stages",
+        "contiguous_pages",
         "interpret",
     ),
 )
@@ -280,6 +361,7 @@ def ragged_paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    contiguous_pages: bool = False,
     interpret: bool = False,
     causal: bool = True,
     attention_chunk_size: int | None = None,
@@ -291,6 +373,8 @@ def ragged_paged_attention(
     out, padding tokens exactly zero. ``interpret=True`` runs the kernel on CPU.
     ``attention_chunk_size``: chunked local attention, keys of the token's own chunk.
     ``sinks`` [Hq]: attention sinks, joining each row's denominator after its KV loop.
+    ``contiguous_pages``: read a KV block's rows page by page where pages and blocks
+    nest (module docstring, "KV paths"); the per-position gather elsewhere.
     """
     if not causal:  # an encoder's bidirectional attention: the reference runs it
         return reference.ragged_paged_attention(
@@ -312,6 +396,9 @@ def ragged_paged_attention(
     _check_block("block_n", block_n, minimum)
     block_q = block_m // group
     num_slots = num_tokens // block_q + num_reqs  # upper bound of the block slots
+    path = choose_kv_path(contiguous_pages, page_size, block_n, head_dim)
+    kv_rows = (num_pages * page_size * two_hkv,)  # a free reshape either way
+    kv_rows = (num_pages * page_size, two_hkv) if path == "slice" else kv_rows
     kernel = functools.partial(
         _kernel,
         num_tokens=num_tokens,
@@ -327,6 +414,7 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         attention_chunk_size=attention_chunk_size,
+        kv_path=path,
     )
     flat = jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype)
     extra = ()
@@ -347,7 +435,7 @@ def ragged_paged_attention(
         name="ragged_paged_attention",
     )(
         q.reshape(flat.shape),
-        kv_cache.reshape(num_pages * page_size * two_hkv, head_dim),
+        kv_cache.reshape(*kv_rows, head_dim),
         seq_lens.astype(jnp.int32),
         page_table.astype(jnp.int32).reshape(-1),
         query_start_loc.astype(jnp.int32),

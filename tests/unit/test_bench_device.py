@@ -67,6 +67,17 @@ def test_kernels_compare_the_engine_path_with_the_reference(dry_run):
         assert result["engine"]["of_copy"] > 0 and result["engine"]["of_matmul"] > 0
 
 
+def test_the_block_sweep_checks_each_config_against_the_reference(dry_run):
+    """`bench.device.sweep` in interpret mode: one config per KV path, each checked."""
+    for item in ("sweep_prefill", "sweep_mixed"):
+        result = dry_run["kernels"][item]
+        assert result["ran"] == result["planned"] == 3 and result["best"], result
+        assert {row["path"] for row in result["rows"]} == {"gather", "pages", "slice"}
+        for row in result["rows"]:
+            assert row["ok"] and row["max_err"] < 0.05 and row["tflop_s"] > 0, row
+            assert row["of_matmul"] > 0 and row["of_sheet"] is None  # no sheet for a CPU
+
+
 def test_engine_figures_are_positive_and_nothing_compiles_after_warmup(dry_run):
     engine = dry_run["engine"]
     assert engine["startup"]["cold_s"] > 0 and engine["startup"]["warm_s"] > 0
