@@ -10,7 +10,8 @@ start from zeros), prefix-cache hits that resume from a saved state (the second 
 and the fourth prompt sharing the first's 24 tokens), greedy tokens and top-5
 logprobs equal to transformers' within 1e-4, and no compilation after warm-up; then
 again under tensor parallelism 2 with FULL steps. Qwen3-Next once more on two data-parallel
-replicas (six prompts of different lengths; each replica's state slots come back). The
+replicas (six prompts of different lengths; each replica's state slots come back), and
+through RL rollouts' calls (weights written, sleep at both levels, a reload). The
 last tests are host only: the memory figure (`runner.states.admitted_requests`), state
 slots, refusals.
 """
@@ -188,6 +189,34 @@ def test_data_parallel_2(qwen3_next_dp, monkeypatch):
             table = replica.executor.runner.table
             assert not table.requests and not replica.has_unfinished_requests()
             assert sorted(table._free_slots) == list(range(seqs)), "a state slot was kept"
+    finally:
+        llm.engine.shutdown()
+
+
+def test_sleep_and_weight_updates(qwen3_next_dp):
+    """RL rollouts on a hybrid model: dummy weights written by `update_weights` (the
+    checkpoint's Gated DeltaNet tensors included) give transformers' outputs; so do
+    the same requests after sleep level 1 (weights parked on the host, the KV cache
+    and the linear-attention states freed) and after level 2 then `reload_weights`."""
+    from safetensors.numpy import load_file
+
+    from jaxengine import LLM, SamplingParams
+
+    path, prompts, ref = qwen3_next_dp
+    tensors = load_file(f"{path}/model.safetensors")
+    assert any(".linear_attn." in name for name in tensors)
+    llm = LLM(str(path), load_format="dummy", enable_sleep_mode=True, **ENGINE_KWARGS)
+    params = SamplingParams(temperature=0, logprobs=TOP, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        assert llm.update_weights(tensors) > 0
+        _generate_and_compare(llm, params, prompts, ref, range(len(prompts)))
+        llm.sleep(level=1)
+        llm.wake_up()
+        _generate_and_compare(llm, params, prompts, ref, reversed(range(len(prompts))))
+        llm.sleep(level=2)
+        llm.wake_up()
+        assert llm.reload_weights() > 0
+        _generate_and_compare(llm, params, prompts, ref, range(len(prompts)))
     finally:
         llm.engine.shutdown()
 
