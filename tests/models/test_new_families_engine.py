@@ -182,18 +182,23 @@ def test_engine_matches_transformers(case, parallel, references):
     check_engine(path, ref, default_prompts(VOCAB), **parallel)
 
 
-@pytest.mark.parametrize("parallel", [TP1, TP2], ids=["tp1", "tp2"])
-def test_phi3_update_weights_takes_the_fused_tensors(parallel, references):
-    """`LLM.update_weights` with Phi-3's own tensors (``qkv_proj``, ``gate_up_proj``:
-    kept fused at TP 1, split by `Phi3ForCausalLM.split_tensors` at TP 2) turns a
-    random-weight engine into the checkpoint: transformers' greedy tokens."""
+@pytest.mark.parametrize(
+    ("name", "parallel"),
+    [("phi3_longrope", TP1), ("phi3_longrope", TP2), ("gemma4", TP1)],
+    ids=["phi3_longrope-tp1", "phi3_longrope-tp2", "gemma4-tp1"],
+)
+def test_update_weights_turns_dummy_weights_into_the_checkpoint(name, parallel, references):
+    """`LLM.update_weights` with the checkpoint's own tensors turns a random-weight
+    engine into the checkpoint: transformers' greedy tokens. Phi-3's ``qkv_proj`` and
+    ``gate_up_proj`` are kept fused at TP 1 and split by `Phi3ForCausalLM.split_tensors`
+    at TP 2; Gemma 4's per-layer scalars and shared-KV layers take their tensors too."""
     from safetensors.numpy import load_file
 
     from jaxengine import LLM, SamplingParams
 
-    path, ref = references(next(c for c in CASES if c.name == "phi3_longrope"))
+    path, ref = references(next(c for c in CASES if c.name == name))
     tensors = load_file(f"{path}/model.safetensors")
-    assert any(name.endswith("qkv_proj.weight") for name in tensors)
+    assert name != "phi3_longrope" or any(n.endswith("qkv_proj.weight") for n in tensors)
     kwargs = {**ENGINE_KWARGS, "num_gpu_blocks_override": 32, **parallel}
     llm = LLM(path, load_format="dummy", **kwargs)
     try:
