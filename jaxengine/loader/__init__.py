@@ -134,6 +134,7 @@ def load_model(
     dtype, matmul = cpu_dtypes(resolve_dtype(model_config.dtype, hf_config, backend), backend)
     if lora is not None and lora.dtype is None:
         lora = dataclasses.replace(lora, dtype=dtype)
+    scheme = dense_float(scheme, hf_config, backend)
     module, config = _model(hf_config, dtype, scheme, placement, kv_cache_scales, lora)
     config = with_context_length(  # (longrope's factors)
         dataclasses.replace(config, matmul_dtype=matmul), model_config.max_model_len
@@ -282,6 +283,37 @@ def _model(hf_config: Any, dtype: Any, scheme: QuantScheme | None, placement: An
     if fusable and fuse_projections(placement) and not apart:
         config = dataclasses.replace(config, fused_projections=True)
     return module.clone(config=config), config
+
+
+DENSE_FLOAT_ENV = "JAXENGINE_DENSE_FLOAT"
+"""``1``: `dense_float` on any backend; ``0``: on none (the experts' scheme everywhere)."""
+
+
+def dense_float(scheme: QuantScheme | None, hf_config: Any, backend: str) -> QuantScheme | None:
+    """``scheme`` with `QuantScheme.dense_float` where a block-scaled 8-bit MoE
+    checkpoint (DeepSeek-V3's fp8 with 128 x 128 blocks) loads on TPU: its routed
+    experts stay 8-bit (the grouped kernel decodes their blocks in VMEM), its other
+    projections are dequantized at load. XLA:TPU writes the scales' broadcast over a
+    block-scaled weight to HBM in float32 each step (a 1536 x 7168 projection read as
+    100 MB instead of its 11 MB: `python -m bench.tpu_hbm deepseek-v3@v5p-32 --tokens 1
+    --layers 5`), 4.5 times its bfloat16 weight's bytes; the dense projections are a
+    small part of such a model. ``$JAXENGINE_DENSE_FLOAT`` overrides the backend."""
+    if scheme is None or not scheme.group_size or scheme.method not in ("fp8", "int8"):
+        return scheme
+    if scheme.act_order or not _has_routed_experts(hf_config):
+        return scheme
+    default = "1" if backend == "tpu" else "0"
+    if os.environ.get(DENSE_FLOAT_ENV, default) != "1":
+        return scheme
+    return dataclasses.replace(scheme, dense_float=True)
+
+
+def _has_routed_experts(hf_config: Any) -> bool:
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return any(
+        (getattr(text, name, None) or 0) > 1
+        for name in ("n_routed_experts", "num_experts", "num_local_experts")
+    )
 
 
 GGUF_PACKED_ENV = "JAXENGINE_GGUF_PACKED"

@@ -23,6 +23,7 @@ checkpoint against transformers).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -39,7 +40,7 @@ from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file
 
 from jaxengine.config import LoadConfig, ModelConfig
-from jaxengine.loader import FUSE_ENV, load_model
+from jaxengine.loader import DENSE_FLOAT_ENV, FUSE_ENV, dense_float, load_model
 from jaxengine.loader.errors import CheckpointError
 from jaxengine.loader.quantized import regrouped_tensors
 from jaxengine.models.layers.quant import (
@@ -225,6 +226,35 @@ def test_engine_matches_transformers_on_the_dequantized_twin(checkpoints, twin_r
     tokens and top-5 logprobs are transformers' on the dequantized twin."""
     prompts, ref = twin_reference
     check_engine(checkpoints[0], ref, prompts, **layout)
+
+
+def test_dense_projections_in_float_the_experts_in_fp8(checkpoints, twin_reference, monkeypatch):
+    """`loader.dense_float` (TPU's default for a block-scaled MoE checkpoint, forced
+    here): every projection but the routed experts is the twin's float weight exactly,
+    the experts stay e4m3 with their block scales; through the engine at TP 4 the
+    tokens and logprobs are still transformers' on the twin. Off on CPU and GPU, for a
+    dense model, and for per-row scales."""
+    fp8_dir, float_dir = checkpoints
+    monkeypatch.setenv(DENSE_FLOAT_ENV, "1")
+    loaded = _load(fp8_dir)
+    assert str(loaded.config.quantization) == "fp8, group 24, experts only"
+    with monkeypatch.context() as env:
+        env.setenv(FUSE_ENV, "0")
+        twin = dict(_leaves(_load(float_dir).params))
+    ours = dict(_leaves(loaded.params))
+    experts = {p for p, leaf in ours.items() if leaf.dtype == jnp.float8_e4m3fn}
+    assert experts and all(p[-1].startswith("experts_") for p in experts)
+    for path in set(twin) - experts:
+        np.testing.assert_array_equal(np.asarray(ours[path]), np.asarray(twin[path]), str(path))
+    prompts, ref = twin_reference
+    check_engine(fp8_dir, ref, prompts, tensor_parallel_size=4)
+    monkeypatch.delenv(DENSE_FLOAT_ENV)
+    scheme, config = loaded.config.quantization, transformers.AutoConfig.from_pretrained(fp8_dir)
+    block = dataclasses.replace(scheme, dense_float=False)
+    assert dense_float(block, config, "tpu").dense_float
+    assert not dense_float(block, config, "gpu").dense_float
+    assert not dense_float(block, transformers.LlamaConfig(), "tpu").dense_float
+    assert not dense_float(QuantScheme("fp8"), config, "tpu").dense_float
 
 
 def test_partial_groups_and_layer_names():

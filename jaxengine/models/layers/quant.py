@@ -85,6 +85,10 @@ class QuantScheme:
     """Input columns per scale; 0: one scale per output row."""
     act_order: bool = False
     """Groups given per input column by ``<w>_g_idx`` (GPTQ ``desc_act``)."""
+    dense_float: bool = False
+    """Only the stacked MoE experts hold the scheme's leaves: every other projection
+    keeps its weight in the model dtype, dequantized at load (block-scaled 8-bit MoE
+    checkpoints on TPU: `loader.dense_float`)."""
     unquantized: tuple[str, ...] = ()
     """Modules kept in the model dtype (a checkpoint's ``ignored_layers`` or
     ``modules_to_not_convert``): Hugging Face module names, each matching the modules
@@ -115,8 +119,9 @@ class QuantScheme:
     @property
     def experts_only(self) -> bool:
         """Only the stacked MoE experts are stored this way (``mxfp4``, as gpt-oss's
-        checkpoints); `layers.basic.Linear` keeps its weight in the model dtype."""
-        return self.method == "mxfp4"
+        checkpoints; `dense_float`); `layers.basic.Linear` keeps its weight in the model
+        dtype."""
+        return self.method == "mxfp4" or self.dense_float
 
     def quantizes(self, module: str) -> bool:
         """Whether the module of dotted name ``module`` (a decoder layer's modules
@@ -132,7 +137,8 @@ class QuantScheme:
 
     def __str__(self) -> str:
         group = f", group {self.group_size}" if self.group_size else ""
-        return f"{self.method}{group}{', act-order' if self.act_order else ''}"
+        experts = ", experts only" if self.dense_float else ""
+        return f"{self.method}{group}{', act-order' if self.act_order else ''}{experts}"
 
 
 def layer_unquantized(entries: tuple[str, ...], index: int) -> tuple[str, ...]:
