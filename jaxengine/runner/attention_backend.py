@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -91,10 +92,12 @@ def select_attention_backend(
     """The backend for ``--attention-backend requested`` on ``platform`` (default:
     JAX's); ``device_kind``: the generation the TPU kernels are sized for (None: the
     kernels' default, 16 MiB of scoped VMEM). ``both_ways`` (a model whose image
-    tokens attend to each other both ways, Gemma 3 with images): the Pallas kernels
-    take no per-token key limit yet, so the reference attention runs instead, with a
-    warning. ``mla`` (a model with multi-head latent attention, DeepSeek-V3): its cache
-    holds one latent row a token, which only the MLA functions read and write
+    tokens attend to each other both ways, Gemma 3 and 4 with images): the attention
+    must take each token's last key (``attend_until``), as every backend's here does
+    (the Pallas kernels bound each block's KV loop by its rows' last); one that does
+    not is replaced by the reference, with a warning (`takes_attend_until`). ``mla``
+    (a model with multi-head latent attention, DeepSeek-V3): its cache holds one
+    latent row a token, which only the MLA functions read and write
     (`pallas_kernels.mla`, `_mla_backend`). ``gated_delta`` (a hybrid model, Qwen3-Next
     and Qwen3.5): the backend also carries ``gated_delta_fn`` (`gated_delta_kernel`)."""
     platform = platform or jax.default_backend()
@@ -103,9 +106,9 @@ def select_attention_backend(
     backend = _select(requested, platform)
     if backend.name == "pallas-tpu" and device_kind is not None:
         backend = _sized_for(backend, device_kind)
-    if both_ways and backend.name.startswith("pallas"):
+    if both_ways and not takes_attend_until(backend.attention_fn):
         logger.warning(
-            "attention backend %s has no bidirectional image attention yet: the model's "
+            "attention backend %s has no bidirectional image attention: the model's "
             "image tokens attend both ways, so the reference attention runs",
             backend.name,
         )
@@ -115,6 +118,18 @@ def select_attention_backend(
         write = state_write_kernel(requested, platform)
         backend = dataclasses.replace(backend, gated_delta_fn=rule, state_write_fn=write)
     return backend
+
+
+def takes_attend_until(attention_fn: Callable) -> bool:
+    """Whether ``attention_fn`` (a kernel, a partial or a jitted one) takes
+    ``attend_until``, the per-token key limit of image tokens that attend both ways:
+    by name, or a wrapper's ``**kwargs`` (which forwards it)."""
+    try:
+        params = inspect.signature(attention_fn).parameters
+    except (TypeError, ValueError):  # no signature to read: assume it does not
+        return False
+    forwards = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return "attend_until" in params or forwards
 
 
 def _mla_backend(requested: str, platform: str, device_kind: str | None) -> AttentionBackend:

@@ -29,10 +29,12 @@ KV loop of zero trips and stores nothing. Padding tokens belong to no slot: the 
 starts as zeros (an aliased buffer) so they come out as exact zeros.
 
 KV loop. Keys ``[lo, hi)`` are visible to some row of the block: ``hi`` is one past the
-last token's position, ``lo`` the first token's window start (0 without a window),
-rounded down to ``block_n``. Each step gathers ``block_n`` positions' page ids, then
-their K rows (cache row ``2h``) and V rows (``2h + 1``) from the cache viewed as
-``[P * S * 2 * Hkv, D]`` (a free reshape), with masked loads. Scores ``[block_m,
+last token's position (with ``attend_until``, an image's tokens that attend both ways:
+one past the block's rows' largest, and each row's keys end at its own), ``lo`` the
+first token's window start (0 without a window), rounded down to ``block_n``. Each
+step gathers ``block_n`` positions' page ids, then their K rows (cache row ``2h``) and
+V rows (``2h + 1``) from the cache viewed as ``[P * S * 2 * Hkv, D]`` (a free
+reshape), with masked loads. Scores ``[block_m,
 block_n]`` come from one ``dot`` with float32 accumulation (IEEE for float32 inputs,
 so results match the reference to 1e-5; tensor cores in bf16); then scale, soft cap,
 masks (causal, window, ``n < seq_len``) and an online softmax in float32. The masked
@@ -218,7 +220,8 @@ def _kernel(
     soft_cap: float | None,
     attention_chunk_size: int | None = None,
     kv_path: str = "gather",
-    sinks_ref=None,  # [Hq] float32 (`_kernel_with_sinks`)
+    sinks_ref=None,  # [Hq] float32 (`_kernel_entry`)
+    ends_ref=None,  # [T] int32: each token's attend_until (`_kernel_entry`)
 ):
     del zeros_ref  # the same buffer as o_ref
     num_reqs = seq_lens_ref.shape[0]
@@ -258,6 +261,11 @@ def _kernel(
     )  # [BM, Dp]
 
     hi = ctx + (end - q_start)  # one past the last row's position
+    q_end = q_pos  # [BM] each row's last key
+    if ends_ref is not None:  # an image's later keys (written by this step) too
+        tok_idx = jnp.minimum(tok, num_tokens - 1)
+        q_end = jnp.where(row_ok, plgpu.load(ends_ref.at[tok_idx], mask=row_ok, other=-1), -1)
+        hi = jnp.maximum(hi, jnp.max(q_end) + 1)
     lo = jnp.zeros_like(hi)
     if sliding_window is not None:
         lo = jnp.maximum(ctx + (start - q_start) - sliding_window + 1, 0)
@@ -290,7 +298,7 @@ def _kernel(
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        mask = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_end[:, None])
         if sliding_window is not None:
             mask &= q_pos[:, None] - n[None, :] < sliding_window
         if attention_chunk_size is not None:
@@ -325,10 +333,13 @@ def _kernel(
     )
 
 
-def _kernel_with_sinks(*refs, **kwargs):
-    """`_kernel` with one more input after the aliased zeros: the sinks."""
-    inputs, sinks_ref, o_ref = refs[:7], refs[7], refs[8]
-    _kernel(*inputs, o_ref, sinks_ref=sinks_ref, **kwargs)
+def _kernel_entry(*refs, both_ways: bool, with_sinks: bool, **kwargs):
+    """`_kernel` with the optional inputs after the aliased zeros: ``attend_until``
+    (``both_ways``), then the sinks (``with_sinks``)."""
+    inputs, refs = refs[:7], refs[7:]
+    ends_ref, refs = (refs[0], refs[1:]) if both_ways else (None, refs)
+    sinks_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
+    _kernel(*inputs, refs[0], sinks_ref=sinks_ref, ends_ref=ends_ref, **kwargs)
 
 
 @functools.partial(
@@ -366,6 +377,7 @@ def ragged_paged_attention(
     causal: bool = True,
     attention_chunk_size: int | None = None,
     sinks: jax.Array | None = None,
+    attend_until: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
 
@@ -373,6 +385,9 @@ def ragged_paged_attention(
     out, padding tokens exactly zero. ``interpret=True`` runs the kernel on CPU.
     ``attention_chunk_size``: chunked local attention, keys of the token's own chunk.
     ``sinks`` [Hq]: attention sinks, joining each row's denominator after its KV loop.
+    ``attend_until`` [T]: each token's last key, at or after its own and before its
+    request's ``seq_lens`` (an image's tokens that attend both ways, Gemma 3 and 4);
+    a block's KV loop runs to its rows' last. None compiles the plain causal program.
     ``contiguous_pages``: read a KV block's rows page by page where pages and blocks
     nest (module docstring, "KV paths"); the per-position gather elsewhere.
     """
@@ -380,7 +395,7 @@ def ragged_paged_attention(
         return reference.ragged_paged_attention(
             q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, causal=False,
-            sinks=sinks,
+            sinks=sinks, attend_until=attend_until,
         )  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, two_hkv, _ = kv_cache.shape
@@ -417,10 +432,14 @@ def ragged_paged_attention(
         kv_path=path,
     )
     flat = jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype)
-    extra = ()
-    if sinks is not None:  # after the aliased zeros, so the alias keeps its index
-        extra = (sinks.astype(jnp.float32).reshape(num_q_heads),)
-        kernel = functools.partial(_kernel_with_sinks, **kernel.keywords)
+    extra = ()  # after the aliased zeros, so the alias keeps its index
+    if attend_until is not None:
+        extra = (attend_until.astype(jnp.int32).reshape(num_tokens),)
+    if sinks is not None:
+        extra += (sinks.astype(jnp.float32).reshape(num_q_heads),)
+    if extra:
+        optional = dict(both_ways=attend_until is not None, with_sinks=sinks is not None)
+        kernel = functools.partial(_kernel_entry, **optional, **kernel.keywords)
     out = pl.pallas_call(
         kernel,
         out_shape=flat,

@@ -95,9 +95,10 @@ def ragged_paged_attention(
     ``kv_pos >= (q_pos // C) * C`` (both may apply); ``soft_cap`` c maps
     scores to ``c * tanh(s / c)`` after scaling. ``causal`` False (an encoder): every
     token attends to all ``seq_lens[r]`` keys of its request, as if it were the last.
-    ``attend_until`` ``[T]`` (the tokens of an image that attend both ways, Gemma 3):
-    each token's last key position, at or after its own (which the step holds);
-    keys up to it are seen, the sliding window still counts from the token.
+    ``attend_until`` ``[T]`` (the tokens of an image that attend both ways, Gemma 3
+    and 4; the CPU, TPU and GPU kernels take it too): each token's last key position,
+    at or after its own (which the step holds); keys up to it are seen, the sliding
+    window and the attention chunk still count from the token.
     ``num_kv_heads``: the KV heads in the cache's first rows, where its head axis is
     padded past them (TPU); None: every row, ``2 * num_kv_heads`` of them.
     Accumulates in float32; the output has ``q``'s dtype.

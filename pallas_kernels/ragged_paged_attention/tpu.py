@@ -28,7 +28,12 @@ head in 128 lanes) gets ``q`` padded with zeros to its width, which leaves the s
 unchanged, and the output's extra lanes (zeros, from V's padding) are dropped.
 Attention sinks (optional, gpt-oss) come in as one more VMEM block ``[heads_per_block,
 G, 128]`` (each query head's sink on every lane) and join the denominators once, when
-the output tile is written.
+the output tile is written. ``attend_until`` (optional, an image's tokens that attend
+both ways: Gemma 3 and 4) comes in twice: as a VMEM block ``[block_q, 128]`` beside q's
+(each token's last key on every lane), which bounds each score row's keys in place of
+its position, and as one more scalar prefetch, each token's largest ``attend_until``
+over its request's tokens in its q block (`_reach`), which extends that request's page
+loop to the image's last key. Without it the kernel is the plain causal program.
 
 Block sizes (`choose_blocks`), from the shapes, overridable by keyword:
 
@@ -173,7 +178,9 @@ def _kernel(
     soft_cap: float | None,
     max_pages: int,
     attention_chunk_size: int | None = None,
-    sinks_ref=None,  # [hb, G, 128] f32 VMEM, lanes equal: the sinks (`_kernel_with_sinks`)
+    sinks_ref=None,  # [hb, G, 128] f32 VMEM, lanes equal: the sinks (`_kernel_entry`)
+    reach_ref=None,  # [T] SMEM: a token's (q block, request) run's last key (`_reach`)
+    ends_ref=None,  # [bq, 128] int32 VMEM, lanes equal: each token's attend_until
 ):
     hb, group, bq, head_dim = q_ref.shape
     _, ppb, page_size, _, _ = kv_buf.shape
@@ -191,6 +198,9 @@ def _kernel(
     row_tok = blk_start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) % bq
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
     v_row = jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+    if ends_ref is not None:  # each score row's last key: its token's attend_until
+        ends = jnp.broadcast_to(ends_ref[...][None], (group, bq, 128))
+        row_end = ends.reshape(rows, 128)[:, :1]  # [rows, 1]
 
     # one block of every head: the whole axis, padding included (a slice at a traced
     # offset must be provably tile-aligned, which 2 * hb rows are not for odd counts)
@@ -213,6 +223,8 @@ def _kernel(
         t_first = jnp.maximum(q_start, blk_start)
         t_last = jnp.minimum(q_end, blk_start + bq) - 1
         kv_hi = ctx + (t_last - q_start) + 1  # keys [kv_lo, kv_hi) are visible to some row
+        if reach_ref is not None:  # an image's later keys, written by this step
+            kv_hi = jnp.maximum(kv_hi, reach_ref[t_last] + 1)
         kv_lo = 0
         if sliding_window is not None:
             kv_lo = jnp.maximum(ctx + (t_first - q_start) - sliding_window + 1, 0)
@@ -244,7 +256,7 @@ def _kernel(
                 copy.wait()
 
             kv_pos = (first_page + b * ppb) * page_size + col
-            mask = in_req & (kv_pos <= q_pos)
+            mask = in_req & (kv_pos <= (q_pos if ends_ref is None else row_end))
             # slots past the request's keys may hold anything (NaN included): 0 * NaN
             # in the PV product would leak, so those rows of V are zeroed
             v_ok = (first_page + b * ppb) * page_size + v_row < kv_hi
@@ -299,10 +311,34 @@ def _finish_with_sinks(m_sc, l_sc, acc_sc, sinks_ref, o_ref):
             o_ref[h, g] = out.astype(o_ref.dtype)
 
 
-def _kernel_with_sinks(*refs, **kwargs):
-    """`_kernel` with one more input after the cache: the sinks' VMEM block."""
-    prefetch, (q_ref, kv_hbm, sinks_ref, o_ref), scratch = refs[:5], refs[5:9], refs[9:]
-    _kernel(*prefetch, q_ref, kv_hbm, o_ref, *scratch, sinks_ref=sinks_ref, **kwargs)
+def _kernel_entry(*refs, both_ways: bool, with_sinks: bool, **kwargs):
+    """`_kernel` with the optional operands: ``both_ways`` adds one scalar prefetch
+    after ``last`` (``reach``) and one input after the cache (``ends``), ``with_sinks``
+    one input after those (the sinks' VMEM block)."""
+    num_prefetch, num_inputs = 5 + both_ways, 2 + both_ways + with_sinks
+    prefetch, refs = refs[:num_prefetch], refs[num_prefetch:]
+    (q_ref, kv_hbm, *optional), (o_ref, *scratch) = refs[:num_inputs], refs[num_inputs:]
+    ends_ref = optional.pop(0) if both_ways else None
+    sinks_ref = optional.pop(0) if with_sinks else None
+    reach_ref = prefetch[5] if both_ways else None
+    _kernel(*prefetch[:5], q_ref, kv_hbm, o_ref, *scratch, sinks_ref=sinks_ref,
+            reach_ref=reach_ref, ends_ref=ends_ref, **kwargs)  # fmt: skip
+
+
+def _reach(attend_until, query_start_loc, num_seqs, block_q: int):
+    """``[T]``: for each token, the largest ``attend_until`` of its run (the tokens of
+    its request inside its q block; a run's tokens are contiguous), so the kernel reads
+    a request's KV bound for a q block at any of its tokens (its last). Padding tokens
+    count as -1: they never raise a real run's bound."""
+    num_tokens = attend_until.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    attend_until = jnp.where(t < query_start_loc[num_seqs], attend_until, -1)
+    req = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    req = jnp.minimum(req, query_start_loc.shape[0] - 2)
+    starts = (t % block_q == 0) | (t == query_start_loc[req])
+    run = jnp.cumsum(starts.astype(jnp.int32)) - 1  # [T]: run ids, from 0
+    most = jax.ops.segment_max(attend_until, run, num_segments=num_tokens)
+    return most[run]
 
 
 def _chunk_start(pos, chunk_size: int):
@@ -340,21 +376,12 @@ def _online_softmax_step(q, k, v, mask, m_ref, l_ref, acc_ref, *, sm_scale, soft
     acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "sliding_window",
-        "soft_cap",
-        "attention_chunk_size",
-        "block_q",
-        "pages_per_block",
-        "heads_per_block",
-        "vmem_limit_bytes",
-        "interpret",
-        "num_kv_heads",
-    ),
-)
+_STATIC = ("sm_scale", "sliding_window", "soft_cap", "attention_chunk_size", "block_q",
+           "pages_per_block", "heads_per_block", "vmem_limit_bytes", "interpret",
+           "num_kv_heads")  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     kv_cache: jax.Array,  # [P, S, 2*Hkv, D]
@@ -375,39 +402,30 @@ def ragged_paged_attention(
     attention_chunk_size: int | None = None,
     sinks: jax.Array | None = None,
     num_kv_heads: int | None = None,
+    attend_until: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each new token over its request's paged KV; returns ``[T, Hq, D]``.
     ``attention_chunk_size``: chunked local attention; ``sinks`` [Hq]: attention sinks,
     joining each row's denominator at the end; ``num_kv_heads``: the heads in a padded
-    cache's first rows (`reference.ragged_paged_attention`)."""
+    cache's first rows; ``attend_until`` [T]: each token's last key, at or after its
+    own and before its request's ``seq_lens`` (an image's tokens that attend both
+    ways, Gemma 3 and 4), the window still counting from the token
+    (`reference.ragged_paged_attention`). None compiles the plain causal program."""
     if not causal:  # an encoder's bidirectional attention: the reference runs it
         return reference.ragged_paged_attention(
             q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, causal=False,
-            sinks=sinks, num_kv_heads=num_kv_heads,
+            sinks=sinks, num_kv_heads=num_kv_heads, attend_until=attend_until,
         )  # fmt: skip
     num_tokens, num_q_heads, real_dim = q.shape
     _, page_size, cache_rows, head_dim = kv_cache.shape  # head_dim: the row, padded or not
     num_kv_heads = num_kv_heads or cache_rows // 2
     group = num_q_heads // num_kv_heads
     num_reqs, max_pages = page_table.shape
-    auto = choose_blocks(
-        num_tokens,
-        num_reqs,
-        num_kv_heads,
-        group,
-        page_size,
-        max_pages,
-        head_dim,
-        q.dtype,
-        vmem_limit_bytes,
-        cache_rows,
-    )
-    blocks = Blocks(
-        block_q or auto.block_q,
-        pages_per_block or auto.pages_per_block,
-        heads_per_block or auto.heads_per_block,
-    )
+    auto = choose_blocks(num_tokens, num_reqs, num_kv_heads, group, page_size, max_pages,
+                         head_dim, q.dtype, vmem_limit_bytes, cache_rows)  # fmt: skip
+    blocks = Blocks(block_q or auto.block_q, pages_per_block or auto.pages_per_block,
+                    heads_per_block or auto.heads_per_block)  # fmt: skip
     bq, hb = blocks.block_q, blocks.heads_per_block
     if num_kv_heads % hb:
         raise ValueError(f"heads_per_block {hb} does not divide {num_kv_heads} KV heads")
@@ -422,26 +440,29 @@ def ragged_paged_attention(
 
     q_spec = pl.BlockSpec((hb, group, bq, head_dim), lambda h, i, *_: (h, 0, i, 0))
     rows = group * bq
-    kernel = functools.partial(
-        _kernel,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        max_pages=max_pages,
-        attention_chunk_size=attention_chunk_size,
-    )
+    kernel = functools.partial(_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, max_pages=max_pages,
+                               attention_chunk_size=attention_chunk_size)  # fmt: skip
     in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY)]
-    extra = ()
+    prefetch, extra = (), ()
+    if attend_until is not None:  # per token, beside q's blocks; runs' bounds in SMEM
+        ends = attend_until.astype(jnp.int32)
+        prefetch = (_reach(ends, query_start_loc.astype(jnp.int32), num_seqs, bq),)
+        ends = jnp.pad(ends, (0, padded - num_tokens), constant_values=-1)
+        extra = (jnp.broadcast_to(ends[:, None], (padded, 128)),)  # [T', 128]
+        in_specs.append(pl.BlockSpec((bq, 128), lambda h, i, *_: (i, 0)))
     if sinks is not None:  # [Hkv, G, 128]: query head (h, g)'s sink on every lane
         per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)
-        extra = (jnp.broadcast_to(per_head, (num_kv_heads, group, 128)),)
+        extra += (jnp.broadcast_to(per_head, (num_kv_heads, group, 128)),)
         in_specs.append(pl.BlockSpec((hb, group, 128), lambda h, i, *_: (h, 0, 0)))
-        kernel = functools.partial(_kernel_with_sinks, **kernel.keywords)
+    if extra:
+        optional = dict(both_ways=attend_until is not None, with_sinks=sinks is not None)
+        kernel = functools.partial(_kernel_entry, **optional, **kernel.keywords)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=5 + len(prefetch),
             grid=(num_kv_heads // hb, num_blocks),
             in_specs=in_specs,
             out_specs=q_spec,
@@ -470,6 +491,7 @@ def ragged_paged_attention(
         query_start_loc.astype(jnp.int32),
         first,
         last,
+        *prefetch,
         q4,
         kv_cache,
         *extra,

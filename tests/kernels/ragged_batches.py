@@ -230,18 +230,41 @@ def lowers_for(fn, platform: str, *args) -> bool:
 
 
 def image_spans(batch: Batch, seed: int) -> np.ndarray:
-    """``attend_until`` [T] for ``batch``: each token's own position, except in one run
-    of new tokens per request with at least two (an image that attends both ways),
-    where every token sees up to the run's last position; padding tokens get 0."""
+    """``attend_until`` [T] for ``batch`` (`spans_attend_until`) with one random span
+    of new tokens per request that has at least two (an image that attends both ways)."""
     rng = np.random.default_rng(seed)
+    spans = {}
+    for r in range(batch.num_seqs):
+        q_len = int(batch.query_start_loc[r + 1] - batch.query_start_loc[r])
+        if q_len >= 2:
+            a = int(rng.integers(0, q_len - 1))
+            spans[r] = [(a, int(rng.integers(a + 1, q_len)))]
+    return spans_attend_until(batch, spans)
+
+
+def spans_attend_until(batch: Batch, spans: dict[int, list[tuple[int, int]]]) -> np.ndarray:
+    """``attend_until`` [T]: each token's own position, except that every token of a
+    span (request -> (first, last) new-token offsets, both inclusive) sees up to the
+    span's last; padding tokens get 0."""
     qsl, seq_lens = batch.query_start_loc, batch.seq_lens
     ends = np.zeros(batch.q.shape[0], np.int32)
     for r in range(batch.num_seqs):
         q_len = int(qsl[r + 1] - qsl[r])
         pos = np.arange(seq_lens[r] - q_len, seq_lens[r], dtype=np.int32)
         ends[qsl[r] : qsl[r + 1]] = pos
-        if q_len >= 2:
-            a = int(rng.integers(0, q_len - 1))
-            b = int(rng.integers(a + 1, q_len))
+        for a, b in spans.get(r, []):
             ends[qsl[r] + a : qsl[r] + b + 1] = pos[b]
     return ends
+
+
+def poison_unowned(batch: Batch) -> np.ndarray:
+    """``batch``'s cache with NaN in every slot no request's keys occupy (the null
+    page, spare pages, the tails of last pages): a kernel must never let them in."""
+    cache = batch.kv_cache.copy()
+    page_size = cache.shape[1]
+    owned = np.zeros(cache.shape[:2], bool)
+    for r in range(batch.num_seqs):
+        for pos in range(int(batch.seq_lens[r])):
+            owned[batch.page_table[r, pos // page_size], pos % page_size] = True
+    cache[~owned] = np.nan
+    return cache

@@ -24,6 +24,7 @@ from tests.kernels.ragged_batches import (
     check_kernel,
     lowered_module,
     lowers_for,
+    poison_unowned,
     relative_error,
 )
 
@@ -63,12 +64,7 @@ def test_contiguous_paths_never_read_unused_cache_slots(page_size, block_n):
     """NaN in every slot no request owns: a page's slice or a block's pages reach past a
     request's last key, and those rows must stay masked."""
     batch = build(ragged(page_size, 24), 9)
-    cache = batch.kv_cache.copy()
-    owned = np.zeros(cache.shape[:2], bool)
-    for r in range(batch.num_seqs):
-        for pos in range(int(batch.seq_lens[r])):
-            owned[batch.page_table[r, pos // page_size], pos % page_size] = True
-    cache[~owned] = np.nan
+    cache = poison_unowned(batch)
     args = list(batch.args())
     want = np.asarray(reference.ragged_paged_attention(*args, **batch.kwargs()))
     args[1] = jnp.asarray(cache)

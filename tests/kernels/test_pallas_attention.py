@@ -29,6 +29,7 @@ from tests.kernels.ragged_batches import (
     jitted,
     jitted_reference,
     lowers_for,
+    poison_unowned,
     random_sinks,
     relative_error,
     shapes,
@@ -176,13 +177,7 @@ def test_never_reads_unused_cache_slots(platform):
     """NaN in every slot no request owns (null page, spare pages, tails of last pages)."""
     batch = build(Shape(8, 2, 2, 64, (1, 6, 1), (9, 20, 0), 1, 2, None, None), 11)
     want = reference.ragged_paged_attention(*batch.args(), **batch.kwargs())
-    cache = batch.kv_cache.copy()
-    page_size = cache.shape[1]
-    owned = np.zeros(cache.shape[:2], bool)
-    for r in range(batch.num_seqs):
-        for pos in range(int(batch.seq_lens[r])):
-            owned[batch.page_table[r, pos // page_size], pos % page_size] = True
-    cache[~owned] = np.nan
+    cache = poison_unowned(batch)
     args = list(batch.args())
     args[1] = jnp.asarray(cache)
     got = np.asarray(KERNELS[platform](*args, **batch.kwargs(), interpret=True))

@@ -186,3 +186,34 @@ def test_engine_matches_transformers(tiny):
             llm.generate({"prompt": "w5", "multi_modal_data": {"audio": audio}}, use_tqdm=False)
     finally:
         llm.engine.shutdown()
+
+
+def test_engine_on_the_pallas_kernels_matches_transformers(tiny, monkeypatch):
+    """``--attention-backend pallas`` (on CPU: the Triton kernels interpreted): the
+    image's tokens attend both ways inside the kernel (``attend_until``), not through
+    a fallback to the reference, and the tokens and logprobs stay transformers'."""
+    from jaxengine import LLM
+    from tests.engine.vision_golden import check_top_logprobs, run_images, top_logprobs_reference
+
+    folder, model, processor = tiny
+    engine = dict(max_model_len=160, max_num_seqs=1, max_num_batched_tokens=160, max_logprobs=5,
+                  compile_token_buckets=[160], num_gpu_blocks_override=64)  # fmt: skip
+    from jaxengine.runner.attention_backend import select_attention_backend
+    from jaxengine.worker import loading
+
+    chosen = []
+
+    def spy(*args, **kwargs):
+        chosen.append(select_attention_backend(*args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(loading, "select_attention_backend", spy)
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", attention_backend="pallas",
+              **engine)  # fmt: skip
+    try:
+        assert [b.name for b in chosen] == ["pallas-gpu-interpret"]
+        prompts = [("w7 w8 <|image_token|> w9", [WIDE])]
+        reference = top_logprobs_reference(model, processor)
+        check_top_logprobs(run_images(llm, prompts), prompts, reference)
+    finally:
+        llm.engine.shutdown()

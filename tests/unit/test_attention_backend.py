@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from jaxengine.runner.attention_backend import select_attention_backend
+from jaxengine.runner.attention_backend import select_attention_backend, takes_attend_until
 from pallas_kernels.kv_cache_update import gpu as update_gpu
 from pallas_kernels.kv_cache_update import reference as update_ref
 from pallas_kernels.kv_cache_update import tpu as update_tpu
@@ -57,14 +57,38 @@ def test_unknown_name_is_an_error():
         select_attention_backend("flash", "gpu")
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
-def test_images_both_ways_run_the_reference_where_kernels_cannot(platform, caplog):
-    """Gemma 3 with images (its image tokens attend both ways): the Pallas kernels
-    take no per-token key limit, so the reference runs, with a warning."""
-    backend = select_attention_backend("auto", platform, both_ways=True)
-    assert backend.name == "reference"
-    assert "no bidirectional image attention" in caplog.text
-    assert select_attention_backend("auto", "cpu", both_ways=True).name == "xla-cpu"
+@pytest.mark.parametrize("platform", ["tpu", "gpu", "cpu"])
+@pytest.mark.parametrize("requested", ["auto", "pallas"])
+def test_images_both_ways_keep_the_kernels(platform, requested, caplog):
+    """Gemma 3 and 4 with images (their image tokens attend both ways): every backend's
+    attention takes ``attend_until``, so the kernels stay (sized for a TPU generation
+    too); an attention function without it would give way to the reference."""
+    plain = select_attention_backend(requested, platform, device_kind="TPU v6 lite")
+    backend = select_attention_backend(
+        requested, platform, both_ways=True, device_kind="TPU v6 lite"
+    )
+    assert backend.name == plain.name != "reference"
+    assert takes_attend_until(backend.attention_fn)
+    assert "no bidirectional image attention" not in caplog.text
+
+
+def test_an_attention_without_attend_until_gives_way_to_the_reference(monkeypatch, caplog):
+    """A kernel that takes no ``attend_until`` (nor a wrapper's ``**kwargs``, which
+    forwards it) is replaced by the reference for a both-ways model, with a warning."""
+    from jaxengine.runner import attention_backend
+
+    def causal_only(q, kv_cache, seq_lens, page_table, query_start_loc, num_seqs, *, sm_scale):
+        raise AssertionError("never called")
+
+    def forwards(*args, **kwargs):
+        raise AssertionError("never called")
+
+    for fn, name in [(forwards, "pallas-gpu"), (causal_only, "reference")]:
+        backend = attention_backend.AttentionBackend("pallas-gpu", fn, fn)
+        monkeypatch.setattr(attention_backend, "_select", lambda *a, b=backend: b)
+        assert select_attention_backend("auto", "gpu").name == "pallas-gpu"
+        assert select_attention_backend("auto", "gpu", both_ways=True).name == name
+    assert "pallas-gpu has no bidirectional image attention" in caplog.text
 
 
 def test_gated_delta_rule_by_platform():
