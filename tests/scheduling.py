@@ -44,18 +44,20 @@ GROUP_SECONDS = {
     "tests/engine/test_spec_decode.py": 62,
     "tests/sharding/test_multihost.py": 61,
     "tests/models/test_golden_real.py": 49,
-    "tests/unit/test_bench_device.py": 48,
+    "tests/unit/test_bench_device.py": 60,  # + trace, peer and sweep (2026-11-29)
     "tests/models/test_golden_tiny.py": 38,
     "tests/models/test_quantization.py": 37,
     "tests/kernels/test_gated_delta.py": 80,  # measured alone, 2026-11-29
     "tests/kernels/test_gated_delta_pool.py": 14,  # the full suite of 65f9054, 2026-11-29
-    "tests/models/test_vision_gemma4.py": 18,  # the same run
+    "tests/models/test_vision_gemma4.py": 24,  # + the interpreted GPU kernel's case
     "tests/models/test_vision_qwen3_5.py": 18,  # the same run
     "tests/sharding/test_tpu_cache_rows.py": 18,  # the same run
     "tests/sharding/test_tpu_check_vision.py": 34,  # measured alone, 2026-11-29
     "tests/engine/test_mtp.py": 35,  # measured alone, 2026-11-29
     "tests/models/test_gemma4.py": 65,  # -n 2 beside other work, 2026-11-29
-    "tests/models/test_qwen3_next.py": 27,  # the full suite of 65f9054, 2026-11-29
+    "tests/models/test_qwen3_next.py": 60,  # + DP and rollout tests, beside other work
+    "tests/kernels/test_attention_both_ways.py": 32,  # beside other work, 2026-11-29
+    "tests/kernels/test_gpu_attention_blocks.py": 12,  # beside other work, 2026-11-29
     "tests/models/test_block_fp8.py": 25,  # beside other work, 2026-11-29
     "tests/kernels/test_quantized_gmm.py": 45,  # beside two TPU compiles, 2026-11-29
     "tests/models/test_qwen3_next_kernels.py": 18,  # beside other work, 2026-11-29
