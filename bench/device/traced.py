@@ -9,7 +9,11 @@ function calls (``python_tracer_level=0``: they would slow the host between step
 widen the gaps it measures) and the programs' HLO. `bench.device.trace` reads it
 into the table: the plane read, device busy fraction, top kernels, host gaps, per
 phase (``prefill``, ``decode``). The trace itself is not kept (it is a temporary
-folder); its size is recorded.
+folder); its size is recorded. With async scheduling (the default on a GPU) a step's
+call dispatches the next step and returns the previous one's outputs, so a step's
+device work runs partly inside the next annotation and the run ends with one more
+call: the window's busy fraction and host gaps are what to read, the split between
+the phases is shifted by up to one step (``async_scheduling`` is recorded).
 """
 
 from __future__ import annotations
@@ -61,4 +65,6 @@ def record(llm: Any, profile: Profile) -> dict[str, Any]:
         data = trace.load(folder)
     phases = {"prefill": slice(0, 1), "decode": slice(1, None)}
     result = trace.summarize(data, PREFIX, TOP, phases)
-    return {"engine_steps": steps, "trace_mib": size / 2**20, **result}
+    scheduling = llm.engine.config.scheduler_config.async_scheduling
+    return {"engine_steps": steps, "trace_mib": size / 2**20,
+            "async_scheduling": bool(scheduling), **result}  # fmt: skip
