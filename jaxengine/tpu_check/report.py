@@ -260,13 +260,19 @@ def analyse(tpu: TpuSlice, runner: Any, host: Any, records: list) -> CheckReport
 
 
 def weights_read(params: Any) -> int:
-    """Bytes of ``params`` one device reads in a step: all but the input embedding's
-    table when the model has its own LM head (a step gathers a few of its rows)."""
-    if "lm_head" not in params:
-        return device_bytes(params)
+    """Bytes of ``params`` one device reads in a step: all but the tables a step only
+    gathers a few rows of: the input embedding's when the model has its own LM head
+    (a tied one reads it whole as the LM head), and per-layer input tables (Gemma 4's
+    ``embed_tokens_per_layer``: 4 GB at its reference shape, of which a decode reads
+    a row a token)."""
+    tied = "lm_head" not in params
     embedding = {k: v for k, v in params.items() if k == "model"}
-    table = [v for k, v in _flat(embedding) if "embed_tokens" in k]
-    return device_bytes(params) - device_bytes(table)
+    gathered = [
+        v
+        for k, v in _flat(embedding)
+        if "embed_tokens_per_layer" in k or ("embed_tokens" in k and not tied)
+    ]
+    return device_bytes(params) - device_bytes(gathered)
 
 
 def _flat(tree: Any, prefix: str = ""):

@@ -266,3 +266,19 @@ def test_state_pools_updated_in_place_and_counted():
     moved = {("f32", (384, 6144)): 2 * 256 * 6144 * 4, ("f32", (384, 8, 128, 128)): 2 * 256 << 19}
     extra = hlo.hbm_bytes(module, state_pools=moved) - hlo.hbm_bytes(module)
     assert extra == sum(moved.values())
+
+
+def test_minimum_leaves_out_the_tables_a_step_gathers_from():
+    """`weights_read`: an untied input embedding and per-layer input tables (Gemma 4)
+    are gathered a row a token, so the minimum leaves them out; a tied embedding is
+    the LM head, read whole."""
+    from jaxengine.tpu_check.report import weights_read
+
+    table = jax.ShapeDtypeStruct((1000, 16), jnp.bfloat16)  # 32,000 bytes
+    per_layer = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)  # 128,000 bytes
+    layer = jax.ShapeDtypeStruct((16, 16), jnp.bfloat16)  # 512 bytes
+    model = {"embed_tokens": {"embedding": table}, "layers_0": {"w": layer}}
+    assert weights_read({"model": model, "lm_head": {"weight": table}}) == 512 + 32_000
+    assert weights_read({"model": model}) == 32_000 + 512
+    gemma4 = {"model": {**model, "embed_tokens_per_layer": {"embedding": per_layer}}}
+    assert weights_read(gemma4) == 32_000 + 512
