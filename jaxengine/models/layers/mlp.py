@@ -201,10 +201,21 @@ def routed_experts(
     gate = expert_dot(xs, w_gate, s_gate, b_gate)  # [T*K, I]
     up = expert_dot(xs, w_up, s_up, b_up)
     h = act(gate) * up if glu is None else glu(gate, up)  # [T*K, I]
-    out = expert_dot(h, w_down, s_down, b_down)
-    row_weight = jnp.where(mine, weights.reshape(-1), 0.0)[order]
-    out = jnp.where(row_weight[:, None] != 0, out.astype(jnp.float32), 0.0) * row_weight[:, None]
-    return jnp.zeros((num_tokens, hidden), jnp.float32).at[token_of].add(out)
+    out = expert_dot(h, w_down, s_down, b_down)  # [T*K, H], sorted by expert
+    return _combine(out, order, jnp.where(mine, weights.reshape(-1), 0.0), num_tokens, k)
+
+
+def _combine(out, order, route_weight, num_tokens: int, k: int):
+    """Float32 ``[T, H]``: each token's ``k`` rows of ``out`` (sorted by expert:
+    ``order``) weighted by ``route_weight`` (``[T*K]``, token-major; 0 for routes held
+    elsewhere, whose rows are left unset by the grouped matmul, so never read). The rows
+    go back to token order by a gather and each token sums its ``k``: a scatter-add of
+    the weighted sorted rows wrote a float32 ``[T*K, H]`` product to HBM and read it
+    back on TPU (DeepSeek-V3 at 256 tokens: 0.3 GB a MoE layer)."""
+    rows = out[jnp.argsort(order)].reshape(num_tokens, k, -1)  # token-major
+    w = route_weight.reshape(num_tokens, k).astype(jnp.float32)
+    rows = jnp.where(w[..., None] != 0, rows.astype(jnp.float32), 0.0)
+    return (rows * w[..., None]).sum(axis=1)  # elementwise: no dot, so no TF32 on GPUs
 
 
 def as_stored(leaves: dict, scheme: quant.QuantScheme, inputs: int) -> Any:
