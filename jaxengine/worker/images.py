@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxengine.config import EngineConfig
@@ -23,6 +22,7 @@ from jaxengine.loader.encoder_params import (
 from jaxengine.models import image_encoder
 from jaxengine.multimodal.processor import ImageProcessor, is_multimodal
 from jaxengine.runner.encoder import EncoderRunner
+from jaxengine.worker.target import device_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +75,8 @@ def encoder_bytes(config: EngineConfig, images: ImageParts | None, dtype: Any) -
     cache's sizing leaves room for (they are placed after it). 0 without images."""
     if images is None:
         return 0
-    leaves = jax.tree_util.tree_leaves(images.params)
-    params = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
     rows = encoder_rows(config, images.processor) * images.encoder.hidden_size
-    return params + rows * np.dtype(dtype).itemsize
+    return device_bytes(images.params) + rows * np.dtype(dtype).itemsize
 
 
 def encoder_runner(
