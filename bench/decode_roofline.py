@@ -59,15 +59,20 @@ def decode_seconds(llm, prompt: list[int], tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def decode_rate(llm, prompt_len: int, tokens: int, repeats: int) -> float:
+def decode_rate(llm, prompt_len: int, tokens: int, repeats: int, seconds=None) -> float:
     """Batch-1 decode tokens/s of ``llm``: ``tokens`` over the difference between a
     generation of ``1 + tokens`` tokens and one of 1 token from the same
     ``prompt_len``-token prompt (medians of ``repeats``), so prefill, the first token
-    and the request overhead cancel."""
+    and the request overhead cancel. ``seconds(prompt, new_tokens)`` times one
+    generation of another generator (a peer: `bench.device.peer`); ``llm`` is then
+    unused."""
+    if seconds is None:
+        seconds = lambda prompt, n: decode_seconds(llm, prompt, n, 1)  # noqa: E731
     prompt = [1 + i % 100 for i in range(prompt_len)]
-    decode_seconds(llm, prompt, 2, 1)  # first call: any lazy work
-    short = decode_seconds(llm, prompt, 1, repeats)
-    long = decode_seconds(llm, prompt, 1 + tokens, repeats)
+    seconds(prompt, 1 + tokens)  # first calls: any lazy work (a compile)
+    seconds(prompt, 1)
+    short = statistics.median(seconds(prompt, 1) for _ in range(repeats))
+    long = statistics.median(seconds(prompt, 1 + tokens) for _ in range(repeats))
     return tokens / max(long - short, 1e-9)
 
 

@@ -102,13 +102,10 @@ def _default_dtype(dtype: Any):
 
 
 def decode(peer: Peer, profile: Profile, engine_tok_s: float | None) -> dict[str, Any]:
-    prompt = [1 + i % 100 for i in range(profile.prompt_len)]  # the engine's decode prompt
-    n = profile.decode_tokens
-    peer.seconds(prompt, 1 + n)  # warm-up: compiles the decoding step (CUDA)
-    peer.seconds(prompt, 1)
-    long = statistics.median(peer.seconds(prompt, 1 + n) for _ in range(profile.repeats))
-    short = statistics.median(peer.seconds(prompt, 1) for _ in range(profile.repeats))
-    tok_s = n / max(long - short, 1e-9)
+    from bench.decode_roofline import decode_rate
+
+    p = profile  # the engine's method and prompt; the warm-up compiles the step (CUDA)
+    tok_s = decode_rate(None, p.prompt_len, p.decode_tokens, p.repeats, peer.seconds)
     ratio = engine_tok_s / tok_s if engine_tok_s else None
     return {"tok_s": tok_s, "ms_per_token": 1000 / tok_s, "engine_over_peer": ratio}
 
